@@ -1,0 +1,58 @@
+# bertjax: `make pretrain` and `make test` do all the set-up they need on a fresh machine.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+CONFIG ?= configs/demo.py
+WORKDIR ?= workdirs/$(basename $(notdir $(CONFIG)))
+ARGS ?=
+TASK ?= glue/sst2
+INIT ?=
+FT_CONFIG ?= configs/glue.py
+PYTEST_ARGS ?=
+# Accelerator-specific JAX build: tpu on TPU VMs, cuda on NVIDIA boxes, cpu elsewhere.
+JAX_EXTRA ?= $(shell if ls /dev/accel* /dev/vfio/* >/dev/null 2>&1; then echo tpu; \
+	elif command -v nvidia-smi >/dev/null 2>&1; then echo cuda; else echo cpu; fi)
+
+.PHONY: install install-test pretrain finetune test test-fast bench lint format clean
+
+$(BIN)/.installed: setup.cfg pyproject.toml
+	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "bertjax needs Python 3.11+")'
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e ".[$(JAX_EXTRA)]"
+	touch $@
+
+$(BIN)/.installed-test: $(BIN)/.installed
+	$(BIN)/python -m pip install -q -e ".[$(JAX_EXTRA),test]"
+	touch $@
+
+install: $(BIN)/.installed
+
+install-test: $(BIN)/.installed-test
+
+pretrain: install
+	$(BIN)/bertjax pretrain --config=$(CONFIG) --workdir=$(WORKDIR) $(ARGS)
+
+finetune: install
+	$(BIN)/bertjax finetune --config=$(FT_CONFIG) --config.task=$(TASK) \
+		--config.init_checkpoint=$(INIT) --workdir=workdirs/finetune/$(subst /,_,$(TASK)) $(ARGS)
+
+test: install-test
+	$(BIN)/ruff check bertjax tests configs
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS) tests
+
+test-fast: install-test
+	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS) tests
+
+bench: install
+	$(BIN)/bertjax bench $(ARGS)
+
+lint: install-test
+	$(BIN)/ruff check bertjax tests configs
+	$(BIN)/ruff format --check bertjax tests configs
+
+format: install-test
+	$(BIN)/ruff format bertjax tests configs
+
+clean:
+	rm -rf $(VENV) workdirs *.egg-info

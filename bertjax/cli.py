@@ -1,0 +1,121 @@
+"""The ``bertjax`` command: a thin dispatcher to library functions.
+
+``bertjax pretrain --config=configs/demo.py --workdir=DIR [--config.key=value ...]`` and
+``bertjax finetune ...`` parse absl flags with ml_collections config files (locked: an unknown
+``--config.`` key is an error); the other subcommands own their argparse flags.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import sys
+
+COMMANDS = {
+    "pretrain": ("bertjax.cli:train_command", "pretrain BERT (MLM + NSP) from a config"),
+    "finetune": ("bertjax.cli:train_command", "fine-tune on GLUE/SQuAD/NER/SWAG from a config"),
+    "compile": ("bertjax.cli:train_command", "compile the train step; print per-device memory"),
+    "prepare": ("bertjax.data.prepare:main", "turn a corpus into pretraining TFRecords"),
+    "vocab": ("bertjax.vocab:main", "train a WordPiece or SentencePiece vocabulary"),
+    "plot": ("bertjax.plot:main", "write a PNG of a run's metric curves"),
+    "evaluate": ("bertjax.evaluate:main", "official SQuAD / GLUE metrics of a predictions file"),
+    "convert": ("bertjax.convert:main", "convert checkpoints between HF, TF and bertjax"),
+    "extract-features": ("bertjax.extract_features:main", "per-token vectors of chosen layers"),
+    "bench": ("bertjax.bench:main", "measure step time, tokens/s, MFU, memory, input speed"),
+}
+
+
+def _usage() -> str:
+    lines = ["usage: bertjax COMMAND [flags]", "", "commands:"]
+    lines += [f"  {name:<17} {help_}" for name, (_, help_) in COMMANDS.items()]
+    lines += ["", "`bertjax COMMAND --help` lists a command's flags."]
+    return "\n".join(lines)
+
+
+def setup_logging() -> None:
+    """Human-readable progress lines on stdout from the ``bertjax`` logger (process 0 only)."""
+    logger = logging.getLogger("bertjax")
+    if logger.handlers:
+        return
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+
+
+def _add_config_root_to_path(argv: list[str]) -> None:
+    """Config files import their base as ``configs.base``: put the folder above configs/ on sys.path."""
+    for i, arg in enumerate(argv):
+        path = None
+        if arg.startswith("--config="):
+            path = arg.split("=", 1)[1]
+        elif arg == "--config" and i + 1 < len(argv):
+            path = argv[i + 1]
+        if path:
+            root = os.path.dirname(os.path.dirname(os.path.abspath(path.split(":")[0])))
+            if root not in sys.path:
+                sys.path.insert(0, root)
+
+
+def train_command(argv: list[str], command: str) -> None:
+    """pretrain / finetune / compile: absl flags, a locked config file, then the library call."""
+    from absl import app, flags
+    from ml_collections import config_flags
+
+    from bertjax import distributed
+
+    _add_config_root_to_path(argv)
+    config_flag = config_flags.DEFINE_config_file(
+        "config", None, "experiment config file (configs/*.py)", lock_config=True
+    )
+    flags.DEFINE_string("workdir", None, "run directory: checkpoints, metrics, data")
+    flags.DEFINE_bool("dry_run", False, "only compile the train step and print its memory")
+    distributed.define_flags()
+    flags.mark_flags_as_required(["config", "workdir"])
+
+    def run(_):
+        setup_logging()
+        distributed.initialize_from_flags()
+        from bertjax import train
+
+        config, workdir = config_flag.value, flags.FLAGS.workdir
+        if command == "compile" or flags.FLAGS.dry_run:
+            import json
+
+            print(json.dumps(train.compile_train_step(config, workdir), indent=2))
+            return
+        if command == "finetune" and config.task == "pretrain":
+            raise app.UsageError("finetune needs --config.task=<a fine-tuning task>")
+        try:
+            result = train.train_and_evaluate(config, workdir)
+        except train.PreemptionRequested as stopped:
+            logging.getLogger("bertjax").warning("%s", stopped)
+            sys.exit(0)
+        logging.getLogger("bertjax").info("done: %s", result.get("eval") or result.get("train"))
+
+    app.run(run, argv=[f"bertjax {command}", *argv])
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv if argv is None else argv)
+    if len(argv) < 2 or argv[1] in ("-h", "--help", "help"):
+        print(_usage())
+        sys.exit(0 if len(argv) >= 2 else 2)
+    command, rest = argv[1], argv[2:]
+    if command not in COMMANDS:
+        print(f"bertjax: unknown command {command!r}\n\n{_usage()}", file=sys.stderr)
+        sys.exit(2)
+    target = COMMANDS[command][0]
+    module_name, func_name = target.split(":")
+    func = getattr(importlib.import_module(module_name), func_name)
+    if func is train_command:
+        func(rest, command)
+    else:
+        setup_logging()
+        func(rest)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Pretraining data: corpus readers, instance creation (`bertjax prepare`) and masked-LM masking."""

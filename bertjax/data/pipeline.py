@@ -1,0 +1,542 @@
+"""Input pipelines with exact, resumable positions.
+
+`pretraining_dataset` turns prepared TFRecord shards (see `bertjax/data/prepare.py`) into batches of
+int32/float32 tensors for masked-LM (+ NSP) pretraining; `PretrainingData` wraps it as the host-side
+iterator the trainer checkpoints. `ArrayData` offers the same iterator/state/restore interface over
+in-memory NumPy features (fine-tuning tasks), including a single padded pass for evaluation.
+
+Order and resume. A host reads only its own shards (`host_shards`) and sees one stream of records
+made of consecutive epochs. Epoch `e` lists the host's files in an order seeded by
+(seed, e, process_index), interleaves them deterministically, and shuffles the records in blocks of
+`shuffle_buffer`, each block permuted by a stateless seed from (seed, e, process_index, block).
+Batches are cut from this stream, so a batch may span an epoch boundary and no example is dropped
+between epochs. A position is `start_batch * per_host_batch_size` records into the stream, i.e.
+(epoch, example_in_epoch) = divmod(position, examples_per_host_epoch): whole epochs are skipped
+arithmetically and the remainder is skipped on raw records (whole shuffle blocks before shuffling),
+before any parsing or masking. Nothing depends on TF's global seed, so two processes built with the
+same arguments yield identical batches.
+"""
+
+import json
+import math
+import re
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+from absl import logging
+
+METADATA_FILE = "metadata.json"
+_REQUIRED_METADATA = ("max_seq_length", "max_predictions_per_seq", "masking", "nsp")
+_SHARD_RE = re.compile(r"^(?P<split>[\w.-]+)-(?P<index>\d{5})-of-(?P<count>\d{5})\.tfrecord$")
+# Tags keep the stateless streams of different purposes apart.
+_TAG_FILE_ORDER, _TAG_BLOCK_SHUFFLE, _TAG_MASK = 1, 2, 3
+_MAX_CYCLE_LENGTH = 16
+_MASKED_KEYS = ("input_ids", "masked_lm_positions", "masked_lm_ids", "masked_lm_weights")
+_DYNAMIC_MASKING_KEYS = (
+    "vocab_size",
+    "mask_id",
+    "special_ids",
+    "word_start",
+    "masked_lm_prob",
+    "max_predictions_per_seq",
+    "whole_word",
+)
+
+_accelerators_hidden = False
+
+
+def hide_accelerators_from_tf() -> None:
+    """Makes TF see only the CPU, so that tf.data never allocates GPU/TPU memory meant for JAX."""
+    global _accelerators_hidden
+    if _accelerators_hidden:
+        return
+    for kind in ("GPU", "TPU"):
+        try:
+            tf.config.set_visible_devices([], kind)
+        except RuntimeError as err:  # TF already initialised its devices: too late to hide them.
+            if tf.config.get_visible_devices(kind):
+                logging.warning("TF already sees %s devices and may use them: %s", kind, err)
+    _accelerators_hidden = True
+
+
+def read_metadata(data_dir: str) -> dict:
+    """Reads `{data_dir}/metadata.json` written by prepare.py; one-line ValueError if missing or bad."""
+    path = f"{str(data_dir).rstrip('/')}/{METADATA_FILE}"
+    if not tf.io.gfile.exists(path):
+        raise ValueError(f"{path}: metadata file not found (is {data_dir} a prepared data dir?)")
+    with tf.io.gfile.GFile(path, "r") as f:
+        text = f.read()
+    try:
+        meta = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path}:{err.lineno}: invalid JSON: {err.msg}") from None
+    if not isinstance(meta, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(meta).__name__}")
+    missing = [k for k in _REQUIRED_METADATA if k not in meta]
+    if missing:
+        raise ValueError(f"{path}: missing key(s) {missing}")
+    if meta["masking"] not in ("static", "dynamic"):
+        raise ValueError(
+            f"{path}: key 'masking' must be 'static' or 'dynamic', got {meta['masking']!r}"
+        )
+    return meta
+
+
+def list_shards(data_dir: str, split: str) -> list[str]:
+    """Sorted paths of `{split}-{i:05d}-of-{n:05d}.tfrecord` in data_dir; error if none or incomplete."""
+    pattern = f"{str(data_dir).rstrip('/')}/{split}-*-of-*.tfrecord"
+    paths = sorted(tf.io.gfile.glob(pattern))
+    if not paths:
+        raise ValueError(f"{pattern}: no shards for split {split!r}")
+    counts = {int(_SHARD_RE.match(p.rsplit("/", 1)[-1])["count"]) for p in paths}
+    if len(counts) != 1 or len(paths) != counts.pop():
+        raise ValueError(f"{pattern}: found {len(paths)} shards whose '-of-' counts disagree")
+    return paths
+
+
+def host_shards(shards: Sequence[str], process_index: int, process_count: int) -> list[str]:
+    """The shards host `process_index` reads: every `process_count`-th, starting at its index."""
+    if not 0 <= process_index < process_count:
+        raise ValueError(f"process_index {process_index} not in [0, {process_count})")
+    if len(shards) < process_count:
+        raise ValueError(
+            f"{len(shards)} shard(s) for {process_count} hosts: prepare at least one shard per host"
+        )
+    return list(shards[process_index::process_count])
+
+
+def shard_example_counts(metadata: Mapping[str, Any], shards: Sequence[str]) -> list[int]:
+    """Example count of each shard, from metadata['shards'] (a {file name: count} mapping)."""
+    table = metadata.get("shards")
+    if not isinstance(table, Mapping):
+        raise ValueError(
+            f"{METADATA_FILE}: key 'shards' must map shard file names to example counts"
+        )
+    counts = []
+    for path in shards:
+        name = path.rsplit("/", 1)[-1]
+        if name not in table:
+            raise ValueError(f"{METADATA_FILE}: key 'shards' has no example count for {name}")
+        counts.append(int(table[name]))
+    return counts
+
+
+def _stateless_seed(seed: int, tag: int, *values) -> tf.Tensor:
+    """A [2] int64 stateless seed folding (seed, tag, *values) together."""
+    key = tf.constant([seed, tag], tf.int64)
+    for value in values:
+        key = tf.random.experimental.stateless_fold_in(key, tf.cast(value, tf.int64))
+    return key
+
+
+def _feature_spec(meta: Mapping[str, Any], with_masks: bool) -> dict:
+    seq, pred = int(meta["max_seq_length"]), int(meta["max_predictions_per_seq"])
+    spec = {
+        name: tf.io.FixedLenFeature([seq], tf.int64)
+        for name in ("input_ids", "input_mask", "segment_ids")
+    }
+    nsp_default = None if meta["nsp"] else [0]
+    spec["next_sentence_labels"] = tf.io.FixedLenFeature([1], tf.int64, default_value=nsp_default)
+    if with_masks:
+        spec["masked_lm_positions"] = tf.io.FixedLenFeature([pred], tf.int64)
+        spec["masked_lm_ids"] = tf.io.FixedLenFeature([pred], tf.int64)
+        spec["masked_lm_weights"] = tf.io.FixedLenFeature([pred], tf.float32)
+    return spec
+
+
+def _check_dynamic_masking(cfg: Mapping[str, Any], meta: Mapping[str, Any]) -> dict:
+    missing = [k for k in _DYNAMIC_MASKING_KEYS if k not in cfg]
+    if missing:
+        raise ValueError(f"dynamic_masking: missing key(s) {missing}")
+    cfg = dict(cfg)
+    cfg["word_start"] = np.asarray(cfg["word_start"], bool)
+    if cfg["word_start"].shape != (int(cfg["vocab_size"]),):
+        raise ValueError(
+            f"dynamic_masking: 'word_start' has shape {cfg['word_start'].shape}, "
+            f"expected ({cfg['vocab_size']},)"
+        )
+    if int(cfg["max_predictions_per_seq"]) != int(meta["max_predictions_per_seq"]):
+        logging.info(
+            "dynamic masking uses max_predictions_per_seq=%s", cfg["max_predictions_per_seq"]
+        )
+    return cfg
+
+
+def _mask_batch(features: dict, epochs, indices, *, seed: int, process_index: int, cfg) -> dict:
+    """Masks every row of a parsed batch with a seed from (seed, epoch, process_index, index)."""
+    from bertjax.data import masking  # Imported here: only dynamic masking needs it.
+
+    word_start = tf.constant(cfg["word_start"])  # [vocab] bool
+    pred = int(cfg["max_predictions_per_seq"])
+    special_ids = sorted(int(i) for i in cfg["special_ids"])
+
+    def mask_one(args):
+        input_ids, input_mask, epoch, index = args  # [seq], [seq], [], []
+        out = masking.tf_mask_tokens(
+            input_ids,
+            input_mask,
+            _stateless_seed(seed, _TAG_MASK, epoch, process_index, index),
+            word_start,
+            vocab_size=int(cfg["vocab_size"]),
+            mask_id=int(cfg["mask_id"]),
+            special_ids=special_ids,
+            masked_lm_prob=float(cfg["masked_lm_prob"]),
+            max_predictions_per_seq=pred,
+            whole_word=bool(cfg["whole_word"]),
+        )
+        return {k: out[k] for k in _MASKED_KEYS}
+
+    masked = tf.map_fn(
+        mask_one,
+        (features["input_ids"], features["input_mask"], epochs, indices),
+        fn_output_signature={
+            "input_ids": tf.TensorSpec(features["input_ids"].shape[1:], tf.int32),
+            "masked_lm_positions": tf.TensorSpec([pred], tf.int32),
+            "masked_lm_ids": tf.TensorSpec([pred], tf.int32),
+            "masked_lm_weights": tf.TensorSpec([pred], tf.float32),
+        },
+    )
+    return {**features, **masked}
+
+
+def pretraining_dataset(
+    data_dir: str,
+    split: str,
+    per_host_batch_size: int,
+    *,
+    seed: int,
+    process_index: int = 0,
+    process_count: int = 1,
+    start_batch: int = 0,
+    repeat: bool = True,
+    shuffle: bool = True,
+    shuffle_buffer: int = 10_000,
+    dynamic_masking: Mapping[str, Any] | None = None,
+    drop_remainder: bool = True,
+) -> tf.data.Dataset:
+    """Batches of pretraining examples for one host, starting after `start_batch` batches.
+
+    Yields dicts: input_ids, input_mask, segment_ids [b, seq] int32; masked_lm_positions,
+    masked_lm_ids [b, max_pred] int32; masked_lm_weights [b, max_pred] float32;
+    next_sentence_labels [b] int32 (0 when the data has no NSP). The order is a pure function of
+    (data, seed, process_index, process_count, per_host_batch_size, shuffle, shuffle_buffer); see
+    the module docstring. `dynamic_masking` (keys: vocab_size, mask_id, special_ids, word_start,
+    masked_lm_prob, max_predictions_per_seq, whole_word) re-masks every example with a stateless
+    seed from (seed, epoch, process_index, index in epoch): fresh masks each epoch, identical ones
+    after a resume. `repeat=False` yields a single epoch (epoch 0).
+    """
+    hide_accelerators_from_tf()
+    if per_host_batch_size <= 0 or start_batch < 0 or shuffle_buffer <= 0:
+        raise ValueError(
+            f"need per_host_batch_size > 0, start_batch >= 0, shuffle_buffer > 0; got "
+            f"{per_host_batch_size}, {start_batch}, {shuffle_buffer}"
+        )
+    meta = read_metadata(data_dir)
+    files = host_shards(list_shards(data_dir, split), process_index, process_count)
+    epoch_examples = sum(shard_example_counts(meta, files))
+    if epoch_examples == 0:
+        raise ValueError(f"{data_dir}: host {process_index} has 0 {split} examples in {files}")
+    if dynamic_masking is None and meta["masking"] != "static":
+        raise ValueError(
+            f"{data_dir}/{METADATA_FILE}: masking is {meta['masking']!r}: records carry no masks, "
+            "pass dynamic_masking"
+        )
+    mask_cfg = None if dynamic_masking is None else _check_dynamic_masking(dynamic_masking, meta)
+
+    first_epoch, first_offset = divmod(start_batch * per_host_batch_size, epoch_examples)
+    end_epoch = np.iinfo(np.int64).max if repeat else 1
+    cycle_length = min(len(files), _MAX_CYCLE_LENGTH)
+    block = int(shuffle_buffer)
+
+    def epoch_records(epoch: tf.Tensor) -> tf.data.Dataset:
+        """(epoch, index in epoch, serialized record), starting at the resume offset."""
+        skip = tf.where(
+            epoch == first_epoch, tf.constant(first_offset, tf.int64), tf.constant(0, tf.int64)
+        )
+        names = tf.constant(files)
+        if shuffle:
+            names = tf.random.experimental.stateless_shuffle(
+                names, seed=_stateless_seed(seed, _TAG_FILE_ORDER, epoch, process_index)
+            )
+        records = tf.data.Dataset.from_tensor_slices(names).interleave(
+            tf.data.TFRecordDataset,
+            cycle_length=cycle_length,
+            block_length=1,
+            num_parallel_calls=tf.data.AUTOTUNE,
+            deterministic=True,
+        )
+        if shuffle:
+            first_block = skip // block
+            blocks = tf.data.Dataset.zip(
+                tf.data.Dataset.range(first_block, np.iinfo(np.int64).max),
+                records.skip(first_block * block).batch(block),
+            )
+            records = blocks.map(
+                lambda b, recs: tf.random.experimental.stateless_shuffle(
+                    recs, seed=_stateless_seed(seed, _TAG_BLOCK_SHUFFLE, epoch, process_index, b)
+                )
+            ).unbatch()
+            records = records.skip(skip - first_block * block)
+        else:
+            records = records.skip(skip)
+        return tf.data.Dataset.zip(
+            tf.data.Dataset.from_tensors(epoch).repeat(),
+            tf.data.Dataset.range(skip, np.iinfo(np.int64).max),
+            records,
+        )
+
+    spec = _feature_spec(meta, with_masks=mask_cfg is None)
+
+    def parse(epochs, indices, serialized):
+        raw = tf.io.parse_example(serialized, spec)
+        features = {
+            k: tf.cast(v, tf.float32 if v.dtype == tf.float32 else tf.int32) for k, v in raw.items()
+        }
+        features["next_sentence_labels"] = features["next_sentence_labels"][:, 0]  # [b]
+        if mask_cfg is not None:
+            features = _mask_batch(
+                features, epochs, indices, seed=seed, process_index=process_index, cfg=mask_cfg
+            )
+        return features
+
+    ds = tf.data.Dataset.range(first_epoch, end_epoch).flat_map(epoch_records)
+    ds = ds.batch(per_host_batch_size, drop_remainder=drop_remainder)
+    ds = ds.map(parse, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+    options = tf.data.Options()
+    options.deterministic = True
+    return ds.with_options(options).prefetch(tf.data.AUTOTUNE)
+
+
+def _to_numpy(batch: Mapping[str, tf.Tensor]) -> dict[str, np.ndarray]:
+    return {k: v.numpy() for k, v in batch.items()}
+
+
+class PretrainingData:
+    """The trainer's host-side iterator over `pretraining_dataset`, with a checkpointable position.
+
+    `state()` is a small JSON-able dict, identical on every host except 'process_index' (which
+    `restore` ignores), so saving it from one host is enough. Restoring with the same
+    process_count and per_host_batch_size is exact: the next batch equals the one an uninterrupted
+    run would yield. With a different process_count (or per-host batch size) the position is mapped
+    by GLOBAL examples consumed, n * old_per_host * old_process_count, rounded down to a whole new
+    global batch: the global example count (hence the learning-rate schedule and the fraction of
+    the data seen) carries over exactly up to that rounding, but the order is NOT that of either
+    run, because shards move between hosts and each host's epochs are seeded by its index and
+    cover its own shards: within the current epoch some examples are repeated and others skipped,
+    and the epoch number of each host is approximate (hosts hold different example counts).
+    """
+
+    def __init__(
+        self,
+        data_dir: str,
+        split: str,
+        per_host_batch_size: int,
+        *,
+        seed: int,
+        process_index: int,
+        process_count: int,
+        dynamic_masking: Mapping[str, Any] | None = None,
+        repeat: bool = True,
+        shuffle: bool = True,
+        shuffle_buffer: int = 10_000,
+    ):
+        self._args = dict(
+            data_dir=data_dir,
+            split=split,
+            per_host_batch_size=per_host_batch_size,
+            seed=seed,
+            process_index=process_index,
+            process_count=process_count,
+            dynamic_masking=dynamic_masking,
+            repeat=repeat,
+            shuffle=shuffle,
+            shuffle_buffer=shuffle_buffer,
+        )
+        files = host_shards(list_shards(data_dir, split), process_index, process_count)
+        self._epoch_examples = sum(shard_example_counts(read_metadata(data_dir), files))
+        self._batches_consumed = 0
+        self._iterator: Iterator | None = None
+
+    def __iter__(self) -> "PretrainingData":
+        return self
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        if self._iterator is None:
+            self._iterator = iter(
+                pretraining_dataset(**self._args, start_batch=self._batches_consumed)
+            )
+        batch = next(self._iterator)
+        self._batches_consumed += 1
+        return _to_numpy(batch)
+
+    def state(self) -> dict:
+        """JSON-able position: batches consumed plus what is needed to check or remap it."""
+        a = self._args
+        examples = self._batches_consumed * a["per_host_batch_size"]
+        epoch, example_in_epoch = divmod(examples, self._epoch_examples)
+        return {
+            "batches_consumed": self._batches_consumed,
+            "seed": a["seed"],
+            "split": a["split"],
+            "per_host_batch_size": a["per_host_batch_size"],
+            "process_index": a["process_index"],
+            "process_count": a["process_count"],
+            "shuffle": a["shuffle"],
+            "shuffle_buffer": a["shuffle_buffer"],
+            "dynamic_masking": a["dynamic_masking"] is not None,
+            "global_examples_consumed": examples * a["process_count"],
+            "epoch": epoch,  # of this host; informational
+            "example_in_epoch": example_in_epoch,  # of this host; informational
+        }
+
+    def restore(self, state: Mapping[str, Any]) -> None:
+        """Continues from `state` (see the class docstring for what is exact when hosts change)."""
+        a = self._args
+        for key in ("batches_consumed", "seed", "split", "per_host_batch_size", "process_count"):
+            if key not in state:
+                raise ValueError(f"data iterator state: missing key {key!r}")
+        for key in ("seed", "split", "shuffle", "shuffle_buffer", "dynamic_masking"):
+            ours = a[key] if key != "dynamic_masking" else a[key] is not None
+            if key in state and state[key] != ours:
+                raise ValueError(
+                    f"data iterator state: {key}={state[key]!r} but this iterator has {ours!r}"
+                )
+        batches = int(state["batches_consumed"])
+        old_global = int(state["per_host_batch_size"]) * int(state["process_count"])
+        new_global = a["per_host_batch_size"] * a["process_count"]
+        if old_global != new_global or int(state["process_count"]) != a["process_count"]:
+            global_examples = batches * old_global
+            batches = global_examples // new_global
+            logging.info(
+                "data: remapped %d global examples (%d hosts) to %d batches on %d hosts",
+                global_examples,
+                state["process_count"],
+                batches,
+                a["process_count"],
+            )
+        self._batches_consumed = batches
+        self._iterator = None  # Rebuilt lazily at the next __next__.
+
+
+class ArrayData:
+    """Batches from in-memory NumPy features [num_examples, ...] with an exact, resumable position.
+
+    Every host holds all features and takes its slice of each GLOBAL batch of
+    per_host_batch_size * process_count examples, so the global batches (and the position, counted
+    in global examples) are independent of the host count: `restore` is exact even when
+    process_count or the per-host batch size changed. Training (`repeat=True`) reads an endless
+    stream of epochs, each a permutation seeded by (seed, epoch) when `shuffle`; batches may span
+    epoch boundaries. `repeat=False` is a single pass in which the last global batch is padded with
+    copies of example 0. Every batch carries a float32 `mask` [b]: 1 for real examples, 0 for
+    padding, so an evaluation weighted by `mask` sees every example exactly once.
+    """
+
+    def __init__(
+        self,
+        features: Mapping[str, np.ndarray],
+        per_host_batch_size: int,
+        *,
+        seed: int,
+        process_index: int = 0,
+        process_count: int = 1,
+        shuffle: bool = True,
+        repeat: bool = True,
+    ):
+        if not features:
+            raise ValueError("ArrayData: no features")
+        if "mask" in features:
+            raise ValueError("ArrayData: feature name 'mask' is reserved for the padding mask")
+        self._features = {k: np.asarray(v) for k, v in features.items()}
+        sizes = {k: (v.shape[0] if v.ndim else None) for k, v in self._features.items()}
+        self._num = next(iter(sizes.values()))
+        for key, size in sizes.items():
+            if size is None or size != self._num:
+                raise ValueError(
+                    f"ArrayData: feature {key!r} has {size} examples, expected {self._num} as in the first one"
+                )
+        if not self._num:
+            raise ValueError("ArrayData: features hold 0 examples")
+        if not 0 <= process_index < process_count or per_host_batch_size <= 0:
+            raise ValueError(
+                f"ArrayData: bad process_index {process_index} / process_count {process_count} "
+                f"/ per_host_batch_size {per_host_batch_size}"
+            )
+        self._per_host, self._seed = per_host_batch_size, seed
+        self._index, self._count = process_index, process_count
+        self._shuffle, self._repeat = shuffle, repeat
+        self._examples_consumed = 0  # global stream position
+        self._batches_consumed = 0
+        self._perm_cache: dict[int, np.ndarray] = {}
+
+    @property
+    def num_examples(self) -> int:
+        """Examples in one epoch."""
+        return self._num
+
+    def num_batches(self) -> int | None:
+        """Batches in the single pass (`repeat=False`); None when the stream is endless."""
+        if self._repeat:
+            return None
+        return math.ceil(self._num / (self._per_host * self._count))
+
+    def _order(self, epoch: int) -> np.ndarray:
+        if not self._shuffle:
+            return np.arange(self._num)
+        if epoch not in self._perm_cache:
+            if len(self._perm_cache) > 2:
+                self._perm_cache.pop(min(self._perm_cache))
+            rng = np.random.default_rng([self._seed, epoch])
+            self._perm_cache[epoch] = rng.permutation(self._num)
+        return self._perm_cache[epoch]
+
+    def __iter__(self) -> "ArrayData":
+        return self
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        start = self._examples_consumed
+        if not self._repeat and start >= self._num:
+            raise StopIteration
+        global_batch = self._per_host * self._count
+        positions = start + self._index * self._per_host + np.arange(self._per_host)  # [b]
+        epochs, offsets = np.divmod(positions, self._num)
+        real = np.ones(self._per_host, bool) if self._repeat else positions < self._num
+        rows = np.zeros(self._per_host, np.int64)
+        for epoch in np.unique(epochs[real]):
+            sel = real & (epochs == epoch)
+            rows[sel] = self._order(int(epoch))[offsets[sel]]
+        batch = {k: v[rows] for k, v in self._features.items()}
+        batch["mask"] = real.astype(np.float32)
+        self._examples_consumed = start + global_batch
+        self._batches_consumed += 1
+        return batch
+
+    def state(self) -> dict:
+        """JSON-able position (global examples consumed), identical on every host."""
+        return {
+            "examples_consumed": self._examples_consumed,
+            "batches_consumed": self._batches_consumed,
+            "seed": self._seed,
+            "num_examples": self._num,
+            "shuffle": self._shuffle,
+            "per_host_batch_size": self._per_host,
+            "process_count": self._count,
+        }
+
+    def restore(self, state: Mapping[str, Any]) -> None:
+        """Continues exactly at the saved global example position (any host count or batch size)."""
+        for key in ("examples_consumed", "seed", "num_examples"):
+            if key not in state:
+                raise ValueError(f"data iterator state: missing key {key!r}")
+        for key, ours in (
+            ("seed", self._seed),
+            ("num_examples", self._num),
+            ("shuffle", self._shuffle),
+        ):
+            if key in state and state[key] != ours:
+                raise ValueError(
+                    f"data iterator state: {key}={state[key]!r} but this iterator has {ours!r}"
+                )
+        self._examples_consumed = int(state["examples_consumed"])
+        self._batches_consumed = int(state.get("batches_consumed", 0))

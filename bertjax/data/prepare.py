@@ -1,0 +1,666 @@
+"""`bertjax prepare`: the original BERT `create_pretraining_data.py`, streaming and parallel.
+
+Instances follow the original algorithm (google-research/bert): per document, a target length of
+max_seq_length - 3 (with prob short_seq_prob a random one in [2, max_seq_length - 3], drawn once per
+document as in the original); sentences are accumulated up to the target and split at a random point
+into A and B; with prob 0.5 (always when the chunk has one sentence) B is taken from a random other
+document from a random start and the unused sentences are put back; `truncate_seq_pair` trims the
+longer side from the front or back at random; the record is `[CLS] A [SEP] B [SEP]` with segment ids
+0/1. With nsp=False an instance is one segment of consecutive sentences filling max_seq_length - 2:
+`[CLS] A [SEP]`. `dupe_factor` passes over the corpus give different instances and masks.
+
+Scalable variant (documented departure from the original, which shuffles the whole corpus in memory):
+every input file (or TFDS slice) is an independent work unit with its own generators seeded by
+(seed, unit index, pass, split), and random next segments come from a sliding window of
+`random_document_buffer` documents before and after the current one in the same unit. So memory is
+flat in corpus size, and the output is byte-identical for any num_workers. Instance k of a unit goes
+to shard (k + unit index) % num_shards; a shard is the concatenation of its per-unit parts in unit
+order (TFRecord files concatenate), so shards mix all units; readers shuffle further.
+
+Held-out eval split: each document goes to "eval" with probability eval_fraction, decided by a
+generator seeded by (seed, unit index) (deterministic); eval documents pair only with eval documents.
+
+Output in output_dir:
+  {split}-{i:05d}-of-{n:05d}.tfrecord, split in (train, eval): tf.train.Example records with
+    input_ids, input_mask, segment_ids: int64 [max_seq_length] (0-padded);
+    next_sentence_labels: int64 [1] (1 = random next, 0 = real next; always 0 when nsp is false);
+    static masking only: masked_lm_positions, masked_lm_ids: int64 [max_predictions_per_seq],
+    masked_lm_weights: float [max_predictions_per_seq] (1.0 real, 0.0 padding).
+  metadata.json, written last (atomically), keys:
+    format_version, max_seq_length, max_predictions_per_seq, masked_lm_prob, masking ("static" |
+    "dynamic"), whole_word_mask, nsp, short_seq_prob, dupe_factor, seed, random_document_buffer,
+    eval_fraction, corpus_format, input (list of corpus spec entries), sources (work unit names),
+    vocab_file, vocab_size, tokenizer_kind, do_lower_case, special_ids ({pad, unk, cls, sep, mask}),
+    shards ({file name: example count} over both splits), shard_files ({split: [file names]}),
+    examples ({split: count}), documents ({split: count}), sentences, tokens, input_bytes, seconds,
+    docs_per_second, mb_per_second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import json
+import logging
+import multiprocessing
+import os
+import pickle
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import tensorflow as tf
+import tqdm
+
+from bertjax.data import corpus, masking
+
+METADATA_FILE = "metadata.json"
+FORMAT_VERSION = 1
+SPLITS = ("train", "eval")
+_EVAL_STREAM = 0x5EED_E7A1  # generator stream tag for the eval-split draws
+_SETTINGS = (
+    "format_version max_seq_length max_predictions_per_seq masked_lm_prob masking whole_word_mask nsp "
+    "short_seq_prob dupe_factor seed random_document_buffer eval_fraction corpus_format input sources "
+    "vocab_file vocab_size tokenizer_kind do_lower_case special_ids num_shards"
+).split()
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class PrepareConfig:
+    """Every option that changes the records (num_workers does not)."""
+
+    max_seq_length: int = 128
+    max_predictions_per_seq: int = 20
+    masked_lm_prob: float = 0.15
+    short_seq_prob: float = 0.1
+    dupe_factor: int = 5
+    nsp: bool = True
+    masking: str = "static"
+    whole_word_mask: bool = False
+    seed: int = 12345
+    num_shards: int = 16
+    eval_fraction: float = 0.0
+    random_document_buffer: int = 1000
+    corpus_format: str = "bert"
+
+    def validate(self) -> None:
+        """One-line ValueError naming the first bad option."""
+        checks = [
+            ("max_seq_length", self.max_seq_length >= (5 if self.nsp else 4), "too small"),
+            ("max_predictions_per_seq", self.max_predictions_per_seq >= 1, "must be >= 1"),
+            ("masked_lm_prob", 0.0 < self.masked_lm_prob < 1.0, "must be in (0, 1)"),
+            ("short_seq_prob", 0.0 <= self.short_seq_prob <= 1.0, "must be in [0, 1]"),
+            ("dupe_factor", self.dupe_factor >= 1, "must be >= 1"),
+            ("masking", self.masking in ("static", "dynamic"), "must be 'static' or 'dynamic'"),
+            ("num_shards", self.num_shards >= 1, "must be >= 1"),
+            ("eval_fraction", 0.0 <= self.eval_fraction < 1.0, "must be in [0, 1)"),
+            ("random_document_buffer", self.random_document_buffer >= 1, "must be >= 1"),
+            ("corpus_format", self.corpus_format in corpus.FORMATS, f"not in {corpus.FORMATS}"),
+        ]
+        for name, ok, why in checks:
+            if not ok:
+                raise ValueError(f"prepare option {name}={getattr(self, name)!r}: {why}")
+
+    def shard_counts(self) -> dict[str, int]:
+        """Number of shards per split (eval: about eval_fraction of num_shards, at least 1)."""
+        num_eval = max(1, round(self.num_shards * self.eval_fraction)) if self.eval_fraction else 0
+        return {"train": self.num_shards, "eval": num_eval}
+
+
+def truncate_seq_pair(tokens_a: list, tokens_b: list, max_num_tokens: int, rng) -> None:
+    """Trims the longer list (front or back at random) until both fit in max_num_tokens, in place."""
+    while len(tokens_a) + len(tokens_b) > max_num_tokens:
+        trunc = tokens_a if len(tokens_a) > len(tokens_b) else tokens_b
+        if rng.random() < 0.5:
+            del trunc[0]
+        else:
+            trunc.pop()
+
+
+def create_instances_from_document(
+    pool: Sequence[Sequence[list[int]]],
+    index: int,
+    *,
+    max_seq_length: int,
+    short_seq_prob: float,
+    nsp: bool,
+    rng: np.random.Generator,
+) -> list[tuple[list[int], list[int], bool]]:
+    """Instances (tokens_a, tokens_b, is_random_next) of document pool[index] (original algorithm).
+
+    A document is a list of non-empty token-id lists (sentences). Random next segments come from
+    pool[j], j != index (10 tries, as in the original). With nsp=False tokens_b is empty.
+    """
+    document = pool[index]
+    max_num_tokens = max_seq_length - (3 if nsp else 2)
+    target = max_num_tokens
+    if rng.random() < short_seq_prob:
+        target = int(rng.integers(2, max_num_tokens + 1))
+    instances = []
+    chunk: list[list[int]] = []
+    length = 0
+    i = 0
+    while i < len(document):
+        chunk.append(document[i])
+        length += len(document[i])
+        if i == len(document) - 1 or length >= target:
+            if not nsp:
+                tokens_a = [t for segment in chunk for t in segment]
+                truncate_seq_pair(tokens_a, [], max_num_tokens, rng)
+                instances.append((tokens_a, [], False))
+                chunk, length, i = [], 0, i + 1
+                continue
+            a_end = int(rng.integers(1, len(chunk))) if len(chunk) >= 2 else 1
+            tokens_a = [t for segment in chunk[:a_end] for t in segment]
+            tokens_b: list[int] = []
+            is_random_next = len(chunk) == 1 or rng.random() < 0.5
+            if is_random_next:
+                target_b = target - len(tokens_a)
+                for _ in range(10):
+                    other = int(rng.integers(0, len(pool)))
+                    if other != index:
+                        break
+                random_doc = pool[other]
+                for segment in random_doc[int(rng.integers(0, len(random_doc))) :]:
+                    tokens_b.extend(segment)
+                    if len(tokens_b) >= target_b:
+                        break
+                i -= len(chunk) - a_end  # put the unused segments back
+            else:
+                tokens_b = [t for segment in chunk[a_end:] for t in segment]
+            truncate_seq_pair(tokens_a, tokens_b, max_num_tokens, rng)
+            instances.append((tokens_a, tokens_b, is_random_next))
+            chunk, length = [], 0
+        i += 1
+    return instances
+
+
+def _int64_feature(values) -> tf.train.Feature:
+    return tf.train.Feature(int64_list=tf.train.Int64List(value=values))
+
+
+def instance_to_example(
+    tokens_a: list[int],
+    tokens_b: list[int],
+    is_random_next: bool,
+    *,
+    cfg: PrepareConfig,
+    consts: dict,
+    rng: np.random.Generator,
+) -> bytes:
+    """Serialized tf.train.Example of one instance (masked here when cfg.masking == "static")."""
+    seq = cfg.max_seq_length
+    ids = [consts["cls_id"], *tokens_a, consts["sep_id"]]
+    segment_ids = [0] * len(ids)
+    if tokens_b:
+        ids += [*tokens_b, consts["sep_id"]]
+        segment_ids += [1] * (len(tokens_b) + 1)
+    n = len(ids)
+    features = {}
+    if cfg.masking == "static":
+        masked = masking.create_masked_lm_predictions(
+            ids,
+            rng,
+            vocab_size=consts["vocab_size"],
+            mask_id=consts["mask_id"],
+            special_ids=consts["special_ids"],
+            masked_lm_prob=cfg.masked_lm_prob,
+            max_predictions_per_seq=cfg.max_predictions_per_seq,
+            word_start=consts["word_start"],
+        )
+        ids = masked.input_ids.tolist()
+        k, pad = len(masked.positions), cfg.max_predictions_per_seq - len(masked.positions)
+        features["masked_lm_positions"] = _int64_feature(masked.positions.tolist() + [0] * pad)
+        features["masked_lm_ids"] = _int64_feature(masked.labels.tolist() + [0] * pad)
+        features["masked_lm_weights"] = tf.train.Feature(
+            float_list=tf.train.FloatList(value=[1.0] * k + [0.0] * pad)
+        )
+    features["input_ids"] = _int64_feature(ids + [consts["pad_id"]] * (seq - n))
+    features["input_mask"] = _int64_feature([1] * n + [0] * (seq - n))
+    features["segment_ids"] = _int64_feature(segment_ids + [0] * (seq - n))
+    features["next_sentence_labels"] = _int64_feature([int(is_random_next)])
+    return tf.train.Example(features=tf.train.Features(feature=features)).SerializeToString()
+
+
+class _DocumentWindow:
+    """Feeds documents through create_instances with a bounded pool of neighbours for random next."""
+
+    def __init__(self, buffer: int, make: Callable[[Sequence, int], None]):
+        self.buffer, self.make = buffer, make
+        self.docs: collections.deque = collections.deque()
+        self.next = 0  # index in self.docs of the next document to turn into instances
+
+    def push(self, doc: list[list[int]]) -> None:
+        self.docs.append(doc)
+        while len(self.docs) - self.next > self.buffer:
+            self._step()
+
+    def finish(self) -> None:
+        while self.next < len(self.docs):
+            self._step()
+
+    def _step(self) -> None:
+        self.make(self.docs, self.next)
+        self.next += 1
+        while self.next > self.buffer:
+            self.docs.popleft()
+            self.next -= 1
+
+
+# Per-process state of a worker: the tokenizer (loaded once) and the shared progress counters.
+_WORKER: dict = {}
+
+
+def _init_worker(counters) -> None:
+    _WORKER["counters"] = counters
+
+
+def _tokenizer_for(spec):
+    if not isinstance(spec, tuple):
+        return spec  # an in-process tokenizer object
+    if _WORKER.get("tokenizer_spec") != spec:
+        from bertjax.tokenization import load_tokenizer
+
+        _WORKER["tokenizer"], _WORKER["tokenizer_spec"] = load_tokenizer(*spec), spec
+    return _WORKER["tokenizer"]
+
+
+class _Progress:
+    """Batches progress into the shared counters (docs, bytes) every ~1 MB."""
+
+    def __init__(self):
+        self.docs = self.bytes = 0
+
+    def add(self, docs: int = 0, nbytes: int = 0) -> None:
+        self.docs += docs
+        self.bytes += nbytes
+        if self.bytes >= 1 << 20 or self.docs >= 1000:
+            self.flush()
+
+    def flush(self) -> None:
+        counters = _WORKER.get("counters")
+        if counters is not None:
+            for counter, value in zip(counters, (self.docs, self.bytes)):
+                with counter.get_lock():
+                    counter.value += value
+        self.docs = self.bytes = 0
+
+
+def _tokenized_documents(source, index, cfg, tok, progress):
+    """(split, document) pairs of one unit; a document is a list of non-empty id lists."""
+    eval_rng = np.random.default_rng([cfg.seed, index, _EVAL_STREAM])
+    for doc in corpus.iter_source_documents(
+        source, cfg.corpus_format, lambda n: progress.add(0, n)
+    ):
+        progress.add(1)
+        ids = [s for s in (tok.encode(sentence) for sentence in doc) if s]
+        if not ids:
+            continue
+        split = "eval" if cfg.eval_fraction and eval_rng.random() < cfg.eval_fraction else "train"
+        yield split, ids
+
+
+def _process_source(task) -> dict:
+    """Worker: all passes over one unit, writing per-shard part files; returns counts."""
+    index, source, cfg, tok_spec, tmp_dir = task
+    tok = _tokenizer_for(tok_spec)
+    consts = {
+        "vocab_size": tok.vocab_size,
+        "mask_id": tok.mask_id,
+        "cls_id": tok.cls_id,
+        "sep_id": tok.sep_id,
+        "pad_id": tok.pad_id,
+        "special_ids": (tok.cls_id, tok.sep_id, tok.pad_id),
+        "word_start": tok.word_start_table() if cfg.whole_word_mask else None,
+    }
+    num_shards = cfg.shard_counts()
+    writers: dict = {}
+    examples = {split: collections.Counter() for split in SPLITS}
+    stats = {"documents": dict.fromkeys(SPLITS, 0), "sentences": 0, "tokens": 0}
+    written = dict.fromkeys(SPLITS, 0)
+    progress = _Progress()
+    cache_path = os.path.join(tmp_dir, f"cache-{index:06d}.pkl")
+
+    def write(split: str, record: bytes) -> None:
+        shard = (written[split] + index) % num_shards[split]
+        written[split] += 1
+        key = (split, shard)
+        if key not in writers:
+            writers[key] = tf.io.TFRecordWriter(
+                os.path.join(tmp_dir, _part_name(split, shard, index))
+            )
+        writers[key].write(record)
+        examples[split][shard] += 1
+
+    for pass_index in range(cfg.dupe_factor):
+        windows = {}
+        for split_id, split in enumerate(SPLITS):
+            rng = np.random.default_rng([cfg.seed, index, pass_index, split_id])
+
+            def make(pool, i, rng=rng, split=split):
+                for a, b, is_random in create_instances_from_document(
+                    pool,
+                    i,
+                    max_seq_length=cfg.max_seq_length,
+                    short_seq_prob=cfg.short_seq_prob,
+                    nsp=cfg.nsp,
+                    rng=rng,
+                ):
+                    write(
+                        split, instance_to_example(a, b, is_random, cfg=cfg, consts=consts, rng=rng)
+                    )
+
+            windows[split] = _DocumentWindow(cfg.random_document_buffer, make)
+        if pass_index == 0:
+            with open(cache_path, "wb") as cache:
+                for split, doc in _tokenized_documents(source, index, cfg, tok, progress):
+                    stats["documents"][split] += 1
+                    stats["sentences"] += len(doc)
+                    stats["tokens"] += sum(map(len, doc))
+                    if cfg.dupe_factor > 1:
+                        pickle.dump((split, doc), cache, protocol=pickle.HIGHEST_PROTOCOL)
+                    windows[split].push(doc)
+        else:
+            with open(cache_path, "rb") as cache:
+                while True:
+                    try:
+                        split, doc = pickle.load(cache)
+                    except EOFError:
+                        break
+                    windows[split].push(doc)
+        for window in windows.values():
+            window.finish()
+    progress.flush()
+    for writer in writers.values():
+        writer.close()
+    os.remove(cache_path)
+    return {"index": index, "examples": {s: dict(c) for s, c in examples.items()}, **stats}
+
+
+def _part_name(split: str, shard: int, index: int) -> str:
+    return f"{split}-{shard:05d}.part-{index:06d}"
+
+
+def _shard_name(split: str, shard: int, count: int) -> str:
+    return f"{split}-{shard:05d}-of-{count:05d}.tfrecord"
+
+
+def _join(directory: str, name: str) -> str:
+    return f"{directory.rstrip('/')}/{name}"
+
+
+def _write_atomic(path: str, data: bytes) -> None:
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with tf.io.gfile.GFile(tmp, "wb") as f:
+        f.write(data)
+    tf.io.gfile.rename(tmp, path, overwrite=True)
+
+
+def read_metadata(output_dir: str) -> dict | None:
+    """The metadata.json of a prepared dir, or None when there is none."""
+    path = _join(output_dir, METADATA_FILE)
+    if not tf.io.gfile.exists(path):
+        return None
+    with tf.io.gfile.GFile(path, "r") as f:
+        try:
+            return json.load(f)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}:{err.lineno}: invalid JSON ({err.msg}); delete it") from None
+
+
+def _run_units(tasks: list, num_workers: int, total_bytes: int | None, show_progress: bool) -> list:
+    """Runs _process_source over the units (in-process or on a spawn pool) with a tqdm bar."""
+    ctx = multiprocessing.get_context("spawn")
+    counters = (ctx.Value("q", 0), ctx.Value("q", 0))  # documents read, bytes read
+    bar = tqdm.tqdm(
+        total=total_bytes,
+        unit="B",
+        unit_scale=True,
+        disable=not show_progress,
+        desc="prepare",
+        smoothing=0.1,
+    )
+    start = time.time()
+
+    def update():
+        bar.n = counters[1].value
+        rate = counters[0].value / max(time.time() - start, 1e-9)
+        bar.set_postfix_str(f"{counters[0].value} docs, {rate:.0f} docs/s", refresh=True)
+
+    try:
+        if num_workers <= 1:
+            _init_worker(counters)
+            results = []
+            for task in tasks:
+                results.append(_process_source(task))
+                update()
+            _WORKER.pop("counters", None)
+            return results
+        with ctx.Pool(num_workers, initializer=_init_worker, initargs=(counters,)) as pool:
+            pending = pool.map_async(_process_source, tasks, chunksize=1)
+            while not pending.ready():
+                pending.wait(0.5)
+                update()
+            results = pending.get()
+            update()
+            return results
+    finally:
+        bar.close()
+
+
+def _settings(cfg: PrepareConfig, entries: list[str], sources: list, tok) -> dict:
+    return {
+        "format_version": FORMAT_VERSION,
+        **{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)},
+        "input": entries,
+        "sources": [s.name for s in sources],
+        "vocab_file": str(tok.vocab_file),
+        "vocab_size": int(tok.vocab_size),
+        "tokenizer_kind": tok.kind,
+        "do_lower_case": bool(tok.do_lower_case),
+        "special_ids": {
+            k: int(getattr(tok, f"{k}_id")) for k in ("pad", "unk", "cls", "sep", "mask")
+        },
+    }
+
+
+def prepare(
+    input_spec: str | Sequence[str],
+    output_dir: str,
+    tokenizer,
+    *,
+    corpus_format: str = "bert",
+    max_seq_length: int = 128,
+    max_predictions_per_seq: int = 20,
+    masked_lm_prob: float = 0.15,
+    short_seq_prob: float = 0.1,
+    dupe_factor: int = 5,
+    nsp: bool = True,
+    masking: str = "static",
+    whole_word_mask: bool = False,
+    seed: int = 12345,
+    num_shards: int = 16,
+    eval_fraction: float = 0.0,
+    random_document_buffer: int = 1000,
+    num_workers: int | None = None,
+    tfds_data_dir: str | None = None,
+    show_progress: bool = True,
+) -> dict:
+    """Turns a corpus into pretraining TFRecord shards + metadata.json; returns the metadata.
+
+    `tokenizer` is a `bertjax.tokenization` tokenizer (workers reload it from its vocab_file). When
+    output_dir already holds a metadata.json for the same settings the work is skipped; for other
+    settings it is an error. Options are described in the module docstring.
+    """
+    cfg = PrepareConfig(
+        max_seq_length, max_predictions_per_seq, masked_lm_prob, short_seq_prob, dupe_factor, nsp,
+        masking, whole_word_mask, seed, num_shards, eval_fraction, random_document_buffer,
+        corpus_format,
+    )  # fmt: skip
+    cfg.validate()
+    entries = (
+        [e.strip() for e in input_spec.split(",")]
+        if isinstance(input_spec, str)
+        else [str(e) for e in input_spec]
+    )
+    sources = corpus.list_sources(entries, tfds_data_dir=tfds_data_dir)
+    settings = _settings(cfg, entries, sources, tokenizer)
+    output_dir = str(output_dir)
+    existing = read_metadata(output_dir)
+    if existing is not None:
+        differ = [k for k in _SETTINGS if existing.get(k) != settings[k]]
+        if differ:
+            raise ValueError(
+                f"{_join(output_dir, METADATA_FILE)} was written for other settings (differs in "
+                f"{', '.join(differ)}); use a new --output_dir or delete that one"
+            )
+        missing = [n for n in existing["shards"] if not tf.io.gfile.exists(_join(output_dir, n))]
+        if not missing:
+            log.info("%s is already prepared with these settings; skipping", output_dir)
+            return existing
+        tf.io.gfile.remove(_join(output_dir, METADATA_FILE))  # incomplete: prepare again
+    tf.io.gfile.makedirs(output_dir)
+    for split in SPLITS:  # stale shards of an interrupted run
+        for path in tf.io.gfile.glob(_join(output_dir, f"{split}-*-of-*.tfrecord")):
+            tf.io.gfile.remove(path)
+    remote = "://" in output_dir
+    tmp_dir = tempfile.mkdtemp(prefix=".prepare-tmp-", dir=None if remote else output_dir)
+    tok_spec = tokenizer
+    num_workers = min(num_workers or os.cpu_count() or 1, len(sources))
+    if num_workers > 1:
+        tok_spec = (str(tokenizer.vocab_file), bool(tokenizer.do_lower_case))
+    tasks = [(i, source, cfg, tok_spec, tmp_dir) for i, source in enumerate(sources)]
+    sizes = [tf.io.gfile.stat(s.path).length if s.kind == "file" else None for s in sources]
+    total_bytes = None if None in sizes else sum(sizes)
+    start = time.time()
+    try:
+        results = _run_units(tasks, num_workers, total_bytes, show_progress)
+        seconds = time.time() - start
+        documents = {s: sum(r["documents"][s] for r in results) for s in SPLITS}
+        _check_documents(cfg, sources, results, documents)
+        shards, shard_files, examples = _merge_parts(
+            cfg, output_dir, tmp_dir, len(sources), results
+        )
+    finally:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+    metadata = {
+        **settings,
+        "shards": shards,
+        "shard_files": shard_files,
+        "examples": examples,
+        "documents": documents,
+        "sentences": sum(r["sentences"] for r in results),
+        "tokens": sum(r["tokens"] for r in results),
+        "input_bytes": total_bytes,
+        "seconds": round(seconds, 3),
+        "docs_per_second": round(sum(documents.values()) / max(seconds, 1e-9), 1),
+        "mb_per_second": round((total_bytes or 0) / 1e6 / max(seconds, 1e-9), 3),
+    }
+    _write_atomic(_join(output_dir, METADATA_FILE), json.dumps(metadata, indent=1).encode())
+    return metadata
+
+
+def _check_documents(cfg: PrepareConfig, sources: list, results: list, documents: dict) -> None:
+    """One-line errors for a corpus that cannot make pretraining instances."""
+    names = [s.name for s in sources]
+    shown = names[0] if len(names) == 1 else f"{names[0]} (+{len(names) - 1} more)"
+    if documents["train"] == 0:
+        raise ValueError(f"corpus {shown}: no non-empty document (format {cfg.corpus_format!r})")
+    if cfg.nsp and documents["train"] < 2:
+        raise ValueError(
+            f"corpus {shown}: only 1 document; next-sentence prediction needs at least 2 "
+            "(add documents or pass nsp=False / --nsp=false)"
+        )
+    for r in results:
+        if sum(r["documents"].values()) == 0:
+            log.warning("corpus %s: no documents", sources[r["index"]].name)
+        elif cfg.nsp and r["documents"]["train"] == 1:
+            log.warning(
+                "corpus %s: a single document; its random next segments come from itself",
+                sources[r["index"]].name,
+            )
+
+
+def _merge_parts(cfg: PrepareConfig, output_dir: str, tmp_dir: str, num_units: int, results: list):
+    """Concatenates per-unit parts (in unit order) into shards, each via a temp name + rename."""
+    shards, shard_files, examples = {}, {}, {}
+    for split, count in cfg.shard_counts().items():
+        shard_files[split] = []
+        for shard in range(count):
+            name = _shard_name(split, shard, count)
+            final = _join(output_dir, name)
+            with tf.io.gfile.GFile(f"{final}.tmp", "wb") as out:
+                for index in range(num_units):
+                    part = os.path.join(tmp_dir, _part_name(split, shard, index))
+                    if os.path.exists(part):
+                        with open(part, "rb") as f:
+                            shutil.copyfileobj(f, out, 1 << 22)
+                        os.remove(part)
+            tf.io.gfile.rename(f"{final}.tmp", final, overwrite=True)
+            shards[name] = sum(r["examples"][split].get(shard, 0) for r in results)
+            shard_files[split].append(name)
+        examples[split] = sum(shards[n] for n in shard_files[split])
+    return shards, shard_files, examples
+
+
+def _bool(text: str) -> bool:
+    if text.lower() in ("1", "true", "yes"):
+        return True
+    if text.lower() in ("0", "false", "no"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true/false, got {text!r}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`bertjax prepare`: command-line front end of `prepare`."""
+    d = PrepareConfig()
+    p = argparse.ArgumentParser(prog="bertjax prepare", description=__doc__.split("\n")[0])
+    p.add_argument(
+        "--input", required=True, help="comma-separated files/globs/gs:// or tfds:NAME:SPLIT"
+    )
+    p.add_argument("--output_dir", required=True)
+    p.add_argument(
+        "--vocab", required=True, help="vocab.txt (WordPiece) or *.model (SentencePiece)"
+    )
+    p.add_argument("--do_lower_case", type=_bool, default=None, help="default: inferred from vocab")
+    p.add_argument("--format", default=d.corpus_format, choices=corpus.FORMATS)
+    p.add_argument("--tfds_data_dir", default=None)
+    for name in (
+        "max_seq_length",
+        "max_predictions_per_seq",
+        "dupe_factor",
+        "seed",
+        "num_shards",
+        "random_document_buffer",
+    ):
+        p.add_argument(f"--{name}", type=int, default=getattr(d, name))
+    for name in ("masked_lm_prob", "short_seq_prob", "eval_fraction"):
+        p.add_argument(f"--{name}", type=float, default=getattr(d, name))
+    p.add_argument("--nsp", type=_bool, default=d.nsp)
+    p.add_argument("--whole_word_mask", type=_bool, default=d.whole_word_mask)
+    p.add_argument("--masking", default=d.masking, choices=("static", "dynamic"))
+    p.add_argument("--num_workers", type=int, default=None, help="default: all cores")
+    p.add_argument("--no_progress", action="store_true")
+    args = p.parse_args(argv)
+    from bertjax.tokenization import load_tokenizer
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
+    meta = prepare(
+        args.input, args.output_dir, load_tokenizer(args.vocab, args.do_lower_case),
+        corpus_format=args.format, max_seq_length=args.max_seq_length,
+        max_predictions_per_seq=args.max_predictions_per_seq, masked_lm_prob=args.masked_lm_prob,
+        short_seq_prob=args.short_seq_prob, dupe_factor=args.dupe_factor, nsp=args.nsp,
+        masking=args.masking, whole_word_mask=args.whole_word_mask, seed=args.seed,
+        num_shards=args.num_shards, eval_fraction=args.eval_fraction,
+        random_document_buffer=args.random_document_buffer, num_workers=args.num_workers,
+        tfds_data_dir=args.tfds_data_dir, show_progress=not args.no_progress,
+    )  # fmt: skip
+    print(
+        f"{args.output_dir}: {meta['examples']} examples from {meta['documents']} documents, "
+        f"{meta['docs_per_second']} docs/s, {meta['mb_per_second']} MB/s"
+    )
+    return 0

@@ -1,0 +1,127 @@
+"""`bertjax evaluate`: score prediction files with the official SQuAD and GLUE metrics.
+
+    bertjax evaluate squad --dataset dev-v1.1.json --predictions predictions.json \
+        [--na_prob_file null_odds.json] [--version 1.1|2.0]
+    bertjax evaluate glue --task MRPC --labels glue/MRPC (or glue/MRPC/dev.tsv) \
+        --predictions MRPC.tsv [--split dev]
+
+Prints the official JSON (SQuAD: evaluate-v1.1.py / evaluate-v2.0.py keys; GLUE: the task's metrics
+as fractions). The GLUE predictions file is the submission format `index<TAB>prediction` with label
+strings (or scores for STS-B). Bad input prints a one-line error and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+from collections.abc import Sequence
+
+from bertjax.tasks import glue_data, metrics
+
+
+def _load_json(path: str, what: str):
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}:{e.lineno}: invalid JSON in the {what} file: {e.msg}") from None
+
+
+def evaluate_squad_files(
+    dataset_path: str,
+    predictions_path: str,
+    na_prob_path: str | None = None,
+    version: str | None = None,
+) -> dict:
+    """Score a predictions.json against a SQuAD dataset file (version from the file when None)."""
+    full = _load_json(dataset_path, "dataset")
+    if not isinstance(full, dict) or "data" not in full:
+        raise ValueError(f"{dataset_path}: not a SQuAD file (no top-level 'data' key)")
+    dataset = full["data"]
+    predictions = _load_json(predictions_path, "predictions")
+    if not isinstance(predictions, dict):
+        raise ValueError(f"{predictions_path}: predictions must be a JSON object of id -> answer")
+    if version is None:
+        declared = str(full.get("version", "1.1"))
+        version = "2.0" if declared.lstrip("v").startswith("2") else "1.1"
+    if version == "1.1":
+        if na_prob_path:
+            raise ValueError("--na_prob_file is only used with --version 2.0")
+        return metrics.evaluate_squad_v1(dataset, predictions)
+    if version != "2.0":
+        raise ValueError(f"--version must be 1.1 or 2.0, not {version!r}")
+    na_probs = _load_json(na_prob_path, "na_prob") if na_prob_path else None
+    if na_probs is not None:
+        missing = [k for k in predictions if k not in na_probs]
+        if missing:
+            raise ValueError(f"{na_prob_path}: no probability for question {missing[0]}")
+    return metrics.evaluate_squad_v2(dataset, predictions, na_probs)
+
+
+def evaluate_glue_files(
+    task: str, labels_path: str, predictions_path: str, split: str | None = None
+) -> dict:
+    """Score a GLUE `index<TAB>prediction` file against a labelled TSV file or task folder."""
+    spec = glue_data.get_task(task)
+    if split is None:
+        split = "dev_matched" if spec.name == "mnli" else "dev"
+    path = pathlib.Path(labels_path)
+    if path.is_dir():
+        examples = glue_data.read_glue_split(path, spec.name, split)
+    else:
+        examples = glue_data.read_glue_tsv(path, spec, split)
+    if any(ex.label is None for ex in examples):
+        raise ValueError(f"{labels_path}: split {split!r} has no labels to score against")
+    preds = glue_data.read_glue_predictions(predictions_path, spec.name)
+    if len(preds) != len(examples):
+        raise ValueError(
+            f"{predictions_path}: {len(preds)} predictions for {len(examples)} examples"
+        )
+    if spec.is_regression:
+        return metrics.glue_metrics(spec.name, [ex.label for ex in examples], preds)
+    label_to_id = {label: i for i, label in enumerate(spec.labels)}
+    gold = [label_to_id[ex.label] for ex in examples]
+    return metrics.glue_metrics(spec.name, gold, [label_to_id[p] for p in preds])
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="bertjax evaluate", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="benchmark", required=True)
+    squad = sub.add_parser("squad", help="official SQuAD v1.1 / v2.0 evaluation")
+    squad.add_argument("--dataset", required=True, help="SQuAD JSON file (e.g. dev-v1.1.json)")
+    squad.add_argument("--predictions", required=True, help="predictions.json")
+    squad.add_argument(
+        "--na_prob_file", default=None, help="v2.0 no-answer scores (null_odds.json)"
+    )
+    squad.add_argument(
+        "--version", choices=("1.1", "2.0"), default=None, help="default: the file's"
+    )
+    glue = sub.add_parser("glue", help="GLUE metrics of a predictions TSV")
+    glue.add_argument("--task", required=True, help="task name, e.g. MRPC, sst2, STS-B")
+    glue.add_argument("--labels", required=True, help="labelled TSV file or the task's data folder")
+    glue.add_argument("--predictions", required=True, help="index<TAB>prediction file")
+    glue.add_argument("--split", default=None, help="split of --labels (default dev / dev_matched)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run `bertjax evaluate` with the arguments after "evaluate"; prints JSON, returns the exit code."""
+    args = _parser().parse_args(argv)
+    try:
+        if args.benchmark == "squad":
+            result = evaluate_squad_files(
+                args.dataset, args.predictions, args.na_prob_file, args.version
+            )
+        else:
+            result = evaluate_glue_files(args.task, args.labels, args.predictions, args.split)
+    except (ValueError, FileNotFoundError, KeyError) as e:
+        print(f"bertjax evaluate: error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,62 @@
+"""Analytic FLOP counts of BERT steps and a peak-FLOP/s table for MFU.
+
+Counted (multiply-add = 2 FLOPs; backward = 2x forward, so a training step is 3x forward):
+per token and layer: Q/K/V/output projections 8*H^2, feed-forward 4*H*I, attention scores and
+context 4*S*H; the embeddings gather costs nothing; the pooler and NSP head are per sequence; the
+MLM head (transform H^2 + decoder H*V) only at the masked positions.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from bertjax.model_config import BertConfig
+
+# Dense bf16 peak TFLOP/s per chip (vendor figures), matched against jax's device_kind.
+PEAK_TFLOPS = {
+    "TPU v2": 45.0,
+    "TPU v3": 123.0,
+    "TPU v4": 275.0,
+    "TPU v5 lite": 197.0,
+    "TPU v5e": 197.0,
+    "TPU v5p": 459.0,
+    "TPU v5": 459.0,
+    "TPU v6 lite": 918.0,
+    "TPU v6e": 918.0,
+    "TPU7x": 2307.0,
+    "NVIDIA H200": 989.0,
+    "NVIDIA H100": 989.0,
+    "NVIDIA A100": 312.0,
+    "NVIDIA L4": 121.0,
+    "NVIDIA A10G": 125.0,
+    "Tesla V100": 125.0,
+    "NVIDIA V100": 125.0,
+    "Tesla T4": 65.0,
+}
+
+
+def forward_flops_per_sequence(cfg: BertConfig, seq_len: int, num_masked: int) -> float:
+    """Forward FLOPs of one pretraining sequence (encoder + heads at ``num_masked`` positions)."""
+    h, i, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    per_token_layer = 2 * (4 * h * h + 2 * h * i) + 2 * 2 * seq_len * h
+    encoder = cfg.num_layers * seq_len * per_token_layer
+    heads = 2 * h * h + 2 * h * 2  # pooler + NSP
+    mlm = num_masked * 2 * (h * h + h * v)
+    return float(encoder + heads + mlm)
+
+
+def train_flops_per_step(cfg: BertConfig, batch: int, seq_len: int, num_masked: int) -> float:
+    """Training FLOPs of one step: 3x the forward pass (forward + backward)."""
+    return 3.0 * batch * forward_flops_per_sequence(cfg, seq_len, num_masked)
+
+
+def device_peak_tflops(device=None, override: float = 0.0) -> float:
+    """Peak TFLOP/s of one device: ``override`` if set, else the table; 0.0 when unknown."""
+    if override and override > 0:
+        return float(override)
+    device = device or jax.devices()[0]
+    kind = getattr(device, "device_kind", "")
+    for name, peak in sorted(PEAK_TFLOPS.items(), key=lambda kv: -len(kv[0])):
+        if kind.lower().startswith(name.lower()):
+            return peak
+    return 0.0

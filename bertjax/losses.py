@@ -1,0 +1,78 @@
+"""Pretraining objectives as pure functions: weighted masked-LM and next-sentence cross-entropy.
+
+Each loss takes an explicit normaliser so that a global batch split into micro-batches (gradient
+accumulation) gives exactly the loss of the whole batch: the sum over micro-batches of
+``sum_micro / normaliser_global`` is the global mean.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+Array = jax.Array
+
+
+def cross_entropy(logits: Array, labels: Array) -> Array:
+    """Per-example softmax cross-entropy in fp32: logits [..., classes], int labels [...] -> [...]."""
+    logits = logits.astype(jnp.float32)
+    log_z = jax.nn.logsumexp(logits, axis=-1)
+    label_logit = jnp.take_along_axis(logits, labels[..., None].astype(jnp.int32), axis=-1)[..., 0]
+    return log_z - label_logit
+
+
+def masked_lm_loss(
+    logits: Array, label_ids: Array, weights: Array, normalizer: Array | None = None
+) -> tuple[Array, Array]:
+    """Weighted MLM cross-entropy and accuracy at the masked positions.
+
+    logits [batch, k, vocab], label_ids [batch, k], weights [batch, k] (0 for padding predictions).
+    Returns (loss, accuracy) = (sum w*nll, sum w*correct) / normalizer, normalizer defaulting to
+    sum(weights) (as the original BERT, which adds 1e-5 to it; here an all-zero batch gives 0).
+    """
+    weights = weights.astype(jnp.float32)
+    if normalizer is None:
+        normalizer = weights.sum()
+    normalizer = jnp.maximum(normalizer, 1e-5)
+    nll = cross_entropy(logits, label_ids)
+    correct = (jnp.argmax(logits, axis=-1) == label_ids).astype(jnp.float32)
+    return (nll * weights).sum() / normalizer, (correct * weights).sum() / normalizer
+
+
+def nsp_loss(logits: Array, labels: Array, normalizer: Array | None = None) -> tuple[Array, Array]:
+    """Next-sentence cross-entropy and accuracy: logits [batch, 2], labels [batch] (1 = random)."""
+    labels = labels.reshape(-1)
+    if normalizer is None:
+        normalizer = jnp.asarray(labels.shape[0], jnp.float32)
+    nll = cross_entropy(logits, labels)
+    correct = (jnp.argmax(logits, axis=-1) == labels).astype(jnp.float32)
+    return nll.sum() / normalizer, correct.sum() / normalizer
+
+
+def classification_loss(
+    logits: Array, labels: Array, weights: Array | None = None, normalizer: Array | None = None
+) -> tuple[Array, Array]:
+    """Cross-entropy and accuracy for [..., classes] logits; weights mask out padding/ignored labels."""
+    if weights is None:
+        weights = jnp.ones(labels.shape, jnp.float32)
+    weights = weights.astype(jnp.float32)
+    if normalizer is None:
+        normalizer = weights.sum()
+    normalizer = jnp.maximum(normalizer, 1e-5)
+    safe_labels = jnp.where(weights > 0, labels, 0)
+    nll = cross_entropy(logits, safe_labels)
+    correct = (jnp.argmax(logits, axis=-1) == safe_labels).astype(jnp.float32)
+    return (nll * weights).sum() / normalizer, (correct * weights).sum() / normalizer
+
+
+def regression_loss(
+    predictions: Array, targets: Array, weights: Array | None = None, normalizer: Array | None = None
+) -> Array:
+    """Mean squared error (STS-B): predictions [batch] or [batch, 1], targets [batch]."""
+    predictions = predictions.reshape(targets.shape).astype(jnp.float32)
+    if weights is None:
+        weights = jnp.ones(targets.shape, jnp.float32)
+    if normalizer is None:
+        normalizer = weights.sum()
+    normalizer = jnp.maximum(normalizer, 1e-5)
+    return (jnp.square(predictions - targets.astype(jnp.float32)) * weights).sum() / normalizer

@@ -1,0 +1,163 @@
+"""What a task plugs into the one trainer: a model head, a loss, an input pipeline, an evaluation.
+
+Pretraining and every fine-tuning task implement ``Task``; the trainer (``bertjax.train``) knows
+nothing else about them. Tasks are chosen by name from ``REGISTRY`` (``register`` adds one).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable
+from typing import Any, Protocol
+
+import flax.linen as nn
+import jax
+import ml_collections
+import numpy as np
+
+from bertjax.model_config import BertConfig
+
+Batch = dict[str, Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class Phase:
+    """A stretch of training with fixed shapes: it runs until ``until_step`` (exclusive)."""
+
+    until_step: int
+    global_batch_size: int
+    options: dict = dataclasses.field(default_factory=dict)  # task-specific (e.g. max_seq_length)
+
+
+class DataIterator(Protocol):
+    """Host-side batches with a resumable position (see bertjax.data.pipeline)."""
+
+    def __next__(self) -> dict[str, np.ndarray]: ...
+
+    def state(self) -> dict: ...
+
+    def restore(self, state: dict) -> None: ...
+
+
+class Task:
+    """Base class of a task; subclasses override what differs."""
+
+    name = "task"
+    # Which normaliser each metric is divided by (see ``normalizers``); used to average over batches.
+    metric_normalizers: dict[str, str] = {}
+
+    def __init__(self, config: ml_collections.ConfigDict, workdir: str):
+        self.config = config
+        self.workdir = workdir
+
+    # ---- set-up --------------------------------------------------------------------------------
+    def prepare(self) -> None:
+        """Builds what the task needs on disk (runs on process 0 before the others read it)."""
+
+    def after_prepare(self) -> None:
+        """Loads what ``prepare`` built (runs on every process after a barrier)."""
+
+    def model_config(self) -> BertConfig:
+        raise NotImplementedError
+
+    def build_model(self, model_config: BertConfig) -> nn.Module:
+        raise NotImplementedError
+
+    def phases(self) -> list[Phase]:
+        cfg = self.config.train
+        return [Phase(until_step=cfg.steps, global_batch_size=cfg.global_batch_size)]
+
+    def init_batch(self, phase: Phase, batch_size: int) -> Batch:
+        """A NumPy batch with the phase's shapes (used to initialise and compile)."""
+        raise NotImplementedError
+
+    def model_inputs(self, batch: Batch) -> dict[str, Any]:
+        """The model's call arguments taken from a batch."""
+        raise NotImplementedError
+
+    def initial_params(self, model: nn.Module, rng: jax.Array, batch: Batch) -> Any:
+        """Freshly initialised (boxed, logically partitioned) params."""
+        return model.init({"params": rng}, **self.model_inputs(batch), deterministic=True)["params"]
+
+    def step_shape(self, phase: Phase) -> tuple[int, int]:
+        """(sequence length, predicted positions per sequence) of a phase, for throughput figures."""
+        return 0, 0
+
+    def flops_per_step(self, model_config: BertConfig, phase: Phase) -> float:
+        """Model FLOPs of one training step (0 when not counted)."""
+        return 0.0
+
+    def init_params(self, model: nn.Module, params: Any) -> Any:
+        """Hook to replace freshly initialised params (e.g. from an init checkpoint)."""
+        return params
+
+    # ---- training ------------------------------------------------------------------------------
+    def normalizers(self, batch: Batch) -> dict[str, jax.Array]:
+        """Global denominators of the loss terms, computed on the whole batch before splitting."""
+        raise NotImplementedError
+
+    def loss(
+        self,
+        model: nn.Module,
+        params: Any,
+        batch: Batch,
+        rng: jax.Array,
+        normalizers: dict[str, jax.Array],
+        deterministic: bool,
+    ) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """(loss, metrics), every term divided by the GLOBAL normalisers (so micro-batches add up)."""
+        raise NotImplementedError
+
+    def train_data(self, phase: Phase, process_index: int, process_count: int) -> DataIterator:
+        raise NotImplementedError
+
+    # ---- evaluation ----------------------------------------------------------------------------
+    def eval_outputs(self, model: nn.Module, params: Any, batch: Batch) -> dict[str, jax.Array]:
+        """Device-side outputs of one eval batch (default: the loss metrics as sums)."""
+        norms = self.normalizers(batch)
+        ones = {k: jax.numpy.ones_like(v) for k, v in norms.items()}
+        _, metrics = self.loss(model, params, batch, jax.random.key(0), ones, deterministic=True)
+        return {**metrics, **{f"norm/{k}": v for k, v in norms.items()}}
+
+    def eval_batches(self, phase: Phase, process_index: int, process_count: int) -> Iterable[Batch]:
+        """A finite, deterministic sequence of host batches (empty: no evaluation)."""
+        return ()
+
+    def evaluate(self, run: Callable[[Batch], dict[str, np.ndarray]], phase: Phase) -> dict:
+        """Runs evaluation with ``run`` (jitted eval_outputs -> host NumPy) and returns metrics."""
+        totals: dict[str, float] = {}
+        for batch in self.eval_batches(phase, jax.process_index(), jax.process_count()):
+            for key, value in run(batch).items():
+                totals[key] = totals.get(key, 0.0) + float(np.sum(value))
+        if not totals:
+            return {}
+        return {
+            name: totals[name] / max(totals[f"norm/{norm}"], 1e-9)
+            for name, norm in self.metric_normalizers.items()
+            if name in totals
+        }
+
+    def describe(self) -> str:
+        return self.name
+
+
+REGISTRY: dict[str, Callable[..., Task]] = {}
+
+
+def register(name: str):
+    """Class decorator adding a task to the registry under ``name`` (e.g. ``glue/sst2``)."""
+
+    def wrap(cls):
+        REGISTRY[name] = cls
+        return cls
+
+    return wrap
+
+
+def get_task(name: str, config: ml_collections.ConfigDict, workdir: str) -> Task:
+    """Instantiates the task registered under ``name``; unknown names list the known ones."""
+    import bertjax.tasks.registry  # noqa: F401  (fills REGISTRY)
+
+    if name not in REGISTRY:
+        raise ValueError(f"config key task={name!r} is not a known task; known: {sorted(REGISTRY)}")
+    return REGISTRY[name](config, workdir)

@@ -1,0 +1,267 @@
+"""The pretraining task: masked LM + next-sentence prediction on prepared TFRecords.
+
+``prepare`` (process 0) builds, when missing, everything the run reads: the demo corpus (offline
+default), a vocabulary trained from the corpus (unless ``data.vocab`` names one) and the TFRecord
+shards of every sequence-length phase (``bertjax prepare`` with the config's options).
+"""
+
+from __future__ import annotations
+
+import glob
+import logging
+import os
+
+
+import jax.numpy as jnp
+import numpy as np
+
+from bertjax import flops, losses
+from bertjax.data import pipeline
+from bertjax.model_config import BertConfig, get_preset
+from bertjax.modeling import BertForPreTraining
+from bertjax.task import Phase, Task, register
+
+log = logging.getLogger("bertjax")
+
+MODEL_KEYS = ("dtype", "hidden_dropout", "attention_dropout", "max_position_embeddings",
+              "type_vocab_size", "attention_impl", "remat", "scan_layers")
+
+
+def model_config_from(config, vocab_size: int) -> BertConfig:
+    """BertConfig from ``config.model`` (preset + overrides); ``model.vocab_size`` must agree."""
+    m = config.model
+    overrides = {k: m[k] for k in MODEL_KEYS if k in m}
+    for key in ("num_layers", "hidden_size", "num_heads", "intermediate_size", "hidden_act"):
+        if key in m and m[key]:
+            overrides[key] = m[key]
+    if m.get("vocab_size") and m.vocab_size != vocab_size:
+        raise ValueError(
+            f"config key model.vocab_size={m.vocab_size} disagrees with the vocabulary "
+            f"({vocab_size} tokens)"
+        )
+    return get_preset(m.preset, vocab_size=vocab_size, **overrides)
+
+
+@register("pretrain")
+class PretrainingTask(Task):
+    """BERT pretraining: weighted MLM cross-entropy (+ NSP cross-entropy when ``data.nsp``)."""
+
+    name = "pretrain"
+    metric_normalizers = {
+        "mlm_loss": "mlm_weight",
+        "mlm_accuracy": "mlm_weight",
+        "nsp_loss": "examples",
+        "nsp_accuracy": "examples",
+    }
+
+    def __init__(self, config, workdir):
+        super().__init__(config, workdir)
+        self.tokenizer = None
+        d = config.data
+        self.prepared_root = d.prepared_dir or os.path.join(workdir, "data")
+
+    # ---- data on disk --------------------------------------------------------------------------
+    def _phase_specs(self) -> list[dict]:
+        d = self.config.data
+        if not d.phases:
+            return [dict(until_step=self.config.train.steps, max_seq_length=d.max_seq_length,
+                         max_predictions_per_seq=d.max_predictions_per_seq)]
+        specs = [dict(p) for p in d.phases]
+        for i, spec in enumerate(specs):
+            for key in ("until_step", "max_seq_length", "max_predictions_per_seq"):
+                if key not in spec:
+                    raise ValueError(f"config key data.phases[{i}] lacks {key!r}")
+        if specs[-1]["until_step"] != self.config.train.steps:
+            raise ValueError(
+                f"config key data.phases[-1].until_step={specs[-1]['until_step']} must equal "
+                f"train.steps={self.config.train.steps}"
+            )
+        return specs
+
+    def data_dir(self, max_seq_length: int) -> str:
+        if not self.config.data.phases:
+            return self.prepared_root
+        return os.path.join(self.prepared_root, f"seq{max_seq_length}")
+
+    def _corpus_files(self) -> tuple[str, str]:
+        d = self.config.data
+        if d.demo_corpus:
+            from bertjax.data.demo_corpus import build_demo_corpus
+
+            corpus_dir = os.path.join(self.prepared_root, "demo_corpus")
+            files = build_demo_corpus(corpus_dir)
+            return ",".join(files), "bert"
+        if not d.corpus:
+            raise ValueError("config key data.corpus is empty: name a corpus (files, glob, tfds:...)")
+        return d.corpus, d.corpus_format
+
+    def _vocab_path(self) -> str:
+        d = self.config.data
+        if d.vocab:
+            return d.vocab
+        suffix = ".model" if d.vocab_kind == "sentencepiece" else ".txt"
+        return os.path.join(self.prepared_root, "vocab" + suffix)
+
+    def prepare(self) -> None:
+        d = self.config.data
+        missing = [s for s in self._phase_specs()
+                   if not os.path.exists(os.path.join(self.data_dir(s["max_seq_length"]),
+                                                      pipeline.METADATA_FILE))]
+        if not missing and (d.vocab or os.path.exists(self._vocab_path())):
+            return
+        from bertjax.data.prepare import prepare
+        from bertjax.tokenization import load_tokenizer
+
+        corpus, fmt = None, None
+        vocab = self._vocab_path()
+        if not d.vocab and not os.path.exists(vocab):
+            from bertjax.vocab import train_vocab
+
+            corpus, fmt = self._corpus_files()
+            if corpus.startswith("tfds:"):
+                raise ValueError("data.vocab must be set when data.corpus is a TFDS dataset")
+            files = sorted(f for pattern in corpus.split(",") for f in glob.glob(pattern)) or [corpus]
+            log.info("training a %s vocabulary of %d tokens on %d files", d.vocab_kind,
+                     d.vocab_size, len(files))
+            os.makedirs(self.prepared_root, exist_ok=True)
+            train_vocab(files, os.path.splitext(vocab)[0] if d.vocab_kind == "sentencepiece"
+                        else vocab, d.vocab_size, kind=d.vocab_kind, do_lower_case=d.do_lower_case,
+                        seed=self.config.data.seed)
+        tokenizer = load_tokenizer(vocab, do_lower_case=d.do_lower_case)
+        for spec in self._phase_specs():
+            out = self.data_dir(spec["max_seq_length"])
+            if os.path.exists(os.path.join(out, pipeline.METADATA_FILE)):
+                continue
+            if corpus is None:
+                corpus, fmt = self._corpus_files()
+            log.info("preparing pretraining data (seq %d) in %s", spec["max_seq_length"], out)
+            prepare(corpus, out, tokenizer, corpus_format=fmt,
+                    max_seq_length=spec["max_seq_length"],
+                    max_predictions_per_seq=spec["max_predictions_per_seq"],
+                    masked_lm_prob=d.masked_lm_prob, short_seq_prob=d.short_seq_prob,
+                    dupe_factor=d.dupe_factor, nsp=d.nsp, masking=d.masking,
+                    whole_word_mask=d.whole_word_mask, seed=d.seed, num_shards=d.num_shards,
+                    eval_fraction=d.eval_fraction)
+
+    def after_prepare(self) -> None:
+        from bertjax.tokenization import load_tokenizer
+
+        self.tokenizer = load_tokenizer(self._vocab_path(), do_lower_case=self.config.data.do_lower_case)
+        for spec in self._phase_specs():
+            meta = pipeline.read_metadata(self.data_dir(spec["max_seq_length"]))
+            if meta.get("vocab_size") not in (None, self.tokenizer.vocab_size):
+                raise ValueError(
+                    f"{self.data_dir(spec['max_seq_length'])}/metadata.json: vocab_size="
+                    f"{meta['vocab_size']} but the vocabulary {self._vocab_path()} has "
+                    f"{self.tokenizer.vocab_size} tokens; delete the prepared data or fix data.vocab"
+                )
+            if meta["max_seq_length"] != spec["max_seq_length"]:
+                raise ValueError(f"{self.data_dir(spec['max_seq_length'])}/metadata.json: "
+                                 f"max_seq_length={meta['max_seq_length']}, config wants "
+                                 f"{spec['max_seq_length']}")
+
+    # ---- model ---------------------------------------------------------------------------------
+    def model_config(self) -> BertConfig:
+        cfg = model_config_from(self.config, self.tokenizer.vocab_size)
+        longest = max(s["max_seq_length"] for s in self._phase_specs())
+        if longest > cfg.max_position_embeddings:
+            raise ValueError(f"config key data.max_seq_length={longest} exceeds "
+                             f"model.max_position_embeddings={cfg.max_position_embeddings}")
+        return cfg
+
+    def build_model(self, model_config):
+        return BertForPreTraining(model_config, nsp=self.config.data.nsp)
+
+    def phases(self) -> list[Phase]:
+        return [Phase(until_step=s["until_step"],
+                      global_batch_size=s.get("global_batch_size", self.config.train.global_batch_size),
+                      options=s) for s in self._phase_specs()]
+
+    def init_batch(self, phase, batch_size):
+        seq, pred = phase.options["max_seq_length"], phase.options["max_predictions_per_seq"]
+        return {
+            "input_ids": np.zeros((batch_size, seq), np.int32),
+            "input_mask": np.ones((batch_size, seq), np.int32),
+            "segment_ids": np.zeros((batch_size, seq), np.int32),
+            "masked_lm_positions": np.zeros((batch_size, pred), np.int32),
+            "masked_lm_ids": np.zeros((batch_size, pred), np.int32),
+            "masked_lm_weights": np.zeros((batch_size, pred), np.float32),
+            "next_sentence_labels": np.zeros((batch_size,), np.int32),
+        }
+
+    def model_inputs(self, batch):
+        return dict(
+            input_ids=batch["input_ids"],
+            token_type_ids=batch["segment_ids"],
+            attention_mask=batch["input_mask"],
+            masked_lm_positions=batch["masked_lm_positions"],
+        )
+
+    # ---- loss ----------------------------------------------------------------------------------
+    def normalizers(self, batch):
+        return {
+            "mlm_weight": batch["masked_lm_weights"].astype(jnp.float32).sum(),
+            "examples": jnp.asarray(batch["input_ids"].shape[0], jnp.float32),
+        }
+
+    def loss(self, model, params, batch, rng, normalizers, deterministic):
+        out = model.apply({"params": params}, **self.model_inputs(batch),
+                          deterministic=deterministic, rngs={"dropout": rng})
+        mlm_loss, mlm_acc = losses.masked_lm_loss(
+            out["mlm_logits"], batch["masked_lm_ids"], batch["masked_lm_weights"],
+            normalizers["mlm_weight"])
+        metrics = {"mlm_loss": mlm_loss, "mlm_accuracy": mlm_acc}
+        total = mlm_loss
+        if self.config.data.nsp:
+            nsp_loss, nsp_acc = losses.nsp_loss(
+                out["nsp_logits"], batch["next_sentence_labels"], normalizers["examples"])
+            metrics.update(nsp_loss=nsp_loss, nsp_accuracy=nsp_acc)
+            total = total + nsp_loss
+        return total, metrics
+
+    # ---- data ----------------------------------------------------------------------------------
+    def _dynamic_masking(self, phase):
+        d = self.config.data
+        meta = pipeline.read_metadata(self.data_dir(phase.options["max_seq_length"]))
+        if meta["masking"] != "dynamic":
+            return None
+        tok = self.tokenizer
+        return dict(vocab_size=tok.vocab_size, mask_id=tok.mask_id,
+                    special_ids=[tok.pad_id, tok.cls_id, tok.sep_id],
+                    word_start=tok.word_start_table(), masked_lm_prob=d.masked_lm_prob,
+                    max_predictions_per_seq=phase.options["max_predictions_per_seq"],
+                    whole_word=d.whole_word_mask)
+
+    def _data(self, phase, split, process_index, process_count, *, shuffle):
+        per_host = phase.global_batch_size // process_count
+        return pipeline.PretrainingData(
+            self.data_dir(phase.options["max_seq_length"]), split, per_host,
+            seed=self.config.train.seed, process_index=process_index,
+            process_count=process_count, dynamic_masking=self._dynamic_masking(phase),
+            shuffle=shuffle, shuffle_buffer=self.config.data.shuffle_buffer)
+
+    def train_data(self, phase, process_index, process_count):
+        return self._data(phase, "train", process_index, process_count, shuffle=True)
+
+    def eval_batches(self, phase, process_index, process_count):
+        steps = self.config.train.eval_steps
+        if steps <= 0:
+            return
+        data = self._data(phase, "eval", process_index, process_count, shuffle=False)
+        for _ in range(steps):
+            yield next(data)
+
+    def evaluate(self, run, phase):
+        metrics = super().evaluate(run, phase)
+        if metrics:
+            metrics["loss"] = metrics["mlm_loss"] + metrics.get("nsp_loss", 0.0)
+        return metrics
+
+    def step_shape(self, phase):
+        return phase.options["max_seq_length"], phase.options["max_predictions_per_seq"]
+
+    def flops_per_step(self, model_config, phase):
+        seq, pred = self.step_shape(phase)
+        return flops.train_flops_per_step(model_config, phase.global_batch_size, seq, pred)
+
+

@@ -1,0 +1,556 @@
+"""BERT tokenizers: exact WordPiece (cased or uncased) and SentencePiece, in Python and in-graph.
+
+The Python path (`encode`) follows BERT's reference rules exactly and caches word -> ids lookups so
+data preparation runs at tens of thousands of lines per second. The in-graph path (`tf_encode`) is
+built from tensorflow-text ops with character classes generated from the same Python predicates, so
+it gives the same ids as `encode` inside a `tf.data` pipeline.
+
+Rules of BERT's basic tokenization (as in google-research/bert and transformers' BertTokenizer):
+  1. clean: drop U+0000, U+FFFD and every Unicode "C*" character except tab/newline/return; map
+     "Zs" characters and tab/newline/return to a space;
+  2. put spaces around CJK ideographs;
+  3. NFC-normalize (transformers' Python BertTokenizer does; the original BERT did not) and split
+     on whitespace (Python's str.split);
+  4. uncased only: lower-case, then NFD and drop "Mn" (combining) characters;
+  5. split off every punctuation character (Unicode "P*" plus all ASCII non-alphanumerics);
+  6. WordPiece: greedy longest-match-first with "##" continuations; a word longer than
+     `max_chars_per_word` characters, or one that cannot be covered, becomes [UNK].
+Literal "[CLS]"-like strings in the text are ordinary text (split as punctuation + word), as in the
+original BERT; transformers instead keeps them as special tokens.
+"""
+
+import functools
+import unicodedata
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+import tensorflow as tf
+
+SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
+SUBWORD_PREFIX = "##"
+SP_SPACE = "\u2581"  # SentencePiece's word-start marker "▁"
+_CACHE_LIMIT = 1 << 20  # entries in the word -> ids cache before it is cleared
+
+# CJK Unified Ideographs blocks, as BERT defines "Chinese character".
+_CJK_RANGES = (
+    (0x4E00, 0x9FFF),
+    (0x3400, 0x4DBF),
+    (0x20000, 0x2A6DF),
+    (0x2A700, 0x2B73F),
+    (0x2B740, 0x2B81F),
+    (0x2B820, 0x2CEAF),
+    (0xF900, 0xFAFF),
+    (0x2F800, 0x2FA1F),
+)
+
+
+# ---------------------------------------------------------------------------------------------
+# Character classes (BERT definitions).
+# ---------------------------------------------------------------------------------------------
+def is_cjk_char(char: str) -> bool:
+    """True for a CJK ideograph, which BERT always treats as a word of its own."""
+    cp = ord(char)
+    return any(lo <= cp <= hi for lo, hi in _CJK_RANGES)
+
+
+def is_removed_char(char: str) -> bool:
+    """True for a character that BERT's text cleaning drops (NUL, U+FFFD, Unicode "C*" controls)."""
+    if char in "\t\n\r":
+        return False
+    return char in "\x00\ufffd" or unicodedata.category(char).startswith("C")
+
+
+def is_whitespace_char(char: str) -> bool:
+    """True for a character that BERT's text cleaning maps to a space."""
+    return char in " \t\n\r" or unicodedata.category(char) == "Zs"
+
+
+def is_punctuation_char(char: str) -> bool:
+    """True for BERT punctuation: Unicode "P*" and every ASCII character that is not alphanumeric."""
+    cp = ord(char)
+    if 33 <= cp <= 47 or 58 <= cp <= 64 or 91 <= cp <= 96 or 123 <= cp <= 126:
+        return True
+    return unicodedata.category(char).startswith("P")
+
+
+class _CleanTable(dict):
+    """str.translate table for BERT's cleaning + CJK spacing, filled lazily per character."""
+
+    def __missing__(self, cp: int) -> str | None:
+        char = chr(cp)
+        if is_removed_char(char):
+            out = None
+        elif is_whitespace_char(char):
+            out = " "
+        elif is_cjk_char(char):
+            out = f" {char} "
+        else:
+            out = char
+        self[cp] = out
+        return out
+
+
+_CLEAN = _CleanTable()
+# ASCII fast path: only C0 controls and DEL are removed (tab/newline/return are split on later).
+_ASCII_CLEAN = {cp: None for cp in [*range(0, 9), 11, 12, *range(14, 32), 127]}
+
+
+def _whitespace_words(text: str) -> list[str]:
+    """Steps 1-3: clean, space out CJK ideographs, NFC (as transformers does) and split on spaces."""
+    if text.isascii():
+        return text.translate(_ASCII_CLEAN).split()
+    return unicodedata.normalize("NFC", text.translate(_CLEAN)).split()
+
+
+def _strip_accents(text: str) -> str:
+    """NFD, then drop combining marks (category Mn)."""
+    return "".join(c for c in unicodedata.normalize("NFD", text) if unicodedata.category(c) != "Mn")
+
+
+def _split_punctuation(text: str) -> list[str]:
+    """Splits every punctuation character into a word of its own."""
+    out: list[str] = []
+    word: list[str] = []
+    for char in text:
+        if is_punctuation_char(char):
+            if word:
+                out.append("".join(word))
+                word = []
+            out.append(char)
+        else:
+            word.append(char)
+    if word:
+        out.append("".join(word))
+    return out
+
+
+def _basic_split_word(word: str, do_lower_case: bool) -> list[str]:
+    """Steps 4-5 on one whitespace-delimited word."""
+    if do_lower_case:
+        word = word.lower()
+        if not word.isascii():
+            word = _strip_accents(word)
+    if word.isascii() and word.isalnum():
+        return [word]
+    # Lower-casing or accent stripping can, in rare cases, leave whitespace: split on it again.
+    return [piece for part in _split_punctuation(word) for piece in part.split()]
+
+
+def basic_tokenize(text: str, do_lower_case: bool) -> list[str]:
+    """BERT's BasicTokenizer: clean, split CJK, whitespace, lower+strip accents, punctuation."""
+    return [w for word in _whitespace_words(text) for w in _basic_split_word(word, do_lower_case)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Vocabulary files.
+# ---------------------------------------------------------------------------------------------
+def load_vocab(path: str) -> list[str]:
+    """Reads a BERT vocab.txt (one token per line, id = line number - 1) via tf.io.gfile.
+
+    Raises ValueError naming the file and line for an empty file, an empty or whitespace-holding
+    token, a duplicate token, invalid UTF-8 or a missing special token (SPECIAL_TOKENS).
+    """
+    if not tf.io.gfile.exists(path):
+        raise FileNotFoundError(f"{path}: vocabulary file not found")
+    with tf.io.gfile.GFile(path, "rb") as f:
+        data = f.read()
+    if data.startswith(b"\xef\xbb\xbf"):
+        data = data[3:]
+    lines = data.split(b"\n")
+    if lines and lines[-1] == b"":
+        lines.pop()
+    if not lines:
+        raise ValueError(f"{path}: vocabulary file is empty")
+    tokens: list[str] = []
+    seen: dict[str, int] = {}
+    for lineno, raw in enumerate(lines, start=1):
+        try:
+            token = raw.decode("utf-8").rstrip("\r")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{path}:{lineno}: invalid UTF-8 in vocabulary token ({e.reason})") from None
+        if not token:
+            raise ValueError(f"{path}:{lineno}: empty vocabulary token")
+        if token != token.strip() or len(token.split()) != 1:
+            raise ValueError(f"{path}:{lineno}: vocabulary token {token!r} contains whitespace")
+        if token in seen:
+            raise ValueError(
+                f"{path}:{lineno}: duplicate vocabulary token {token!r} (first on line {seen[token]})"
+            )
+        seen[token] = lineno
+        tokens.append(token)
+    missing = [t for t in SPECIAL_TOKENS if t not in seen]
+    if missing:
+        raise ValueError(f"{path}: vocabulary lacks the special token(s) {', '.join(missing)}")
+    return tokens
+
+
+def _infer_do_lower_case(vocab: Sequence[str]) -> bool:
+    """Uncased when no ordinary token (not special, not [unusedN]) holds an upper-case letter."""
+    for token in vocab:
+        if token.startswith("[") and token.endswith("]"):
+            continue
+        if any(c.isupper() for c in token):
+            return False
+    return True
+
+
+# ---------------------------------------------------------------------------------------------
+# Tokenizers.
+# ---------------------------------------------------------------------------------------------
+class _TokenizerBase:
+    """Shared id <-> token conversion; subclasses set vocab, specials and `_token_to_id`."""
+
+    kind: str
+    vocab: list[str]
+    vocab_file: str
+    do_lower_case: bool
+    pad_id: int
+    unk_id: int
+    cls_id: int
+    sep_id: int
+    mask_id: int
+    _token_to_id: dict[str, int]
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.vocab)
+
+    @property
+    def special_ids(self) -> tuple[int, ...]:
+        """Ids of [PAD], [UNK], [CLS], [SEP], [MASK] in that order."""
+        return (self.pad_id, self.unk_id, self.cls_id, self.sep_id, self.mask_id)
+
+    def convert_tokens_to_ids(self, tokens: Iterable[str]) -> list[int]:
+        """Token strings to ids; tokens not in the vocabulary map to [UNK]."""
+        return [self._token_to_id.get(t, self.unk_id) for t in tokens]
+
+    def convert_ids_to_tokens(self, ids: Iterable[int]) -> list[str]:
+        """Ids to token strings; raises IndexError naming an id outside the vocabulary."""
+        out = []
+        for i in ids:
+            i = int(i)
+            if not 0 <= i < len(self.vocab):
+                raise IndexError(f"token id {i} is outside the vocabulary [0, {len(self.vocab)})")
+            out.append(self.vocab[i])
+        return out
+
+    def tokenize(self, text: str) -> list[str]:
+        """Text -> word pieces (strings)."""
+        return [self.vocab[i] for i in self.encode(text)]
+
+    def encode(self, text: str) -> list[int]:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}({self.vocab_file!r}, vocab_size={self.vocab_size}, "
+            f"do_lower_case={self.do_lower_case})"
+        )
+
+
+class WordPieceTokenizer(_TokenizerBase):
+    """BERT WordPiece tokenizer (basic tokenization + greedy longest-match WordPiece)."""
+
+    kind = "wordpiece"
+
+    def __init__(self, vocab_file: str, do_lower_case: bool = True, max_chars_per_word: int = 100):
+        self.vocab_file = str(vocab_file)
+        self.vocab = load_vocab(self.vocab_file)
+        self.do_lower_case = bool(do_lower_case)
+        self.max_chars_per_word = int(max_chars_per_word)
+        self._token_to_id = {t: i for i, t in enumerate(self.vocab)}
+        self.pad_id, self.unk_id, self.cls_id, self.sep_id, self.mask_id = (
+            self._token_to_id[t] for t in SPECIAL_TOKENS
+        )
+        # Longest piece (in characters, "##" excluded) bounds the greedy search.
+        self._max_piece_chars = max(len(t[2:]) if t.startswith("##") else len(t) for t in self.vocab)
+        self._cache: dict[str, tuple[int, ...]] = {}
+        self._tf_graph = None
+
+    def _wordpiece(self, word: str) -> list[int]:
+        """Greedy longest-match-first WordPiece on one basic-tokenized word."""
+        n = len(word)
+        if n > self.max_chars_per_word:
+            return [self.unk_id]
+        vocab = self._token_to_id
+        ids = []
+        start = 0
+        while start < n:
+            end = min(n, start + self._max_piece_chars)
+            piece_id = None
+            while start < end:
+                sub = word[start:end] if start == 0 else SUBWORD_PREFIX + word[start:end]
+                piece_id = vocab.get(sub)
+                if piece_id is not None:
+                    break
+                end -= 1
+            if piece_id is None:
+                return [self.unk_id]
+            ids.append(piece_id)
+            start = end
+        return ids
+
+    def _encode_word(self, word: str) -> tuple[int, ...]:
+        """Ids for one whitespace-delimited word, cached."""
+        ids = self._cache.get(word)
+        if ids is None:
+            ids = tuple(
+                i for w in _basic_split_word(word, self.do_lower_case) for i in self._wordpiece(w)
+            )
+            if len(self._cache) >= _CACHE_LIMIT:
+                self._cache.clear()
+            self._cache[word] = ids
+        return ids
+
+    def encode(self, text: str) -> list[int]:
+        """Text -> WordPiece ids (no [CLS]/[SEP] added)."""
+        out: list[int] = []
+        for word in _whitespace_words(text):
+            out.extend(self._encode_word(word))
+        return out
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Joins pieces back to text (drops [PAD]; "##" pieces are glued to the previous one)."""
+        tokens = [t for t in self.convert_ids_to_tokens(ids) if t != "[PAD]"]
+        return " ".join(tokens).replace(" " + SUBWORD_PREFIX, "").replace(SUBWORD_PREFIX, "")
+
+    def word_start_table(self) -> np.ndarray:
+        """[vocab] bool: True where a token starts a word (not a "##" continuation)."""
+        return np.array([not (t.startswith(SUBWORD_PREFIX) and len(t) > 2) for t in self.vocab])
+
+    def tf_encode(self, texts: tf.Tensor) -> tf.RaggedTensor:
+        """In-graph encode: texts [n] string -> [n, None] int64 ids, equal to `encode`."""
+        if self._tf_graph is None:
+            with tf.init_scope():  # tables and char classes are built eagerly, once
+                self._tf_graph = _WordPieceGraph(self)
+        return self._tf_graph(texts)
+
+
+class SentencePieceTokenizer(_TokenizerBase):
+    """Wraps a SentencePiece .model; its specials are exposed as [PAD]/[UNK]/[CLS]/[SEP]/[MASK].
+
+    Special pieces are looked up by BERT name first ("[CLS]"), then by the model's own ids
+    (pad/unk/bos/eos) or names ("<pad>", "<mask>"). Lower-casing is part of the model's normalizer
+    (`do_lower_case` is True when it folds case, e.g. rule "nmt_nfkc_cf").
+    """
+
+    kind = "sentencepiece"
+
+    def __init__(self, model_file: str):
+        import sentencepiece as spm  # noqa: PLC0415
+
+        self.vocab_file = str(model_file)
+        if not tf.io.gfile.exists(self.vocab_file):
+            raise FileNotFoundError(f"{self.vocab_file}: SentencePiece model not found")
+        with tf.io.gfile.GFile(self.vocab_file, "rb") as f:
+            self._model_proto = f.read()
+        self._sp = spm.SentencePieceProcessor()
+        try:
+            self._sp.LoadFromSerializedProto(self._model_proto)
+        except Exception as e:  # sentencepiece raises RuntimeError/OSError with a long message
+            raise ValueError(f"{self.vocab_file}: not a SentencePiece model ({e})") from None
+        pieces = [self._sp.IdToPiece(i) for i in range(self._sp.GetPieceSize())]
+        lookup = {p: i for i, p in enumerate(pieces)}
+
+        def find(bert_name: str, sp_id: int, *aliases: str) -> int:
+            if bert_name in lookup:
+                return lookup[bert_name]
+            if sp_id >= 0:
+                return sp_id
+            for alias in aliases:
+                if alias in lookup:
+                    return lookup[alias]
+            raise ValueError(f"{self.vocab_file}: SentencePiece model has no {bert_name} piece")
+
+        sp = self._sp
+        self.pad_id = find("[PAD]", sp.pad_id(), "<pad>")
+        self.unk_id = find("[UNK]", sp.unk_id(), "<unk>")
+        self.cls_id = find("[CLS]", sp.bos_id(), "<s>", "<cls>")
+        self.sep_id = find("[SEP]", sp.eos_id(), "</s>", "<sep>")
+        self.mask_id = find("[MASK]", -1, "<mask>")
+        self.vocab = pieces
+        for name, i in zip(SPECIAL_TOKENS, self.special_ids):
+            self.vocab[i] = name
+        self._token_to_id = {t: i for i, t in enumerate(self.vocab)}
+        self.do_lower_case = self._sp.Normalize("ABC") == self._sp.Normalize("abc")
+        self._tf_tokenizer = None
+
+    def encode(self, text: str) -> list[int]:
+        """Text -> SentencePiece ids (no [CLS]/[SEP] added)."""
+        return self._sp.EncodeAsIds(text)
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Ids -> text via SentencePiece (drops [PAD], keeps other specials as their names)."""
+        ids = [int(i) for i in ids if int(i) != self.pad_id]
+        out, run = [], []
+        for i in ids:
+            if i in self.special_ids:
+                if run:
+                    out.append(self._sp.DecodeIds(run))
+                    run = []
+                out.append(self.vocab[i])
+            else:
+                run.append(i)
+        if run:
+            out.append(self._sp.DecodeIds(run))
+        return " ".join(out)
+
+    def word_start_table(self) -> np.ndarray:
+        """[vocab] bool: True for "▁"-prefixed pieces, CJK-led pieces and special/control pieces."""
+        table = np.zeros(len(self.vocab), dtype=bool)
+        for i, piece in enumerate(self.vocab):
+            table[i] = (
+                piece.startswith(SP_SPACE)
+                or (bool(piece) and is_cjk_char(piece[0]))
+                or self._sp.IsControl(i)
+                or self._sp.IsUnknown(i)
+                or i in self.special_ids
+            )
+        return table
+
+    def tf_encode(self, texts: tf.Tensor) -> tf.RaggedTensor:
+        """In-graph encode: texts [n] string -> [n, None] int64 ids, equal to `encode`."""
+        if self._tf_tokenizer is None:
+            import tensorflow_text as tf_text  # noqa: PLC0415
+
+            with tf.init_scope():
+                self._tf_tokenizer = tf_text.SentencepieceTokenizer(
+                    model=self._model_proto, out_type=tf.int32
+                )
+        return tf.cast(self._tf_tokenizer.tokenize(texts), tf.int64)
+
+
+def load_tokenizer(path: str, do_lower_case: bool | None = None):
+    """`*.model` -> SentencePieceTokenizer; anything else -> WordPieceTokenizer on a vocab.txt.
+
+    do_lower_case None infers it for WordPiece (uncased when no token holds an upper-case letter);
+    for SentencePiece, case handling is part of the model and a conflicting value is an error.
+    """
+    path = str(path)
+    if path.endswith(".model"):
+        tok = SentencePieceTokenizer(path)
+        if do_lower_case is not None and bool(do_lower_case) != tok.do_lower_case:
+            raise ValueError(
+                f"{path}: do_lower_case={do_lower_case} but the SentencePiece model "
+                f"{'folds' if tok.do_lower_case else 'keeps'} case"
+            )
+        return tok
+    if do_lower_case is None:
+        do_lower_case = _infer_do_lower_case(load_vocab(path))
+    return WordPieceTokenizer(path, do_lower_case=do_lower_case)
+
+
+@functools.cache
+def _char_class_ranges(predicate_name: str) -> tuple[tuple[int, int], ...]:
+    """Inclusive code-point ranges where a predicate of this module holds (for in-graph regexes)."""
+    predicate = globals()[predicate_name]
+    ranges: list[tuple[int, int]] = []
+    start = None
+    for cp in range(0x110000):
+        if 0xD800 <= cp <= 0xDFFF:  # surrogates cannot occur in valid UTF-8
+            hit = False
+        else:
+            hit = predicate(chr(cp))
+        if hit and start is None:
+            start = cp
+        elif not hit and start is not None:
+            ranges.append((start, cp - 1))
+            start = None
+    if start is not None:
+        ranges.append((start, 0x10FFFF))
+    return tuple(ranges)
+
+
+def _is_split_space(char: str) -> bool:
+    """Characters Python's str.split() splits on that survive BERT's cleaning."""
+    return char.isspace() and not is_removed_char(char)
+
+
+def _is_combining_mark(char: str) -> bool:
+    return unicodedata.category(char) == "Mn"
+
+
+def _regex_class(predicate_name: str) -> str:
+    """An RE2 character class matching exactly the code points where the predicate holds."""
+    parts = (
+        f"\\x{{{lo:X}}}" if lo == hi else f"\\x{{{lo:X}}}-\\x{{{hi:X}}}"
+        for lo, hi in _char_class_ranges(predicate_name)
+    )
+    return "[" + "".join(parts) + "]"
+
+
+class _WordPieceGraph:
+    """tensorflow-text version of `WordPieceTokenizer.encode` (same rules, same ids)."""
+
+    def __init__(self, tok: WordPieceTokenizer):
+        import tensorflow_text as tf_text  # noqa: PLC0415
+
+        self._tf_text = tf_text
+        self.do_lower_case = tok.do_lower_case
+        self.max_chars = tok.max_chars_per_word
+        self.removed = _regex_class("is_removed_char")
+        self.space = _regex_class("_is_split_space")
+        self.punct = _regex_class("is_punctuation_char")
+        self.marks = _regex_class("_is_combining_mark")
+        self.cjk = "([" + "".join(f"\\x{{{lo:X}}}-\\x{{{hi:X}}}" for lo, hi in _CJK_RANGES) + "])"
+        self.lower_fixes = _lower_fixes(tok.vocab) if tok.do_lower_case else ()
+        table = tf.lookup.StaticHashTable(
+            tf.lookup.KeyValueTensorInitializer(
+                tf.constant(tok.vocab), tf.range(len(tok.vocab), dtype=tf.int64)
+            ),
+            default_value=-1,
+        )
+        self.wordpiece = tf_text.WordpieceTokenizer(
+            table,
+            suffix_indicator=SUBWORD_PREFIX,
+            max_bytes_per_word=4 * self.max_chars,  # words over max_chars are [UNK] beforehand
+            token_out_type=tf.int64,
+            unknown_token="[UNK]",
+        )
+
+    def __call__(self, texts: tf.Tensor) -> tf.RaggedTensor:
+        texts = tf.convert_to_tensor(texts, dtype=tf.string)
+        scalar = texts.shape.rank == 0
+        texts = tf.reshape(texts, [-1])  # [n]
+        t = tf.strings.regex_replace(texts, self.removed, "")
+        t = tf.strings.regex_replace(t, self.cjk, r" \1 ")
+        t = self._tf_text.normalize_utf8(t, "NFC")
+        words = self._tf_text.regex_split(t, self.space)  # [n, (words)]
+        flat = words.flat_values  # [words]
+        if self.do_lower_case:
+            for char, lowered in self.lower_fixes:
+                flat = tf.strings.regex_replace(flat, f"\\x{{{ord(char):X}}}", lowered)
+            flat = tf.strings.lower(flat, encoding="utf-8")
+            flat = self._tf_text.normalize_utf8(flat, "NFD")
+            flat = tf.strings.regex_replace(flat, self.marks, "")
+        pieces = self._tf_text.regex_split(
+            flat, f"{self.punct}|{self.space}", keep_delim_regex_pattern=self.punct
+        )  # [words, (pieces)]
+        values = pieces.flat_values
+        too_long = tf.strings.length(values, unit="UTF8_CHAR") > self.max_chars
+        values = tf.where(too_long, tf.constant("[UNK]"), values)
+        ids = self.wordpiece.tokenize(values)  # [pieces, (ids)]
+        ids = words.with_flat_values(pieces.with_flat_values(ids))  # [n, words, pieces, ids]
+        ids = ids.merge_dims(1, -1)  # [n, (ids)]
+        return ids[0] if scalar else ids
+
+
+def _lower_fixes(vocab: Sequence[str]) -> tuple[tuple[str, str], ...]:
+    """Characters whose ICU lower-casing (tf.strings.lower) differs from Python's str.lower().
+
+    ICU and Python ship different Unicode versions; only characters that reach the vocabulary
+    matter (any other makes its word [UNK] either way), so those are patched before lower-casing.
+    """
+    vocab_chars = {c for token in vocab for c in token}
+    candidates = [
+        chr(cp)
+        for cp in range(0x110000)
+        if not 0xD800 <= cp <= 0xDFFF
+        and chr(cp).lower() != chr(cp)
+        and (chr(cp) in vocab_chars or not vocab_chars.isdisjoint(chr(cp).lower()))
+        and not is_removed_char(chr(cp))
+    ]
+    if not candidates:
+        return ()
+    icu = tf.strings.lower([c.encode() for c in candidates], encoding="utf-8").numpy()
+    return tuple((c, c.lower()) for c, got in zip(candidates, icu) if got.decode() != c.lower())

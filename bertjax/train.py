@@ -1,0 +1,378 @@
+"""The one trainer: pretraining and every fine-tuning task run through ``train_and_evaluate``.
+
+A task (``bertjax.task.Task``) supplies the model head, loss, data and evaluation; this module owns
+the mesh, the sharded train state, the pure jitted ``train_step``, logging, evaluation and
+checkpoint/resume (re-running on the same WORKDIR continues; SIGTERM saves, then exits).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+import signal
+import time
+from collections.abc import Callable
+from typing import Any
+
+import flax.linen as nn
+import flax.struct
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding, PartitionSpec
+
+from bertjax import checkpointing, flops, sharding
+from bertjax.metrics_logging import MetricsWriter, Throughput
+from bertjax.optim import create_optimizer, global_norm
+from bertjax.task import Phase, Task, get_task
+
+log = logging.getLogger("bertjax")
+
+
+@flax.struct.dataclass
+class TrainState:
+    """Everything that changes during training (all of it is checkpointed)."""
+
+    step: jax.Array  # [] int32
+    params: Any
+    opt_state: Any
+    rng: jax.Array  # [2] uint32, raw key data (per-step keys are fold_in(rng, step))
+
+
+class PreemptionRequested(Exception):
+    """Raised after the checkpoint that SIGTERM (or a preemption notice) asked for is saved."""
+
+
+@dataclasses.dataclass
+class Setup:
+    """The pieces ``train_and_evaluate`` and ``compile_train_step`` share."""
+
+    task: Task
+    model: nn.Module
+    mesh: Any
+    rules: tuple
+    tx: optax.GradientTransformation
+    schedule: Callable
+    phases: list[Phase]
+    abstract_state: Any  # unboxed ShapeDtypeStructs
+    state_shardings: Any
+    init_state: Callable[[jax.Array], TrainState]
+
+
+def build(config: ml_collections.ConfigDict, workdir: str, task: Task | None = None) -> Setup:
+    """Creates the task, model, mesh, optimizer and the (abstract) sharded train state."""
+    task = task or get_task(config.task, config, workdir)
+    model_cfg = task.model_config()
+    model = task.build_model(model_cfg)
+    num = config.mesh.get("num_devices", 0)
+    devices = jax.devices()[:num] if num else None
+    mesh = sharding.create_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor, devices)
+    rules = sharding.rules_from_config(config.mesh.get("rules"))
+    phases = task.phases()
+    tx, schedule = create_optimizer(config, phases[-1].until_step)
+    init_batch = task.init_batch(phases[0], 1)
+
+    def init_boxed(rng):
+        params_rng, train_rng = jax.random.split(jax.random.wrap_key_data(rng))
+        params = task.initial_params(model, params_rng, init_batch)
+        return TrainState(
+            step=jnp.zeros((), jnp.int32),
+            params=params,
+            opt_state=tx.init(params),
+            rng=jax.random.key_data(train_rng),
+        )
+
+    rng0 = jax.random.key_data(jax.random.key(config.train.seed))
+    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+        abstract_boxed = jax.eval_shape(init_boxed, rng0)
+    abstract = nn.meta.unbox(abstract_boxed)
+    state_shardings = sharding.logical_shardings(abstract_boxed, mesh, rules)
+
+    def init_state(rng):
+        with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+            state = jax.jit(lambda r: nn.meta.unbox(init_boxed(r)), out_shardings=state_shardings)(
+                rng
+            )
+        params = task.init_params(model, state.params)
+        if params is not state.params:
+            params = jax.device_put(params, state_shardings.params)
+            state = state.replace(params=params, opt_state=jax.jit(tx.init)(params))
+            state = jax.device_put(state, state_shardings)
+        return state
+
+    return Setup(
+        task, model, mesh, rules, tx, schedule, phases, abstract, state_shardings, init_state
+    )
+
+
+def make_train_step(setup: Setup, accum_steps: int) -> Callable:
+    """The pure ``train_step(state, batch) -> (state, metrics)`` of a setup (not yet jitted)."""
+    task, model, tx = setup.task, setup.model, setup.tx
+    batch_axes = dict(setup.rules).get("batch", ("data", "fsdp"))
+
+    def train_step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
+        norms = task.normalizers(batch)
+        step_rng = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
+
+        def loss_fn(params, micro, rng):
+            return task.loss(model, params, micro, rng, norms, deterministic=False)
+
+        grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+        if accum_steps == 1:
+            (loss, metrics), grads = grad_fn(state.params, batch, step_rng)
+        else:
+            # Micro-batch i takes rows i, i+accum, ...: every device keeps its share of each one.
+            def split(x):
+                x = x.reshape(x.shape[0] // accum_steps, accum_steps, *x.shape[1:]).swapaxes(0, 1)
+                spec = PartitionSpec(None, batch_axes, *([None] * (x.ndim - 2)))
+                return jax.lax.with_sharding_constraint(x, NamedSharding(setup.mesh, spec))
+
+            micro = jax.tree.map(split, batch)
+
+            def body(carry, xs):
+                index, mb = xs
+                (loss_i, metrics_i), grads_i = grad_fn(
+                    state.params, mb, jax.random.fold_in(step_rng, index)
+                )
+                return jax.tree.map(jnp.add, carry, (loss_i, metrics_i, grads_i)), None
+
+            zero_metrics = jax.eval_shape(lambda: grad_fn(state.params, jax.tree.map(
+                lambda x: x[0], micro), step_rng))[0][1]
+            init = (
+                jnp.zeros((), jnp.float32),
+                jax.tree.map(lambda m: jnp.zeros(m.shape, m.dtype), zero_metrics),
+                jax.tree.map(jnp.zeros_like, state.params),
+            )
+            (loss, metrics, grads), _ = jax.lax.scan(
+                body, init, (jnp.arange(accum_steps), micro)
+            )
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        metrics = dict(metrics)
+        metrics.update(
+            loss=loss,
+            learning_rate=setup.schedule(state.step),
+            grad_norm=global_norm(grads),
+            param_norm=global_norm(params),
+            update_norm=global_norm(updates),
+        )
+        new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
+        return new_state, metrics
+
+    return train_step
+
+
+def jit_train_step(setup: Setup, accum_steps: int):
+    """``train_step`` jitted with explicit state/batch shardings and the state donated."""
+    batch_sharding = sharding.batch_sharding(setup.mesh, setup.rules)
+    return jax.jit(
+        make_train_step(setup, accum_steps),
+        in_shardings=(setup.state_shardings, batch_sharding),
+        out_shardings=(setup.state_shardings, sharding.replicated(setup.mesh)),
+        donate_argnums=(0,),
+    )
+
+
+def compile_train_step(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
+    """Lowers and compiles the first phase's step ahead of time; returns XLA's memory analysis."""
+    setup = build(config, workdir)
+    phase = setup.phases[0]
+    batch = setup.task.init_batch(phase, phase.global_batch_size)
+    batch_sharding = sharding.batch_sharding(setup.mesh, setup.rules)
+    abstract_batch = {
+        k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=batch_sharding) for k, v in batch.items()
+    }
+    abstract_state = checkpointing.abstract_like(setup.abstract_state, setup.state_shardings)
+    step = jit_train_step(setup, config.train.grad_accum_steps)
+    t0 = time.perf_counter()
+    with jax.set_mesh(setup.mesh), nn.logical_axis_rules(setup.rules):
+        compiled = step.lower(abstract_state, abstract_batch).compile()
+    mem = compiled.memory_analysis()
+    state_bytes = sum(
+        int(np.prod(s.shard_shape(x.shape))) * x.dtype.itemsize
+        for x, s in zip(
+            jax.tree.leaves(setup.abstract_state), jax.tree.leaves(setup.state_shardings)
+        )
+    )
+    report = {
+        "compile_seconds": time.perf_counter() - t0,
+        "devices": len(setup.mesh.devices.flat),
+        "mesh": dict(setup.mesh.shape),
+        "state_bytes_per_device": state_bytes,
+    }
+    for key in ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes",
+                "alias_size_in_bytes", "generated_code_size_in_bytes"):
+        report[key] = int(getattr(mem, key, 0) or 0) if mem is not None else None
+    return report
+
+
+class _StopFlag:
+    """Set by SIGTERM; checked once per step (agreed across hosts through JAX's sync point)."""
+
+    def __init__(self):
+        self.requested = False
+        self._previous = None
+
+    def install(self):
+        try:
+            self._previous = signal.signal(signal.SIGTERM, self._handle)
+        except ValueError:  # not the main thread
+            self._previous = None
+
+    def _handle(self, signum, frame):
+        log.warning("SIGTERM received: saving a checkpoint, then exiting")
+        self.requested = True
+
+    def restore(self):
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+
+    def should_stop(self, step: int) -> bool:
+        if jax.process_count() > 1:
+            return self.requested or multihost_utils.reached_preemption_sync_point(step)
+        return self.requested
+
+
+def _host_metrics(sums: dict, count: int) -> dict[str, float]:
+    values = jax.device_get(sums)
+    return {k: float(v) / count for k, v in values.items()}
+
+
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
+    """Trains (resuming from WORKDIR if it holds a checkpoint), evaluates, checkpoints.
+
+    Returns the last train and eval metrics.
+    """
+    os.makedirs(workdir, exist_ok=True) if "://" not in workdir else None
+    task = get_task(config.task, config, workdir)
+    if jax.process_index() == 0:
+        task.prepare()
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices("bertjax: data prepared")
+    task.after_prepare()
+    setup = build(config, workdir, task)
+    tcfg = config.train
+    writer = MetricsWriter(workdir, tensorboard=config.get("tensorboard", True))
+    ckpt = checkpointing.Checkpointer(
+        os.path.join(workdir, "checkpoints"),
+        keep=tcfg.keep_checkpoints,
+        async_save=tcfg.async_checkpoints,
+    )
+    config_json = config.to_json_best_effort(sort_keys=True)
+    total_steps = setup.phases[-1].until_step
+    data_state: dict = {}
+    if ckpt.latest_step() is not None:
+        abstract = checkpointing.abstract_like(setup.abstract_state, setup.state_shardings)
+        state, data_state, _, start = ckpt.restore(abstract)
+        writer.truncate_after(start)
+        log.info("resumed from %s at step %d", ckpt.directory, start)
+    else:
+        state = setup.init_state(jax.random.key_data(jax.random.key(tcfg.seed)))
+        start = 0
+    n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(setup.abstract_state.params))
+    log.info("task %s: %s parameters, mesh %s, %d steps", task.describe(), f"{n_params:,}",
+             dict(setup.mesh.shape), total_steps)
+    stop = _StopFlag()
+    stop.install()
+    result: dict[str, Any] = {}
+    step = start
+    t_start = time.perf_counter()
+    peak = flops.device_peak_tflops(override=tcfg.get("peak_tflops", 0.0))
+    try:
+        for phase_index, phase in enumerate(setup.phases):
+            if step >= phase.until_step:
+                continue
+            result = _run_phase(setup, config, phase, phase_index, state, step, data_state,
+                                writer, ckpt, stop, config_json, t_start, start, peak)
+            state, step = result.pop("_state"), result.pop("_step")
+            data_state = {}
+        ckpt.wait()
+    finally:
+        stop.restore()
+        ckpt.close()
+        writer.close()
+    result["step"] = step
+    return result
+
+
+def _run_phase(setup, config, phase, phase_index, state, step, data_state, writer, ckpt, stop,
+               config_json, t_start, first_step, peak) -> dict:
+    """Runs one phase (fixed shapes) from ``step`` to ``phase.until_step``."""
+    task, tcfg = setup.task, config.train
+    pcount, pindex = jax.process_count(), jax.process_index()
+    if phase.global_batch_size % (pcount * tcfg.grad_accum_steps):
+        raise ValueError(
+            f"config key train.global_batch_size={phase.global_batch_size} is not divisible by "
+            f"processes*grad_accum_steps={pcount}*{tcfg.grad_accum_steps}"
+        )
+    data = task.train_data(phase, pindex, pcount)
+    if data_state.get("phase") == phase_index and data_state.get("iterator"):
+        data.restore(data_state["iterator"])
+    p_step = jit_train_step(setup, tcfg.grad_accum_steps)
+    eval_fn = jax.jit(
+        lambda params, batch: task.eval_outputs(setup.model, params, batch),
+        in_shardings=(setup.state_shardings.params, sharding.batch_sharding(setup.mesh, setup.rules)),
+        out_shardings=sharding.replicated(setup.mesh),
+    )
+    seq_len, masked = task.step_shape(phase)
+    step_flops = task.flops_per_step(setup.model.config, phase)
+    n_devices = len(setup.mesh.devices.flat)
+    meter = Throughput()
+    sums, count = None, 0
+    last_train: dict[str, float] = {}
+    last_eval: dict[str, float] = {}
+    guard = "disallow" if tcfg.get("transfer_guard", True) else "allow"
+
+    def run_eval(params):
+        def run(batch):
+            gb = sharding.global_batch(batch, setup.mesh, setup.rules)
+            with jax.set_mesh(setup.mesh), nn.logical_axis_rules(setup.rules):
+                return jax.device_get(eval_fn(params, gb))
+
+        return task.evaluate(run, phase)
+
+    while step < phase.until_step:
+        batch = sharding.global_batch(next(data), setup.mesh, setup.rules)
+        with jax.set_mesh(setup.mesh), nn.logical_axis_rules(setup.rules), jax.transfer_guard(guard):
+            state, metrics = p_step(state, batch)
+        step += 1
+        meter.tick()
+        sums = metrics if sums is None else jax.tree.map(jnp.add, sums, metrics)
+        count += 1
+        is_last = step == phase.until_step
+        if step % tcfg.log_every == 0 or is_last:
+            last_train = _host_metrics(sums, count)
+            if not math.isfinite(last_train["loss"]):
+                raise FloatingPointError(
+                    f"non-finite loss {last_train['loss']} at step {step} (task {task.name}); "
+                    "lower optimizer.learning_rate or check the data"
+                )
+            rates = meter.rates(phase.global_batch_size, seq_len)
+            achieved = rates["steps_per_sec"] * step_flops / n_devices / 1e12
+            last_train.update(rates, tflops_per_device=achieved)
+            if peak:
+                last_train["mfu"] = achieved / peak
+            writer.write(step, last_train, "train", setup.phases[-1].until_step,
+                         time.perf_counter() - t_start if step > first_step else None)
+            sums, count = None, 0
+            meter.reset()
+        if (tcfg.eval_every and step % tcfg.eval_every == 0) or is_last:
+            last_eval = run_eval(state.params)
+            if last_eval:
+                writer.write(step, last_eval, "eval")
+            meter.reset()
+        stopping = stop.should_stop(step)
+        if step % tcfg.checkpoint_every == 0 or is_last or stopping:
+            data_pos = {"phase": phase_index, "iterator": data.state()}
+            if is_last and phase_index + 1 < len(setup.phases):
+                data_pos = {"phase": phase_index + 1, "iterator": {}}
+            ckpt.save(step, state, data_pos, config_json, force=True)
+        if stopping:
+            ckpt.wait()
+            raise PreemptionRequested(f"stopped at step {step} after saving a checkpoint")
+    return {"_state": state, "_step": step, "train": last_train, "eval": last_eval}

@@ -1,0 +1,80 @@
+"""Shared defaults for every bertjax experiment; each config file is a small delta on this one."""
+
+import ml_collections
+
+from bertjax.sharding import RULES
+
+
+def get_config() -> ml_collections.ConfigDict:
+    c = ml_collections.ConfigDict()
+    c.task = "pretrain"  # a name from the task registry (bertjax.tasks.registry)
+
+    # Model: a named preset plus field overrides (see bertjax.model_config).
+    c.model = ml_collections.ConfigDict()
+    c.model.preset = "base"
+    c.model.dtype = "float32"  # compute dtype; "bfloat16" on TPU/GPU
+    c.model.hidden_dropout = 0.1
+    c.model.attention_dropout = 0.1
+    c.model.max_position_embeddings = 512
+    c.model.type_vocab_size = 2
+    c.model.attention_impl = "xla"
+    c.model.remat = "none"
+    c.model.scan_layers = False
+
+    # Pretraining data: a corpus turned into TFRecords by `bertjax prepare` (run automatically).
+    c.data = ml_collections.ConfigDict()
+    c.data.corpus = ""  # glob(s), comma-separated, gs:// allowed, or tfds:NAME:SPLIT[:FEATURE]
+    c.data.corpus_format = "text"  # text (raw documents) | bert (one sentence per line)
+    c.data.demo_corpus = False  # build a corpus from the Python stdlib docstrings (offline)
+    c.data.prepared_dir = ""  # default: WORKDIR/data
+    c.data.vocab = ""  # vocab.txt / .model; empty: train one from the corpus
+    c.data.vocab_kind = "wordpiece"  # when training a vocabulary: wordpiece | sentencepiece
+    c.data.vocab_size = 30522  # when training a vocabulary
+    c.data.do_lower_case = True
+    c.data.max_seq_length = 128
+    c.data.max_predictions_per_seq = 20
+    c.data.masked_lm_prob = 0.15
+    c.data.short_seq_prob = 0.1
+    c.data.dupe_factor = 5
+    c.data.nsp = True
+    c.data.masking = "static"  # static (in the records) | dynamic (fresh every epoch, in tf.data)
+    c.data.whole_word_mask = False
+    c.data.eval_fraction = 0.01
+    c.data.num_shards = 8
+    c.data.shuffle_buffer = 10_000
+    c.data.seed = 12345
+    # Sequence-length phases (the paper: 128 for 90% of the steps, then 512). Empty: one phase.
+    c.data.phases = ()
+
+    c.train = ml_collections.ConfigDict()
+    c.train.steps = 1_000_000
+    c.train.seed = 0
+    c.train.global_batch_size = 256
+    c.train.grad_accum_steps = 1  # micro-batches per step (global batch larger than memory)
+    c.train.log_every = 100
+    c.train.eval_every = 10_000
+    c.train.eval_steps = 50
+    c.train.checkpoint_every = 10_000
+    c.train.keep_checkpoints = 3
+    c.train.async_checkpoints = True
+    c.train.transfer_guard = True  # jax_transfer_guard=disallow inside the loop
+    c.train.peak_tflops = 0.0  # per-device peak for MFU on unknown devices (e.g. CPU)
+
+    c.optimizer = ml_collections.ConfigDict()
+    c.optimizer.name = "adamw"  # adamw | lamb
+    c.optimizer.learning_rate = 1e-4
+    c.optimizer.warmup_steps = 10_000
+    c.optimizer.b1 = 0.9
+    c.optimizer.b2 = 0.999
+    c.optimizer.eps = 1e-6
+    c.optimizer.weight_decay = 0.01
+    c.optimizer.grad_clip_norm = 1.0
+    c.optimizer.end_lr_factor = 0.0
+
+    c.mesh = ml_collections.ConfigDict()
+    c.mesh.data = -1
+    c.mesh.fsdp = 1
+    c.mesh.tensor = 1
+    c.mesh.num_devices = 0  # 0: every device; N: the first N (tests, debugging)
+    c.mesh.rules = [list(rule) for rule in RULES]
+    return c

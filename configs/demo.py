@@ -1,0 +1,32 @@
+"""The offline default of `make pretrain`: a mini BERT on a real-English corpus built locally.
+
+The corpus is the docstrings of the running Python's standard library (bertjax.data.demo_corpus), the
+vocabulary is trained from it, and the run takes a few minutes on 2 CPU cores with MLM accuracy rising.
+"""
+
+from configs import base
+
+
+def get_config():
+    c = base.get_config()
+    c.model.preset = "mini"
+    c.model.max_position_embeddings = 128
+    c.model.hidden_dropout = 0.0
+    c.model.attention_dropout = 0.0
+    c.data.demo_corpus = True
+    c.data.corpus_format = "bert"
+    c.data.vocab_size = 8000
+    c.data.max_seq_length = 64
+    c.data.max_predictions_per_seq = 10
+    c.data.dupe_factor = 2
+    c.data.eval_fraction = 0.02
+    c.data.num_shards = 4
+    c.train.steps = 600
+    c.train.global_batch_size = 32
+    c.train.log_every = 25
+    c.train.eval_every = 200
+    c.train.eval_steps = 10
+    c.train.checkpoint_every = 200
+    c.optimizer.learning_rate = 1e-3
+    c.optimizer.warmup_steps = 60
+    return c

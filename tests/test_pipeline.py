@@ -1,0 +1,419 @@
+"""Tests for bertjax/data/pipeline.py: order, exact resume, host splits, dynamic masks, ArrayData."""
+
+import json
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from bertjax.data import pipeline
+
+SEQ, PRED = 12, 3
+CLS, SEP, MASK = 101, 102, 103
+SHARD_SIZES = (7, 5, 6, 4)  # 22 examples in 4 shards
+
+
+def _int_feature(values):
+    return tf.train.Feature(int64_list=tf.train.Int64List(value=[int(v) for v in values]))
+
+
+def _example_tokens(g: int) -> list[int]:
+    """The unmasked tokens of example g: [CLS] 1000+g body... [SEP]; the id sits at position 1."""
+    body = [2000 + (g * 7 + j) % 500 for j in range(2 + g % 5)]
+    return [CLS, 1000 + g, *body, SEP]
+
+
+def write_prepared(root, shard_sizes=SHARD_SIZES, masking="static", split="train", nsp=True):
+    """Writes prepared-format shards + metadata.json; example g (global) is _example_tokens(g)."""
+    root.mkdir(parents=True, exist_ok=True)
+    n, g, counts = len(shard_sizes), 0, {}
+    for i, size in enumerate(shard_sizes):
+        name = f"{split}-{i:05d}-of-{n:05d}.tfrecord"
+        counts[name] = size
+        with tf.io.TFRecordWriter(str(root / name)) as writer:
+            for _ in range(size):
+                tokens = _example_tokens(g)
+                ids = np.zeros(SEQ, np.int64)
+                ids[: len(tokens)] = tokens
+                feats = {
+                    "input_mask": _int_feature(np.arange(SEQ) < len(tokens)),
+                    "segment_ids": _int_feature(np.arange(SEQ) >= len(tokens) // 2),
+                }
+                if nsp:
+                    feats["next_sentence_labels"] = _int_feature([g % 2])
+                if masking == "static":
+                    positions = [2, 3, 0]
+                    feats["masked_lm_positions"] = _int_feature(positions)
+                    feats["masked_lm_ids"] = _int_feature([ids[2], ids[3], 0])
+                    feats["masked_lm_weights"] = tf.train.Feature(
+                        float_list=tf.train.FloatList(value=[1.0, 1.0, 0.0])
+                    )
+                    ids[2:4] = MASK
+                feats["input_ids"] = _int_feature(ids)
+                example = tf.train.Example(features=tf.train.Features(feature=feats))
+                writer.write(example.SerializeToString())
+                g += 1
+    meta = {
+        "max_seq_length": SEQ,
+        "max_predictions_per_seq": PRED,
+        "masked_lm_prob": 0.15,
+        "masking": masking,
+        "whole_word_mask": False,
+        "nsp": nsp,
+        "vocab_file": "vocab.txt",
+        "vocab_size": 3000,
+        "shards": counts,
+    }
+    (root / "metadata.json").write_text(json.dumps(meta))
+    return root
+
+
+def unmask(batch) -> np.ndarray:
+    """Original input_ids of a batch: masked positions filled back from masked_lm_ids."""
+    ids = batch["input_ids"].copy()
+    for row in range(ids.shape[0]):
+        for pos, tok, w in zip(
+            batch["masked_lm_positions"][row],
+            batch["masked_lm_ids"][row],
+            batch["masked_lm_weights"][row],
+        ):
+            if w > 0:
+                ids[row, pos] = tok
+    return ids
+
+
+def example_ids(batch) -> np.ndarray:
+    return unmask(batch)[:, 1] - 1000  # [b]
+
+
+def take(ds, n):
+    return [{k: v.numpy() for k, v in b.items()} for b in ds.take(n)]
+
+
+def assert_batches_equal(a, b):
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert x.keys() == y.keys()
+        for k in x:
+            np.testing.assert_array_equal(x[k], y[k], err_msg=k)
+
+
+@pytest.fixture(scope="module")
+def static_dir(tmp_path_factory):
+    return write_prepared(tmp_path_factory.mktemp("static"))
+
+
+def test_read_metadata_errors(tmp_path):
+    with pytest.raises(ValueError, match=r"metadata.json: metadata file not found"):
+        pipeline.read_metadata(tmp_path)
+    (tmp_path / "metadata.json").write_text('{"max_seq_length": 12,\n oops}')
+    with pytest.raises(ValueError, match=r"metadata.json:2: invalid JSON"):
+        pipeline.read_metadata(tmp_path)
+    (tmp_path / "metadata.json").write_text('{"max_seq_length": 12}')
+    with pytest.raises(ValueError, match=r"missing key\(s\) \['max_predictions_per_seq'"):
+        pipeline.read_metadata(tmp_path)
+
+
+def test_list_and_host_shards(static_dir, tmp_path):
+    shards = pipeline.list_shards(static_dir, "train")
+    assert [s.rsplit("/", 1)[-1] for s in shards] == [
+        f"train-{i:05d}-of-00004.tfrecord" for i in range(4)
+    ]
+    hosts = [pipeline.host_shards(shards, i, 3) for i in range(3)]
+    assert sorted(sum(hosts, [])) == shards
+    assert all(set(a).isdisjoint(b) for i, a in enumerate(hosts) for b in hosts[i + 1 :])
+    with pytest.raises(ValueError, match=r"4 shard\(s\) for 5 hosts"):
+        pipeline.host_shards(shards, 0, 5)
+    with pytest.raises(ValueError, match=r"no shards for split 'eval'"):
+        pipeline.list_shards(static_dir, "eval")
+    write_prepared(tmp_path, shard_sizes=(2, 2, 2))
+    (tmp_path / "train-00001-of-00003.tfrecord").unlink()
+    with pytest.raises(ValueError, match=r"found 2 shards"):
+        pipeline.list_shards(tmp_path, "train")
+
+
+def test_dtypes_and_shapes(static_dir):
+    (batch,) = take(pipeline.pretraining_dataset(static_dir, "train", 5, seed=0), 1)
+    expect = {
+        "input_ids": ((5, SEQ), np.int32),
+        "input_mask": ((5, SEQ), np.int32),
+        "segment_ids": ((5, SEQ), np.int32),
+        "masked_lm_positions": ((5, PRED), np.int32),
+        "masked_lm_ids": ((5, PRED), np.int32),
+        "masked_lm_weights": ((5, PRED), np.float32),
+        "next_sentence_labels": ((5,), np.int32),
+    }
+    assert {k: (v.shape, v.dtype) for k, v in batch.items()} == expect
+    ids = example_ids(batch)
+    for row, g in enumerate(ids):  # every field matches what was written for that example
+        tokens = _example_tokens(g)
+        np.testing.assert_array_equal(unmask(batch)[row, : len(tokens)], tokens)
+        assert batch["input_mask"][row].sum() == len(tokens)
+        assert batch["next_sentence_labels"][row] == g % 2
+        np.testing.assert_array_equal(batch["input_ids"][row, 2:4], [MASK, MASK])
+
+
+def test_epochs_are_permutations_and_differ(static_dir):
+    ds = pipeline.pretraining_dataset(static_dir, "train", 11, seed=3, shuffle_buffer=4)
+    epochs = [
+        np.concatenate([example_ids(b) for b in pair])
+        for pair in np.split(np.array(take(ds, 6)), 3)
+    ]
+    for ids in epochs:
+        assert sorted(ids) == list(range(22))
+    assert not np.array_equal(epochs[0], epochs[1])
+    assert not np.array_equal(epochs[0], np.arange(22))
+    unshuffled = take(
+        pipeline.pretraining_dataset(static_dir, "train", 11, seed=3, shuffle=False), 2
+    )
+    # Without shuffling, the 4 files are interleaved round-robin in name order.
+    assert list(np.concatenate([example_ids(b) for b in unshuffled]))[:8] == [
+        0,
+        7,
+        12,
+        18,
+        1,
+        8,
+        13,
+        19,
+    ]
+
+
+def test_deterministic_for_a_seed(static_dir):
+    make = lambda seed: take(pipeline.pretraining_dataset(static_dir, "train", 4, seed=seed), 8)
+    first = make(7)
+    tf.random.set_seed(1234)  # TF's global seed must not matter
+    assert_batches_equal(first, make(7))
+    other = make(8)
+    assert any(not np.array_equal(a["input_ids"], b["input_ids"]) for a, b in zip(first, other))
+
+
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_resume_static_across_epoch_boundary(static_dir, shuffle):
+    kw = dict(seed=5, shuffle=shuffle, shuffle_buffer=4)
+    fresh = take(
+        pipeline.pretraining_dataset(static_dir, "train", 3, **kw), 20
+    )  # 60 ex = 2.7 epochs
+    for k in (1, 2, 6, 7, 8, 15):  # 7: batch spans epochs 0/1 (examples 21..23)
+        resumed = take(pipeline.pretraining_dataset(static_dir, "train", 3, start_batch=k, **kw), 3)
+        assert_batches_equal(resumed, fresh[k : k + 3])
+
+
+def test_hosts_read_disjoint_examples(static_dir):
+    per_host = []
+    for index in range(2):
+        ds = pipeline.pretraining_dataset(
+            static_dir, "train", 1, seed=0, process_index=index, process_count=2, repeat=False
+        )
+        per_host.append([int(i) for b in take(ds, 100) for i in example_ids(b)])
+    # Host 0 has shards 0, 2 (examples 0-6, 12-17); host 1 has shards 1, 3 (7-11, 18-21).
+    assert sorted(per_host[0]) == [*range(0, 7), *range(12, 18)]
+    assert sorted(per_host[1]) == [*range(7, 12), *range(18, 22)]
+
+
+def test_single_pass_and_remainder(static_dir):
+    ds = pipeline.pretraining_dataset(
+        static_dir, "train", 5, seed=0, repeat=False, drop_remainder=False
+    )
+    sizes = [b["input_ids"].shape[0] for b in take(ds, 100)]
+    assert sizes == [5, 5, 5, 5, 2]
+    ds = pipeline.pretraining_dataset(static_dir, "train", 5, seed=0, repeat=False, start_batch=4)
+    assert take(ds, 100) == []  # only 2 left, dropped as a remainder
+
+
+def test_dynamic_records_need_dynamic_masking(tmp_path):
+    write_prepared(tmp_path, masking="dynamic")
+    with pytest.raises(ValueError, match=r"masking is 'dynamic': records carry no masks"):
+        pipeline.pretraining_dataset(tmp_path, "train", 2, seed=0)
+    with pytest.raises(
+        ValueError, match=r"dynamic_masking: missing key\(s\) \['special_ids', 'word_start'"
+    ):
+        pipeline.pretraining_dataset(
+            tmp_path, "train", 2, seed=0, dynamic_masking={"vocab_size": 3000, "mask_id": MASK}
+        )
+
+
+def test_pretraining_data_state_restore(static_dir):
+    kw = dict(seed=1, process_index=0, process_count=1, shuffle_buffer=4)
+    data = pipeline.PretrainingData(static_dir, "train", 3, **kw)
+    fresh = [next(data) for _ in range(12)]
+    again = pipeline.PretrainingData(static_dir, "train", 3, **kw)
+    for _ in range(8):
+        next(again)
+    state = json.loads(json.dumps(again.state()))
+    assert state["batches_consumed"] == 8
+    assert (state["epoch"], state["example_in_epoch"]) == (1, 2)
+    restored = pipeline.PretrainingData(static_dir, "train", 3, **kw)
+    restored.restore(state)
+    assert_batches_equal([next(restored) for _ in range(4)], fresh[8:])
+    with pytest.raises(ValueError, match=r"seed=1 but this iterator has 2"):
+        pipeline.PretrainingData(static_dir, "train", 3, **{**kw, "seed": 2}).restore(state)
+
+
+def test_restore_with_new_process_count(static_dir):
+    old = [
+        pipeline.PretrainingData(static_dir, "train", 2, seed=4, process_index=i, process_count=2)
+        for i in range(2)
+    ]
+    for data in old:
+        for _ in range(6):
+            next(data)
+    state = old[1].state()
+    assert state["global_examples_consumed"] == 24  # 6 batches * 2 per host * 2 hosts
+    new = pipeline.PretrainingData(static_dir, "train", 3, seed=4, process_index=3, process_count=4)
+    new.restore(state)
+    assert new.state()["batches_consumed"] == 2  # 24 global examples / (3 * 4) per global batch
+    assert new.state()["global_examples_consumed"] == 24
+    expect = take(
+        pipeline.pretraining_dataset(
+            static_dir, "train", 3, seed=4, process_index=3, process_count=4, start_batch=2
+        ),
+        1,
+    )
+    assert_batches_equal([next(new)], expect)
+
+
+def _array_features(n=10):
+    return {"x": np.arange(n) * 10, "y": np.arange(n * 2, dtype=np.float32).reshape(n, 2)}
+
+
+def test_array_data_epochs_and_exact_resume():
+    data = pipeline.ArrayData(_array_features(), 4, seed=2)
+    fresh = [next(data) for _ in range(10)]  # 40 examples = 4 epochs
+    stream = np.concatenate([b["x"] for b in fresh]) // 10
+    for epoch in range(4):
+        assert sorted(stream[epoch * 10 : (epoch + 1) * 10]) == list(range(10))
+    assert not np.array_equal(stream[:10], stream[10:20])
+    np.testing.assert_array_equal(fresh[0]["y"][:, 0], fresh[0]["x"] // 10 * 2)  # rows stay aligned
+    assert all(b["mask"].tolist() == [1.0] * 4 for b in fresh)
+    for k in (1, 2, 3, 7):  # batch 2 spans epochs 0/1
+        resumed = pipeline.ArrayData(_array_features(), 4, seed=2)
+        resumed.restore(json.loads(json.dumps(fresh_state(k))))
+        assert_batches_equal([next(resumed) for _ in range(3)], fresh[k : k + 3])
+
+
+def fresh_state(k):
+    data = pipeline.ArrayData(_array_features(), 4, seed=2)
+    for _ in range(k):
+        next(data)
+    return data.state()
+
+
+def test_array_data_hosts_split_global_batches_and_remap():
+    one = next(pipeline.ArrayData(_array_features(), 6, seed=9))
+    hosts = [
+        pipeline.ArrayData(_array_features(), 3, seed=9, process_index=i, process_count=2)
+        for i in range(2)
+    ]
+    np.testing.assert_array_equal(np.concatenate([next(h)["x"] for h in hosts]), one["x"])
+    # Restore a 2-host state on 3 hosts of 2: the global stream continues exactly.
+    single = pipeline.ArrayData(_array_features(), 6, seed=9)
+    expect = [next(single) for _ in range(3)][1:]
+    state = hosts[0].state()
+    assert state["examples_consumed"] == 6
+    new = [
+        pipeline.ArrayData(_array_features(), 2, seed=9, process_index=i, process_count=3)
+        for i in range(3)
+    ]
+    for h in new:
+        h.restore(state)
+    for want in expect:
+        np.testing.assert_array_equal(np.concatenate([next(h)["x"] for h in new]), want["x"])
+
+
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_array_data_single_pass_sees_every_example_once(shuffle):
+    hosts = [
+        pipeline.ArrayData(
+            _array_features(),
+            2,
+            seed=0,
+            process_index=i,
+            process_count=2,
+            shuffle=shuffle,
+            repeat=False,
+        )
+        for i in range(2)
+    ]
+    assert hosts[0].num_batches() == 3
+    seen, weights = [], []
+    for h in hosts:
+        for batch in h:
+            assert batch["x"].shape == (2,) and batch["mask"].dtype == np.float32
+            seen += list(batch["x"][batch["mask"] > 0] // 10)
+            weights.append(batch["mask"].sum())
+    assert sorted(seen) == list(range(10))
+    assert sum(weights) == 10  # two padded rows on host 1 carry weight 0
+    if not shuffle:
+        assert seen == [0, 1, 4, 5, 8, 9, 2, 3, 6, 7]
+
+
+def test_array_data_errors():
+    with pytest.raises(ValueError, match=r"feature 'b' has 3 examples, expected 4"):
+        pipeline.ArrayData({"a": np.zeros(4), "b": np.zeros(3)}, 2, seed=0)
+    with pytest.raises(ValueError, match=r"'mask' is reserved"):
+        pipeline.ArrayData({"mask": np.zeros(4)}, 2, seed=0)
+    data = pipeline.ArrayData(_array_features(), 2, seed=0)
+    with pytest.raises(ValueError, match=r"num_examples=11 but this iterator has 10"):
+        data.restore({"examples_consumed": 4, "seed": 0, "num_examples": 11})
+
+
+def _dynamic_cfg(whole_word=False):
+    word_start = np.ones(3000, bool)
+    word_start[2000:2020] = False  # "##" pieces: with whole_word they go with the token before
+    return dict(
+        vocab_size=3000,
+        mask_id=MASK,
+        special_ids=(0, CLS, SEP),
+        word_start=word_start,
+        masked_lm_prob=0.3,
+        max_predictions_per_seq=PRED,
+        whole_word=whole_word,
+    )
+
+
+@pytest.fixture(scope="module")
+def dynamic_dir(tmp_path_factory):
+    return write_prepared(tmp_path_factory.mktemp("dynamic"), masking="dynamic")
+
+
+@pytest.mark.parametrize("whole_word", [False, True])
+def test_dynamic_masks_fresh_per_epoch_and_identical_on_resume(dynamic_dir, whole_word):
+    kw = dict(seed=6, shuffle_buffer=4, dynamic_masking=_dynamic_cfg(whole_word))
+    word_start = kw["dynamic_masking"]["word_start"]
+    fresh = take(pipeline.pretraining_dataset(dynamic_dir, "train", 6, **kw), 11)  # 3 epochs
+    masks = {}  # example id -> its masked input_ids + positions, one entry per epoch
+    for batch in fresh:
+        for row, g in enumerate(example_ids(batch)):
+            tokens = _example_tokens(g)
+            np.testing.assert_array_equal(unmask(batch)[row, : len(tokens)], tokens)
+            positions = batch["masked_lm_positions"][row][batch["masked_lm_weights"][row] > 0]
+            assert (0 if whole_word else 1) <= len(positions) <= PRED
+            assert all(tokens[p] not in (CLS, SEP) for p in positions)
+            for p in positions:  # whole words: a masked "##" piece has its word start masked too
+                assert not whole_word or word_start[tokens[p]] or p - 1 in positions
+            masks.setdefault(int(g), []).append(
+                batch["input_ids"][row].tobytes() + positions.tobytes()
+            )
+    assert sorted(masks) == list(range(22)) and all(len(v) == 3 for v in masks.values())
+    changed = sum(len(set(v)) > 1 for v in masks.values())
+    assert changed >= 15  # fresh masks each epoch (a short example may redraw the same mask)
+    for k in (3, 7):  # batch 3 = examples 18-23 spans epochs 0/1; batch 7 spans epochs 1/2
+        resumed = take(
+            pipeline.pretraining_dataset(dynamic_dir, "train", 6, start_batch=k, **kw), 2
+        )
+        assert_batches_equal(resumed, fresh[k : k + 2])
+
+
+def test_dynamic_masking_overrides_static_masks(static_dir):
+    batch = take(
+        pipeline.pretraining_dataset(
+            static_dir, "train", 4, seed=0, dynamic_masking=_dynamic_cfg()
+        ),
+        1,
+    )[0]
+    w = batch["masked_lm_weights"]
+    assert batch["masked_lm_positions"].dtype == np.int32 and w.dtype == np.float32
+    # Static records mask positions 2,3 with [MASK]; the new masks are drawn from the unmasked ids
+    # the records hold, which include the stored [MASK] tokens as ordinary ids.
+    assert (w.sum(axis=1) >= 1).all()
