@@ -77,7 +77,10 @@ def train_command(argv: list[str], command: str) -> None:
 
     def run(_):
         setup_logging()
-        distributed.initialize_from_flags()
+        try:
+            distributed.initialize_from_flags()
+        except distributed.DistributedStartupError as err:
+            sys.exit(f"bertjax: error: {err}")
         from bertjax import train
 
         config, workdir = config_flag.value, flags.FLAGS.workdir
@@ -89,7 +92,12 @@ def train_command(argv: list[str], command: str) -> None:
         if command == "finetune" and config.task == "pretrain":
             raise app.UsageError("finetune needs --config.task=<a fine-tuning task>")
         try:
-            result = train.train_and_evaluate(config, workdir)
+            if command == "finetune":
+                from bertjax import finetune
+
+                result = finetune.run(config, workdir)
+            else:
+                result = train.train_and_evaluate(config, workdir)
         except train.PreemptionRequested as stopped:
             logging.getLogger("bertjax").warning("%s", stopped)
             sys.exit(0)
@@ -110,8 +118,8 @@ def main(argv: list[str] | None = None) -> None:
     target = COMMANDS[command][0]
     module_name, func_name = target.split(":")
     func = getattr(importlib.import_module(module_name), func_name)
-    if func is train_command:
-        func(rest, command)
+    if target == "bertjax.cli:train_command":
+        train_command(rest, command)
     else:
         setup_logging()
         func(rest)

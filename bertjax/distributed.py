@@ -1,21 +1,16 @@
 """Multi-host start-up: one call before any device is touched, plus small cross-host helpers.
 
-`initialize()` picks one of four modes:
+`initialize()` runs in one of four modes: ``single`` (nothing set, no cluster: no-op);
+``explicit`` (coordinator, process count and id from arguments, ``--distributed.*`` flags or the
+``BERTJAX_*`` variables that ``launch/local.sh`` sets); ``slurm`` (an ``srun`` step with several
+tasks); ``tpu`` (a Cloud TPU VM; JAX asks the metadata server for the workers).
 
-* ``single``: nothing set and no cluster found -> no-op (one process owns all local devices);
-* ``explicit``: coordinator / process count / process id given by argument, by the
-  ``--distributed.*`` flags or by ``BERTJAX_COORDINATOR`` / ``BERTJAX_NUM_PROCESSES`` /
-  ``BERTJAX_PROCESS_ID`` (what ``launch/local.sh`` sets);
-* ``slurm``: inside an ``srun`` step with more than one task (JAX's SLURM detection);
-* ``tpu``: on a Cloud TPU VM (JAX's TPU pod detection through the metadata server).
-
-`jax.distributed.initialize` cannot report which processes are missing: when one never starts,
-every other process waits out the timeout and then aborts from C++ with "Deadline Exceeded".
-So in explicit and SLURM modes the processes first meet in a *roll call* on the coordinator
-port (plain TCP, one JSON line each way): process 0 listens, the others report their id, and
-process 0 answers once all ids are present. A missing, duplicated or mis-configured process
-becomes a one-line `DistributedStartupError` on every process that is running, raised within
-``timeout_s``. A watchdog also ends the process if JAX's own start-up exceeds the timeout.
+`jax.distributed.initialize` cannot say which process is missing: the others wait out the
+timeout and abort from C++ with "Deadline Exceeded". So in explicit and SLURM modes the
+processes first meet in a *roll call* on the coordinator port (plain TCP, one JSON line each
+way). A missing, duplicated or mis-configured process becomes a one-line
+`DistributedStartupError` on every running process within ``timeout_s``; a watchdog also ends
+the process if JAX's own start-up overruns.
 """
 
 from __future__ import annotations
@@ -38,13 +33,12 @@ from absl import flags, logging
 ENV_COORDINATOR = "BERTJAX_COORDINATOR"
 ENV_NUM_PROCESSES = "BERTJAX_NUM_PROCESSES"
 ENV_PROCESS_ID = "BERTJAX_PROCESS_ID"
-_SLURM_VARS = (
-    "SLURM_JOB_ID",
-    "SLURM_STEP_NODELIST",
-    "SLURM_NTASKS",
-    "SLURM_PROCID",
-    "SLURM_LOCALID",
-)
+_ENV_NAMES = (ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID)
+# What JAX's SLURM detection requires (jax/_src/clusters/slurm_cluster.py).
+_SLURM_VARS = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID")
+_SLURM_VARS += ("SLURM_LOCALID",)
+_FLAG_NAMES = ("coordinator", "num_processes", "process_id", "timeout_s")
+_FLAG_NAMES += ("heartbeat_timeout_s", "local_device_ids")
 _JOIN_GRACE_S = 10.0  # how much longer a joining process waits for process 0's verdict
 
 
@@ -63,46 +57,21 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
     """Defines the ``--distributed.*`` absl flags; calling it again is a no-op."""
     if "distributed.coordinator" in flag_values:
         return
-    flags.DEFINE_string(
-        "distributed.coordinator",
-        None,
-        f"host:port of process 0 for multi-process runs (env {ENV_COORDINATOR}).",
-        flag_values=flag_values,
-    )
+    fv = dict(flag_values=flag_values)
+    help_coordinator = f"host:port of process 0 in a multi-process run (env {ENV_COORDINATOR})."
+    flags.DEFINE_string("distributed.coordinator", None, help_coordinator, **fv)
+    help_count = f"Total number of processes (env {ENV_NUM_PROCESSES})."
+    flags.DEFINE_integer("distributed.num_processes", None, help_count, lower_bound=1, **fv)
+    help_id = f"This process's id in [0, num_processes) (env {ENV_PROCESS_ID})."
+    flags.DEFINE_integer("distributed.process_id", None, help_id, lower_bound=0, **fv)
+    help_timeout = "Seconds to wait for every process to join before failing."
+    flags.DEFINE_integer("distributed.timeout_s", 300, help_timeout, lower_bound=1, **fv)
+    help_heartbeat = "Seconds without a heartbeat after which JAX declares a process dead."
     flags.DEFINE_integer(
-        "distributed.num_processes",
-        None,
-        f"Total number of processes (env {ENV_NUM_PROCESSES}).",
-        lower_bound=1,
-        flag_values=flag_values,
+        "distributed.heartbeat_timeout_s", 100, help_heartbeat, lower_bound=1, **fv
     )
-    flags.DEFINE_integer(
-        "distributed.process_id",
-        None,
-        f"This process's id in [0, num_processes) (env {ENV_PROCESS_ID}).",
-        lower_bound=0,
-        flag_values=flag_values,
-    )
-    flags.DEFINE_integer(
-        "distributed.timeout_s",
-        300,
-        "Seconds to wait for every process to join before failing.",
-        lower_bound=1,
-        flag_values=flag_values,
-    )
-    flags.DEFINE_integer(
-        "distributed.heartbeat_timeout_s",
-        100,
-        "Seconds without a heartbeat after which JAX declares a process dead.",
-        lower_bound=1,
-        flag_values=flag_values,
-    )
-    flags.DEFINE_list(
-        "distributed.local_device_ids",
-        None,
-        "Comma-separated local device ids this process may use (default: JAX's choice).",
-        flag_values=flag_values,
-    )
+    help_ids = "Comma-separated local device ids this process uses (default: JAX's choice)."
+    flags.DEFINE_list("distributed.local_device_ids", None, help_ids, **fv)
 
 
 def initialize_from_flags(flag_values: flags.FlagValues = flags.FLAGS) -> str:
@@ -111,22 +80,14 @@ def initialize_from_flags(flag_values: flags.FlagValues = flags.FLAGS) -> str:
         raise DistributedStartupError(
             "call bertjax.distributed.define_flags() before parsing flags"
         )
-    f = flag_values
-    ids = f["distributed.local_device_ids"].value
+    value = {name: flag_values[f"distributed.{name}"].value for name in _FLAG_NAMES}
+    ids = value.pop("local_device_ids")
     try:
-        local_ids = [int(x) for x in ids] if ids else None
+        value["local_device_ids"] = [int(x) for x in ids] if ids else None
     except ValueError:
-        raise DistributedStartupError(
-            f"--distributed.local_device_ids={','.join(ids)} is not a list of integers"
-        ) from None
-    return initialize(
-        coordinator=f["distributed.coordinator"].value,
-        num_processes=f["distributed.num_processes"].value,
-        process_id=f["distributed.process_id"].value,
-        timeout_s=f["distributed.timeout_s"].value,
-        local_device_ids=local_ids,
-        heartbeat_timeout_s=f["distributed.heartbeat_timeout_s"].value,
-    )
+        message = f"--distributed.local_device_ids={','.join(ids)} is not a list of integers"
+        raise DistributedStartupError(message) from None
+    return initialize(**value)
 
 
 def initialize(
@@ -156,6 +117,8 @@ def initialize(
     )
     mode, settings = _choose_mode(given, os.environ)
     if mode == "single":
+        if local_device_ids is not None:
+            logging.warning("local_device_ids=%s ignored by a single process", local_device_ids)
         logging.info("bertjax.distributed: single process, no distributed runtime")
         return mode
     if cpu_collectives:
@@ -174,25 +137,16 @@ def initialize(
             num_processes=settings.num_processes,
             process_id=settings.process_id,
         )
-    else:  # tpu: JAX reads the worker list from the metadata server; explicit values override.
-        kwargs.update(
-            {
-                k: v
-                for k, v in dict(
-                    coordinator_address=given.coordinator,
-                    num_processes=given.num_processes,
-                    process_id=given.process_id,
-                ).items()
-                if v is not None
-            }
-        )
+    else:  # tpu: JAX reads the worker list from the metadata server; given values override.
+        names = ("coordinator_address", "num_processes", "process_id")
+        kwargs.update((k, v) for k, v in zip(names, dataclasses.astuple(given)) if v is not None)
     logging.info("bertjax.distributed: %s start-up with %s", mode, kwargs)
     # JAX aborts on its own after `initialization_timeout`; this catches hangs around it.
     message = (
         f"JAX distributed start-up ({mode}) did not finish within {timeout_s + 30:g} s; "
         "a process stopped after the roll call or the coordinator is unreachable"
     )
-    with _watchdog(timeout_s + 30, message):
+    with _Watchdog(timeout_s + 30, message):
         try:
             jax.distributed.initialize(**kwargs)
         except ValueError as e:
@@ -211,11 +165,13 @@ def roll_call(coordinator: str, num_processes: int, process_id: int, timeout_s: 
     coordinator, a duplicated id, a disagreeing process count) within about ``timeout_s``.
     """
     host, port = parse_coordinator(coordinator)
-    deadline = time.monotonic() + timeout_s
+    meeting = _Meeting(
+        coordinator, host, port, num_processes, timeout_s, time.monotonic() + timeout_s
+    )
     if process_id == 0:
-        _serve_roll_call(port, num_processes, coordinator, timeout_s, deadline)
+        _serve_roll_call(meeting)
     else:
-        _join_roll_call(host, port, process_id, num_processes, coordinator, timeout_s, deadline)
+        _join_roll_call(meeting, process_id)
 
 
 def parse_coordinator(coordinator: str) -> tuple[str, int]:
@@ -264,9 +220,8 @@ def broadcast_from_coordinator(value: Any) -> Any:
     try:
         payload = json.dumps(value, sort_keys=True).encode()
     except (TypeError, ValueError) as e:
-        raise TypeError(
-            f"broadcast_from_coordinator needs a JSON-serializable value: {e}"
-        ) from None
+        message = f"broadcast_from_coordinator needs a JSON-serializable value: {e}"
+        raise TypeError(message) from None
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
 
@@ -328,9 +283,8 @@ def _env_int(environ: Mapping[str, str], name: str) -> int | None:
     try:
         return int(text)
     except ValueError:
-        raise DistributedStartupError(
-            f"environment variable {name}={text!r} is not an integer"
-        ) from None
+        message = f"environment variable {name}={text!r} is not an integer"
+        raise DistributedStartupError(message) from None
 
 
 def _settings_from_env(environ: Mapping[str, str]) -> _Settings:
@@ -365,14 +319,9 @@ def _choose_mode(given: _Settings, environ: Mapping[str, str]) -> tuple[str, _Se
         return "tpu", given
     if all(v is None for v in dataclasses.astuple(given)):
         return "single", given
+    env_names = dict(zip(("coordinator", "num_processes", "process_id"), _ENV_NAMES))
     missing = [
-        name
-        for name, value in (
-            (f"--distributed.coordinator / {ENV_COORDINATOR}", given.coordinator),
-            (f"--distributed.num_processes / {ENV_NUM_PROCESSES}", given.num_processes),
-            (f"--distributed.process_id / {ENV_PROCESS_ID}", given.process_id),
-        )
-        if value is None
+        f"--distributed.{k} / {v}" for k, v in env_names.items() if getattr(given, k) is None
     ]
     raise DistributedStartupError(
         f"incomplete multi-process settings, missing {'; '.join(missing)} "
@@ -407,7 +356,7 @@ def _on_cloud_tpu_vm(environ: Mapping[str, str]) -> bool:
     return bool(getattr(cloud_tpu_init, "running_in_cloud_tpu_vm", False))
 
 
-class _watchdog:
+class _Watchdog:
     """Context manager that ends the process with a one-line message if the body overruns."""
 
     def __init__(self, timeout_s: float, message: str):
@@ -452,14 +401,22 @@ def _read_line(conn: socket.socket, deadline: float) -> bytes | None:
 
 def _listen(port: int) -> socket.socket:
     family = socket.AF_INET6 if socket.has_dualstack_ipv6() else socket.AF_INET
-    return socket.create_server(
-        ("", port), family=family, dualstack_ipv6=family == socket.AF_INET6, reuse_port=False
-    )
+    return socket.create_server(("", port), family=family, dualstack_ipv6=family == socket.AF_INET6)
 
 
-def _serve_roll_call(
-    port: int, num_processes: int, coordinator: str, timeout_s: float, deadline: float
-) -> None:
+@dataclasses.dataclass(frozen=True)
+class _Meeting:
+    coordinator: str
+    host: str
+    port: int
+    num_processes: int
+    timeout_s: float
+    deadline: float  # time.monotonic() value
+
+
+def _serve_roll_call(meeting: _Meeting) -> None:
+    coordinator, port, deadline = meeting.coordinator, meeting.port, meeting.deadline
+    num_processes, timeout_s = meeting.num_processes, meeting.timeout_s
     try:
         listener = _listen(port)
     except OSError as e:
@@ -523,15 +480,8 @@ def _serve_roll_call(
         raise DistributedStartupError(error)
 
 
-def _join_roll_call(
-    host: str,
-    port: int,
-    process_id: int,
-    num_processes: int,
-    coordinator: str,
-    timeout_s: float,
-    deadline: float,
-) -> None:
+def _join_roll_call(meeting: _Meeting, process_id: int) -> None:
+    coordinator, deadline, timeout_s = meeting.coordinator, meeting.deadline, meeting.timeout_s
     last_error: OSError | None = None
     while True:
         remaining = deadline - time.monotonic()
@@ -541,13 +491,13 @@ def _join_roll_call(
                 f"{timeout_s:g} s ({last_error}); is process 0 running and listening there?"
             )
         try:
-            conn = socket.create_connection((host, port), timeout=min(remaining, 5))
+            conn = socket.create_connection((meeting.host, meeting.port), min(remaining, 5))
             break
         except OSError as e:
             last_error = e
             time.sleep(min(0.25, max(remaining, 0)))
     with conn:
-        hello = {"process_id": process_id, "num_processes": num_processes}
+        hello = {"process_id": process_id, "num_processes": meeting.num_processes}
         _send(conn, {**hello, "host": socket.gethostname()})
         line = _read_line(conn, deadline + _JOIN_GRACE_S)
     if line is None:

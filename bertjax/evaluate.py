@@ -107,7 +107,10 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run `bertjax evaluate` with the arguments after "evaluate"; prints JSON, returns the exit code."""
+    """Run `bertjax evaluate` with the arguments after "evaluate"; prints the JSON and returns 0.
+
+    Bad input prints one error line to stderr and raises SystemExit(2), as argparse errors do.
+    """
     args = _parser().parse_args(argv)
     try:
         if args.benchmark == "squad":
@@ -118,7 +121,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             result = evaluate_glue_files(args.task, args.labels, args.predictions, args.split)
     except (ValueError, FileNotFoundError, KeyError) as e:
         print(f"bertjax evaluate: error: {e}", file=sys.stderr)
-        return 2
+        raise SystemExit(2) from None
     print(json.dumps(result, indent=2))
     return 0
 

@@ -137,6 +137,20 @@ class Task:
             if name in totals
         }
 
+    def eval_every(self) -> int:
+        """Steps between evaluations (fine-tuning tasks: once per epoch)."""
+        return self.config.train.eval_every
+
+    def best_metric(self) -> tuple[str, str] | None:
+        """(eval metric name, "max"|"min") whose best value's params are kept in WORKDIR/best."""
+        return None
+
+    def finalize(
+        self, run: Callable[[Batch], dict[str, np.ndarray]], params: Any, workdir: str
+    ) -> dict:
+        """After training, with the best (or last) params: final metrics / prediction files."""
+        return {}
+
     def describe(self) -> str:
         return self.name
 

@@ -5,7 +5,8 @@ data preparation runs at tens of thousands of lines per second. The in-graph pat
 built from tensorflow-text ops with character classes generated from the same Python predicates, so
 it gives the same ids as `encode` inside a `tf.data` pipeline.
 
-Rules of BERT's basic tokenization (as in google-research/bert and transformers' BertTokenizer):
+Rules of BERT's basic tokenization (google-research/bert; reference for equality tests:
+transformers v5's Python `BertTokenizerLegacy`, and its Rust-backed `BertTokenizer`):
   1. clean: drop U+0000, U+FFFD and every Unicode "C*" character except tab/newline/return; map
      "Zs" characters and tab/newline/return to a space;
   2. put spaces around CJK ideographs;
@@ -16,7 +17,8 @@ Rules of BERT's basic tokenization (as in google-research/bert and transformers'
   6. WordPiece: greedy longest-match-first with "##" continuations; a word longer than
      `max_chars_per_word` characters, or one that cannot be covered, becomes [UNK].
 Literal "[CLS]"-like strings in the text are ordinary text (split as punctuation + word), as in the
-original BERT; transformers instead keeps them as special tokens.
+original BERT; transformers instead keeps them as special tokens. The Rust BertTokenizer lower-cases
+per character, so an upper-case final sigma gives "σ" there and "ς" here (and in the Python one).
 """
 
 import functools
@@ -32,21 +34,11 @@ SP_SPACE = "\u2581"  # SentencePiece's word-start marker "▁"
 _CACHE_LIMIT = 1 << 20  # entries in the word -> ids cache before it is cleared
 
 # CJK Unified Ideographs blocks, as BERT defines "Chinese character".
-_CJK_RANGES = (
-    (0x4E00, 0x9FFF),
-    (0x3400, 0x4DBF),
-    (0x20000, 0x2A6DF),
-    (0x2A700, 0x2B73F),
-    (0x2B740, 0x2B81F),
-    (0x2B820, 0x2CEAF),
-    (0xF900, 0xFAFF),
-    (0x2F800, 0x2FA1F),
-)
+_CJK_RANGES = ((0x4E00, 0x9FFF), (0x3400, 0x4DBF), (0x20000, 0x2A6DF), (0x2A700, 0x2B73F),
+               (0x2B740, 0x2B81F), (0x2B820, 0x2CEAF), (0xF900, 0xFAFF), (0x2F800, 0x2FA1F))  # fmt: skip
 
 
-# ---------------------------------------------------------------------------------------------
 # Character classes (BERT definitions).
-# ---------------------------------------------------------------------------------------------
 def is_cjk_char(char: str) -> bool:
     """True for a CJK ideograph, which BERT always treats as a word of its own."""
     cp = ord(char)
@@ -141,9 +133,7 @@ def basic_tokenize(text: str, do_lower_case: bool) -> list[str]:
     return [w for word in _whitespace_words(text) for w in _basic_split_word(word, do_lower_case)]
 
 
-# ---------------------------------------------------------------------------------------------
 # Vocabulary files.
-# ---------------------------------------------------------------------------------------------
 def load_vocab(path: str) -> list[str]:
     """Reads a BERT vocab.txt (one token per line, id = line number - 1) via tf.io.gfile.
 
@@ -167,7 +157,9 @@ def load_vocab(path: str) -> list[str]:
         try:
             token = raw.decode("utf-8").rstrip("\r")
         except UnicodeDecodeError as e:
-            raise ValueError(f"{path}:{lineno}: invalid UTF-8 in vocabulary token ({e.reason})") from None
+            raise ValueError(
+                f"{path}:{lineno}: invalid UTF-8 in vocabulary token ({e.reason})"
+            ) from None
         if not token:
             raise ValueError(f"{path}:{lineno}: empty vocabulary token")
         if token != token.strip() or len(token.split()) != 1:
@@ -194,9 +186,7 @@ def _infer_do_lower_case(vocab: Sequence[str]) -> bool:
     return True
 
 
-# ---------------------------------------------------------------------------------------------
 # Tokenizers.
-# ---------------------------------------------------------------------------------------------
 class _TokenizerBase:
     """Shared id <-> token conversion; subclasses set vocab, specials and `_token_to_id`."""
 
@@ -263,7 +253,9 @@ class WordPieceTokenizer(_TokenizerBase):
             self._token_to_id[t] for t in SPECIAL_TOKENS
         )
         # Longest piece (in characters, "##" excluded) bounds the greedy search.
-        self._max_piece_chars = max(len(t[2:]) if t.startswith("##") else len(t) for t in self.vocab)
+        self._max_piece_chars = max(
+            len(t[2:]) if t.startswith("##") else len(t) for t in self.vocab
+        )
         self._cache: dict[str, tuple[int, ...]] = {}
         self._tf_graph = None
 
@@ -348,7 +340,8 @@ class SentencePieceTokenizer(_TokenizerBase):
         try:
             self._sp.LoadFromSerializedProto(self._model_proto)
         except Exception as e:  # sentencepiece raises RuntimeError/OSError with a long message
-            raise ValueError(f"{self.vocab_file}: not a SentencePiece model ({e})") from None
+            reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise ValueError(f"{self.vocab_file}: not a SentencePiece model ({reason})") from None
         pieces = [self._sp.IdToPiece(i) for i in range(self._sp.GetPieceSize())]
         lookup = {p: i for i, p in enumerate(pieces)}
 
@@ -368,6 +361,8 @@ class SentencePieceTokenizer(_TokenizerBase):
         self.cls_id = find("[CLS]", sp.bos_id(), "<s>", "<cls>")
         self.sep_id = find("[SEP]", sp.eos_id(), "</s>", "<sep>")
         self.mask_id = find("[MASK]", -1, "<mask>")
+        if len(set(self.special_ids)) != len(SPECIAL_TOKENS):
+            raise ValueError(f"{self.vocab_file}: special pieces share ids {self.special_ids}")
         self.vocab = pieces
         for name, i in zip(SPECIAL_TOKENS, self.special_ids):
             self.vocab[i] = name
@@ -470,6 +465,16 @@ def _is_combining_mark(char: str) -> bool:
     return unicodedata.category(char) == "Mn"
 
 
+def _is_cased(char: str) -> bool:
+    """Unicode "Cased" and not "Case_Ignorable", as Python's str.lower() sees it (final sigma)."""
+    return ("1" + char + "\u03a3").lower()[-1] == "\u03c2"
+
+
+def _is_case_ignorable(char: str) -> bool:
+    """Unicode "Case_Ignorable", as Python's str.lower() sees it (final sigma)."""
+    return ("\u0391" + char + "\u03a3").lower()[-1] == "\u03c2" and not _is_cased(char)
+
+
 def _regex_class(predicate_name: str) -> str:
     """An RE2 character class matching exactly the code points where the predicate holds."""
     parts = (
@@ -494,6 +499,11 @@ class _WordPieceGraph:
         self.marks = _regex_class("_is_combining_mark")
         self.cjk = "([" + "".join(f"\\x{{{lo:X}}}-\\x{{{hi:X}}}" for lo, hi in _CJK_RANGES) + "])"
         self.lower_fixes = _lower_fixes(tok.vocab) if tok.do_lower_case else ()
+        if tok.do_lower_case:
+            cased, ignorable = _regex_class("_is_cased"), _regex_class("_is_case_ignorable")
+            neither = "[^" + cased[1:-1] + ignorable[1:-1] + "]"
+            # Σ -> ς when: cased, case-ignorable*, Σ, not followed by (case-ignorable*, cased).
+            self.final_sigma = f"({cased}{ignorable}*)\u03a3({ignorable}*(?:{neither}|$))"
         table = tf.lookup.StaticHashTable(
             tf.lookup.KeyValueTensorInitializer(
                 tf.constant(tok.vocab), tf.range(len(tok.vocab), dtype=tf.int64)
@@ -518,6 +528,9 @@ class _WordPieceGraph:
         words = self._tf_text.regex_split(t, self.space)  # [n, (words)]
         flat = words.flat_values  # [words]
         if self.do_lower_case:
+            # Python's final-sigma rule with Python's Unicode tables (ICU's are another version).
+            flat = tf.strings.regex_replace(flat, self.final_sigma, "\\1\u03c2\\2")
+            flat = tf.strings.regex_replace(flat, "\u03a3", "\u03c3")
             for char, lowered in self.lower_fixes:
                 flat = tf.strings.regex_replace(flat, f"\\x{{{ord(char):X}}}", lowered)
             flat = tf.strings.lower(flat, encoding="utf-8")

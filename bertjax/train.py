@@ -277,6 +277,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(setup.abstract_state.params))
     log.info("task %s: %s parameters, mesh %s, %d steps", task.describe(), f"{n_params:,}",
              dict(setup.mesh.shape), total_steps)
+    best = _BestKeeper(task, workdir)
     stop = _StopFlag()
     stop.install()
     result: dict[str, Any] = {}
@@ -288,10 +289,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
             if step >= phase.until_step:
                 continue
             result = _run_phase(setup, config, phase, phase_index, state, step, data_state,
-                                writer, ckpt, stop, config_json, t_start, start, peak)
+                                writer, ckpt, stop, config_json, t_start, start, peak, best)
             state, step = result.pop("_state"), result.pop("_step")
             data_state = {}
         ckpt.wait()
+        final = _finalize(setup, state, best, workdir, config_json)
+        if final:
+            result["final"] = final
     finally:
         stop.restore()
         ckpt.close()
@@ -301,7 +305,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
 
 
 def _run_phase(setup, config, phase, phase_index, state, step, data_state, writer, ckpt, stop,
-               config_json, t_start, first_step, peak) -> dict:
+               config_json, t_start, first_step, peak, best) -> dict:
     """Runs one phase (fixed shapes) from ``step`` to ``phase.until_step``."""
     task, tcfg = setup.task, config.train
     pcount, pindex = jax.process_count(), jax.process_index()
@@ -314,11 +318,8 @@ def _run_phase(setup, config, phase, phase_index, state, step, data_state, write
     if data_state.get("phase") == phase_index and data_state.get("iterator"):
         data.restore(data_state["iterator"])
     p_step = jit_train_step(setup, tcfg.grad_accum_steps)
-    eval_fn = jax.jit(
-        lambda params, batch: task.eval_outputs(setup.model, params, batch),
-        in_shardings=(setup.state_shardings.params, sharding.batch_sharding(setup.mesh, setup.rules)),
-        out_shardings=sharding.replicated(setup.mesh),
-    )
+    eval_fn = _eval_fn(setup)
+    eval_every = task.eval_every()
     seq_len, masked = task.step_shape(phase)
     step_flops = task.flops_per_step(setup.model.config, phase)
     n_devices = len(setup.mesh.devices.flat)
@@ -329,12 +330,7 @@ def _run_phase(setup, config, phase, phase_index, state, step, data_state, write
     guard = "disallow" if tcfg.get("transfer_guard", True) else "allow"
 
     def run_eval(params):
-        def run(batch):
-            gb = sharding.global_batch(batch, setup.mesh, setup.rules)
-            with jax.set_mesh(setup.mesh), nn.logical_axis_rules(setup.rules):
-                return jax.device_get(eval_fn(params, gb))
-
-        return task.evaluate(run, phase)
+        return task.evaluate(_runner(setup, eval_fn, params), phase)
 
     while step < phase.until_step:
         batch = sharding.global_batch(next(data), setup.mesh, setup.rules)
@@ -361,10 +357,11 @@ def _run_phase(setup, config, phase, phase_index, state, step, data_state, write
                          time.perf_counter() - t_start if step > first_step else None)
             sums, count = None, 0
             meter.reset()
-        if (tcfg.eval_every and step % tcfg.eval_every == 0) or is_last:
+        if (eval_every and step % eval_every == 0) or is_last:
             last_eval = run_eval(state.params)
             if last_eval:
                 writer.write(step, last_eval, "eval")
+                best.update(step, last_eval, state.params, config_json)
             meter.reset()
         stopping = stop.should_stop(step)
         if step % tcfg.checkpoint_every == 0 or is_last or stopping:
@@ -376,3 +373,95 @@ def _run_phase(setup, config, phase, phase_index, state, step, data_state, write
             ckpt.wait()
             raise PreemptionRequested(f"stopped at step {step} after saving a checkpoint")
     return {"_state": state, "_step": step, "train": last_train, "eval": last_eval}
+
+
+def _eval_fn(setup: Setup):
+    task = setup.task
+    return jax.jit(
+        lambda params, batch: task.eval_outputs(setup.model, params, batch),
+        in_shardings=(setup.state_shardings.params, sharding.batch_sharding(setup.mesh, setup.rules)),
+        out_shardings=sharding.replicated(setup.mesh),
+    )
+
+
+def _runner(setup: Setup, eval_fn, params):
+    """host batch -> host NumPy outputs of ``task.eval_outputs`` (what tasks' evaluate() calls)."""
+
+    def run(batch):
+        gb = sharding.global_batch(batch, setup.mesh, setup.rules)
+        with jax.set_mesh(setup.mesh), nn.logical_axis_rules(setup.rules):
+            return jax.device_get(eval_fn(params, gb))
+
+    return run
+
+
+class _BestKeeper:
+    """Keeps the params of the best evaluation (task.best_metric) in WORKDIR/best."""
+
+    def __init__(self, task: Task, workdir: str):
+        self.metric = task.best_metric()
+        self.directory = os.path.join(workdir, "best")
+        self.value = None
+        if self.metric and os.path.isdir(self.directory):
+            ckpt = checkpointing.Checkpointer(self.directory, keep=1, async_save=False)
+            step = ckpt.latest_step()
+            if step is not None:
+                info = ckpt.manager.restore(step, args=checkpointing.ocp.args.Composite(
+                    data=checkpointing.ocp.args.JsonRestore()))["data"]
+                self.value = info.get("value")
+            ckpt.close()
+
+    def better(self, value: float) -> bool:
+        if self.value is None:
+            return True
+        return value > self.value if self.metric[1] == "max" else value < self.value
+
+    def update(self, step: int, metrics: dict, params: Any, config_json: str) -> None:
+        if not self.metric or self.metric[0] not in metrics:
+            return
+        value = float(metrics[self.metric[0]])
+        if not self.better(value):
+            return
+        self.value = value
+        ckpt = checkpointing.Checkpointer(self.directory, keep=1, async_save=False)
+        ckpt.save(step, {"params": params}, {"metric": self.metric[0], "value": value,
+                                             "step": step, "eval": metrics}, config_json,
+                  force=True)
+        ckpt.close()
+        log.info("new best %s=%.4f at step %d (kept in %s)", self.metric[0], value, step,
+                 self.directory)
+
+    def params(self, abstract_params, shardings) -> Any | None:
+        if not self.metric or not os.path.isdir(self.directory):
+            return None
+        ckpt = checkpointing.Checkpointer(self.directory, keep=1, async_save=False)
+        try:
+            step = ckpt.latest_step()
+            if step is None:
+                return None
+            target = {"params": checkpointing.abstract_like(abstract_params, shardings)}
+            restored = ckpt.manager.restore(step, args=checkpointing.ocp.args.Composite(
+                state=checkpointing.ocp.args.StandardRestore(target)))
+            return restored["state"]["params"]
+        finally:
+            ckpt.close()
+
+
+def _finalize(setup: Setup, state: TrainState, best: _BestKeeper, workdir: str, config_json: str):
+    """Runs task.finalize with the best (or last) params and writes WORKDIR/eval_results.json."""
+    params = best.params(setup.abstract_state.params, setup.state_shardings.params)
+    chosen = "best" if params is not None else "last"
+    params = state.params if params is None else params
+    final = setup.task.finalize(_runner(setup, _eval_fn(setup), params), params, workdir)
+    if not final:
+        return {}
+    final = {"params": chosen, "best_metric": best.metric and best.metric[0],
+             "best_value": best.value, **final}
+    if jax.process_index() == 0:
+        import json
+
+        path = os.path.join(workdir, "eval_results.json")
+        with open(path + ".tmp", "w") as f:
+            json.dump(final, f, indent=2, sort_keys=True, default=float)
+        os.replace(path + ".tmp", path)
+    return final

@@ -315,7 +315,7 @@ def test_helpers_in_a_single_process():
 
 
 def test_watchdog_ends_a_hung_process_with_one_line():
-    code = "import time\nfrom bertjax import distributed\nwith distributed._watchdog(0.5, 'stuck'):\n    time.sleep(30)\n"
+    code = "import time\nfrom bertjax import distributed\nwith distributed._Watchdog(0.5, 'stuck'):\n    time.sleep(30)\n"
     start = time.monotonic()
     proc = subprocess.run(
         [sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60

@@ -269,9 +269,10 @@ def test_evaluate_glue_cli(shared_data, tmp_path, capsys):
     assert out["f1"] == pytest.approx(f1_score(gold, preds))
     bad = tmp_path / "short.tsv"
     bad.write_text("index\tprediction\n0\t1\n")
-    code = evaluate.main(["glue", "--task", "mrpc", "--labels", str(shared_data / "glue" / "MRPC"),
-                          "--predictions", str(bad)])  # fmt: skip
-    assert code == 2 and "1 predictions for 408 examples" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="2"):
+        evaluate.main(["glue", "--task", "mrpc", "--labels", str(shared_data / "glue" / "MRPC"),
+                       "--predictions", str(bad)])  # fmt: skip
+    assert "1 predictions for 408 examples" in capsys.readouterr().err
 
 
 def test_tfds_source_maps_labels_without_network(tmp_path):

@@ -60,7 +60,7 @@ def test_glue_metric_sets():
         "spearman",
         "corr",
     }
-    for task in ("sst2", "SST-2", "qnli", "rte", "wnli", "mnli", "mnli_mismatched", "ax"):
+    for task in ("sst2", "SST-2", "glue/qnli", "rte", "wnli", "mnli", "MNLI-mm", "ax"):
         assert m.glue_metrics(task, y, p) == {"accuracy": 0.75}
     mrpc = m.glue_metrics("mrpc", y, p)
     assert mrpc["f1"] == pytest.approx(0.8) and mrpc["acc_and_f1"] == pytest.approx(0.775)
@@ -153,6 +153,8 @@ def test_squad_v2_hand_case_with_threshold_search():
     # na_prob_thresh 0.5: q2 and q4 become "no answer" -> correct for both.
     assert m.evaluate_squad_v2(_v2_dataset(), preds, na, na_prob_thresh=0.5)["exact"] == 75.0
     assert "best_f1" not in m.evaluate_squad_v2(_v2_dataset(), preds)
+    with pytest.raises(ValueError, match="no no-answer probability for question q4"):
+        m.evaluate_squad_v2(_v2_dataset(), preds, {"q1": 0.1, "q2": 0.9, "q3": 0.4})
 
 
 def test_get_entities_bio_and_iob1():

@@ -1,4 +1,4 @@
-"""Tests for bertjax/data/pipeline.py: order, exact resume, host splits, dynamic masks, ArrayData."""
+"""Tests for bertjax/data/pipeline.py: order, exact resume, hosts, dynamic masks, ArrayData."""
 
 import json
 
@@ -132,6 +132,22 @@ def test_list_and_host_shards(static_dir, tmp_path):
         pipeline.list_shards(tmp_path, "train")
 
 
+def test_argument_and_state_errors(static_dir, tmp_path):
+    with pytest.raises(ValueError, match=r"start_batch >= 0"):
+        pipeline.pretraining_dataset(static_dir, "train", 2, seed=0, start_batch=-1)
+    write_prepared(tmp_path)
+    meta = json.loads((tmp_path / "metadata.json").read_text())
+    del meta["shards"]["train-00002-of-00004.tfrecord"]
+    (tmp_path / "metadata.json").write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match=r"no example count for train-00002-of-00004.tfrecord"):
+        pipeline.pretraining_dataset(tmp_path, "train", 2, seed=0)
+    data = pipeline.PretrainingData(
+        static_dir, "train", 2, seed=0, process_index=0, process_count=1
+    )
+    with pytest.raises(ValueError, match=r"missing key 'split'"):
+        data.restore({"batches_consumed": 3, "seed": 0})
+
+
 def test_dtypes_and_shapes(static_dir):
     (batch,) = take(pipeline.pretraining_dataset(static_dir, "train", 5, seed=0), 1)
     expect = {
@@ -153,30 +169,19 @@ def test_dtypes_and_shapes(static_dir):
         np.testing.assert_array_equal(batch["input_ids"][row, 2:4], [MASK, MASK])
 
 
-def test_epochs_are_permutations_and_differ(static_dir):
-    ds = pipeline.pretraining_dataset(static_dir, "train", 11, seed=3, shuffle_buffer=4)
-    epochs = [
-        np.concatenate([example_ids(b) for b in pair])
-        for pair in np.split(np.array(take(ds, 6)), 3)
-    ]
+@pytest.mark.parametrize("shard_sizes", [SHARD_SIZES, (22,)])
+def test_epochs_are_permutations_and_differ(tmp_path, shard_sizes):
+    data_dir = write_prepared(tmp_path, shard_sizes=shard_sizes)  # one shard: only blocks shuffle
+    batches = take(pipeline.pretraining_dataset(data_dir, "train", 11, seed=3, shuffle_buffer=4), 6)
+    epochs = [np.concatenate([example_ids(b) for b in batches[e : e + 2]]) for e in (0, 2, 4)]
     for ids in epochs:
         assert sorted(ids) == list(range(22))
     assert not np.array_equal(epochs[0], epochs[1])
     assert not np.array_equal(epochs[0], np.arange(22))
-    unshuffled = take(
-        pipeline.pretraining_dataset(static_dir, "train", 11, seed=3, shuffle=False), 2
-    )
-    # Without shuffling, the 4 files are interleaved round-robin in name order.
-    assert list(np.concatenate([example_ids(b) for b in unshuffled]))[:8] == [
-        0,
-        7,
-        12,
-        18,
-        1,
-        8,
-        13,
-        19,
-    ]
+    ds = pipeline.pretraining_dataset(data_dir, "train", 11, seed=3, shuffle=False)
+    head = list(np.concatenate([example_ids(b) for b in take(ds, 2)]))[:8]
+    # Without shuffling, the files are interleaved round-robin in name order.
+    assert head == ([0, 7, 12, 18, 1, 8, 13, 19] if len(shard_sizes) == 4 else list(range(8)))
 
 
 def test_deterministic_for_a_seed(static_dir):
@@ -398,6 +403,11 @@ def test_dynamic_masks_fresh_per_epoch_and_identical_on_resume(dynamic_dir, whol
     assert sorted(masks) == list(range(22)) and all(len(v) == 3 for v in masks.values())
     changed = sum(len(set(v)) > 1 for v in masks.values())
     assert changed >= 15  # fresh masks each epoch (a short example may redraw the same mask)
+    plain = dict(seed=6, shuffle=False, dynamic_masking=kw["dynamic_masking"])
+    same_order = take(pipeline.pretraining_dataset(dynamic_dir, "train", 11, **plain), 4)
+    first = np.concatenate([b["input_ids"] for b in same_order[:2]])  # [22, seq]
+    second = np.concatenate([b["input_ids"] for b in same_order[2:]])
+    assert (first != second).any(axis=1).sum() >= 15  # same order, new masks: epoch is in the seed
     for k in (3, 7):  # batch 3 = examples 18-23 spans epochs 0/1; batch 7 spans epochs 1/2
         resumed = take(
             pipeline.pretraining_dataset(dynamic_dir, "train", 6, start_batch=k, **kw), 2
@@ -405,15 +415,49 @@ def test_dynamic_masks_fresh_per_epoch_and_identical_on_resume(dynamic_dir, whol
         assert_batches_equal(resumed, fresh[k : k + 2])
 
 
-def test_dynamic_masking_overrides_static_masks(static_dir):
-    batch = take(
-        pipeline.pretraining_dataset(
-            static_dir, "train", 4, seed=0, dynamic_masking=_dynamic_cfg()
-        ),
-        1,
-    )[0]
-    w = batch["masked_lm_weights"]
-    assert batch["masked_lm_positions"].dtype == np.int32 and w.dtype == np.float32
-    # Static records mask positions 2,3 with [MASK]; the new masks are drawn from the unmasked ids
-    # the records hold, which include the stored [MASK] tokens as ordinary ids.
-    assert (w.sum(axis=1) >= 1).all()
+def test_dynamic_masking_of_static_records_starts_from_original_tokens(static_dir):
+    kw = dict(seed=0, dynamic_masking=_dynamic_cfg())
+    chosen = []
+    for batch in take(pipeline.pretraining_dataset(static_dir, "train", 11, **kw), 2):
+        ids = unmask(batch)
+        for row, g in enumerate(example_ids(batch)):
+            tokens = _example_tokens(g)
+            np.testing.assert_array_equal(ids[row, : len(tokens)], tokens)  # no stored [MASK] left
+            positions = batch["masked_lm_positions"][row][batch["masked_lm_weights"][row] > 0]
+            assert len(positions) == round(len(tokens) * 0.3)
+            chosen.append(tuple(positions))
+    assert len(chosen) == 22 and sum(c != (2, 3) for c in chosen) >= 11  # not the static masks
+
+
+@pytest.mark.shared_data
+@pytest.mark.parametrize("masking", ["static", "dynamic"])
+def test_records_prepared_from_real_text(shared_data, uncased_vocab, tmp_path, masking):
+    """prepare.py's real output (Gutenberg text, BERT-base vocab) through the pipeline."""
+    from bertjax.data import prepare
+    from bertjax.tokenization import load_tokenizer
+
+    novel = shared_data / "corpus" / "gutenberg" / "Pride-and-Prejudice_1342__1342-0.txt"
+    lines = novel.read_text(encoding="utf-8-sig").splitlines()[:1500]  # the PG header and ch. 1-4
+    (tmp_path / "novel.txt").write_text("\n".join(lines), encoding="utf-8")
+    tok = load_tokenizer(str(uncased_vocab))
+    meta = prepare.prepare(
+        str(tmp_path / "novel.txt"), str(tmp_path / "out"), tok, corpus_format="text",
+        max_seq_length=64, max_predictions_per_seq=10, dupe_factor=1, num_shards=2,
+        masking=masking, whole_word_mask=True, num_workers=1, show_progress=False,
+    )  # fmt: skip
+    dynamic = pipeline.dynamic_masking_config(meta, tok.word_start_table())
+    data = pipeline.PretrainingData(
+        tmp_path / "out", "train", 8, seed=0, process_index=0, process_count=1, repeat=False,
+        dynamic_masking=dynamic if masking == "dynamic" else None, drop_remainder=False,
+    )  # fmt: skip
+    batches = list(data)
+    assert sum(b["input_ids"].shape[0] for b in batches) == meta["examples"]["train"] > 50
+    for b in batches:
+        assert b["input_ids"].shape[1] == 64 and b["masked_lm_ids"].shape[1] == 10
+        real = b["masked_lm_weights"] > 0  # [b, pred]
+        assert (real.sum(axis=1) >= 1).all()
+        masked_tokens = np.take_along_axis(b["input_ids"], b["masked_lm_positions"], axis=1)
+        # 80% become [MASK]; the original token is never [CLS]/[SEP]/[PAD]
+        assert (masked_tokens[real] == tok.mask_id).mean() > 0.6
+        assert not np.isin(b["masked_lm_ids"][real], [tok.cls_id, tok.sep_id, tok.pad_id]).any()
+        assert (b["input_ids"][:, 0] == tok.cls_id).all()

@@ -13,6 +13,8 @@ SPECIAL = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 
 
 def write_vocab(path: pathlib.Path) -> pathlib.Path:
+    if path.exists():
+        return path
     words = SPECIAL + [f"w{i}" for i in range(VOCAB_SIZE - len(SPECIAL) - 10)]
     words += [f"##s{i}" for i in range(10)]
     path.write_text("\n".join(words) + "\n")
@@ -29,6 +31,8 @@ def write_prepared(root: pathlib.Path, seq=16, pred=3, shards=4, per_shard=24, s
                    eval_examples=16) -> pathlib.Path:
     """Records with a learnable pattern: token t+1 follows token t, masked tokens predictable."""
     rng = np.random.default_rng(seed)
+    if (root / "metadata.json").exists():
+        return root
     root.mkdir(parents=True, exist_ok=True)
     counts = {}
 

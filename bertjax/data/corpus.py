@@ -41,7 +41,7 @@ _NUMERAL = r"([IVXLCDM]+|\d+|one|two|three|four|five|six|seven|eight|nine|ten|th
 _HEADING = re.compile(
     r"^(?:(chapter|book|part|volume|stave|letter|adventure|preface|prologue|epilogue|introduction"
     rf"|appendix|conclusion|finale)\b\s*{_NUMERAL}?|{_NUMERAL}|\[\s*\d+\s*\])"
-    r"\s*(?:$|[.:\-—]|\s{2,}|\s+[A-Z])",
+    r"\s*(?:$|[.:\-—]|\s{2,}|\s+(?-i:[A-Z]))",
     re.IGNORECASE,
 )
 # Tokens ending in "." that do not end a sentence when a capitalised word follows (titles, Latin, firms).

@@ -35,14 +35,8 @@ _TAG_FILE_ORDER, _TAG_BLOCK_SHUFFLE, _TAG_MASK = 1, 2, 3
 _MAX_CYCLE_LENGTH = 16
 _MASKED_KEYS = ("input_ids", "masked_lm_positions", "masked_lm_ids", "masked_lm_weights")
 _DYNAMIC_MASKING_KEYS = (
-    "vocab_size",
-    "mask_id",
-    "special_ids",
-    "word_start",
-    "masked_lm_prob",
-    "max_predictions_per_seq",
-    "whole_word",
-)
+    "vocab_size mask_id special_ids word_start masked_lm_prob max_predictions_per_seq whole_word"
+).split()
 
 _accelerators_hidden = False
 
@@ -62,7 +56,7 @@ def hide_accelerators_from_tf() -> None:
 
 
 def read_metadata(data_dir: str) -> dict:
-    """Reads `{data_dir}/metadata.json` written by prepare.py; one-line ValueError if missing or bad."""
+    """Reads `{data_dir}/metadata.json` (from prepare.py); one-line ValueError if missing or bad."""
     path = f"{str(data_dir).rstrip('/')}/{METADATA_FILE}"
     if not tf.io.gfile.exists(path):
         raise ValueError(f"{path}: metadata file not found (is {data_dir} a prepared data dir?)")
@@ -85,9 +79,13 @@ def read_metadata(data_dir: str) -> dict:
 
 
 def list_shards(data_dir: str, split: str) -> list[str]:
-    """Sorted paths of `{split}-{i:05d}-of-{n:05d}.tfrecord` in data_dir; error if none or incomplete."""
+    """Sorted paths of `{split}-{i:05d}-of-{n:05d}.tfrecord` in data_dir; error if none/incomplete."""
     pattern = f"{str(data_dir).rstrip('/')}/{split}-*-of-*.tfrecord"
-    paths = sorted(tf.io.gfile.glob(pattern))
+    paths = sorted(
+        p
+        for p in tf.io.gfile.glob(pattern)
+        if (m := _SHARD_RE.match(p.rsplit("/", 1)[-1])) and m["split"] == split
+    )
     if not paths:
         raise ValueError(f"{pattern}: no shards for split {split!r}")
     counts = {int(_SHARD_RE.match(p.rsplit("/", 1)[-1])["count"]) for p in paths}
@@ -123,6 +121,34 @@ def shard_example_counts(metadata: Mapping[str, Any], shards: Sequence[str]) -> 
     return counts
 
 
+def dynamic_masking_config(metadata: Mapping[str, Any], word_start: np.ndarray | None) -> dict:
+    """The `dynamic_masking` argument matching prepare.py's settings in `metadata`.
+
+    Masks as prepare.py's static masking does: [CLS]/[SEP]/[PAD] are never candidates.
+    `word_start` is the tokenizer's `word_start_table()`, needed only with whole-word masking.
+    """
+    try:
+        special = metadata["special_ids"]
+        cfg = {
+            "vocab_size": int(metadata["vocab_size"]),
+            "mask_id": int(special["mask"]),
+            "special_ids": (int(special["cls"]), int(special["sep"]), int(special["pad"])),
+            "masked_lm_prob": float(metadata["masked_lm_prob"]),
+            "max_predictions_per_seq": int(metadata["max_predictions_per_seq"]),
+            "whole_word": bool(metadata["whole_word_mask"]),
+        }
+    except (KeyError, TypeError) as err:
+        raise ValueError(
+            f"{METADATA_FILE}: missing or malformed key {err} for dynamic masking"
+        ) from None
+    if word_start is None and cfg["whole_word"]:
+        raise ValueError(
+            f"{METADATA_FILE}: whole_word_mask is true: pass the tokenizer's word_start"
+        )
+    cfg["word_start"] = np.ones(cfg["vocab_size"], bool) if word_start is None else word_start
+    return cfg
+
+
 def _stateless_seed(seed: int, tag: int, *values) -> tf.Tensor:
     """A [2] int64 stateless seed folding (seed, tag, *values) together."""
     key = tf.constant([seed, tag], tf.int64)
@@ -146,7 +172,7 @@ def _feature_spec(meta: Mapping[str, Any], with_masks: bool) -> dict:
     return spec
 
 
-def _check_dynamic_masking(cfg: Mapping[str, Any], meta: Mapping[str, Any]) -> dict:
+def _check_dynamic_masking(cfg: Mapping[str, Any]) -> dict:
     missing = [k for k in _DYNAMIC_MASKING_KEYS if k not in cfg]
     if missing:
         raise ValueError(f"dynamic_masking: missing key(s) {missing}")
@@ -157,11 +183,20 @@ def _check_dynamic_masking(cfg: Mapping[str, Any], meta: Mapping[str, Any]) -> d
             f"dynamic_masking: 'word_start' has shape {cfg['word_start'].shape}, "
             f"expected ({cfg['vocab_size']},)"
         )
-    if int(cfg["max_predictions_per_seq"]) != int(meta["max_predictions_per_seq"]):
-        logging.info(
-            "dynamic masking uses max_predictions_per_seq=%s", cfg["max_predictions_per_seq"]
-        )
     return cfg
+
+
+def _unmask_batch(features: dict) -> dict:
+    """Puts the original tokens back at the static masked positions and drops the static masks."""
+    positions, weights = features["masked_lm_positions"], features["masked_lm_weights"]  # [b, pred]
+    rows = tf.broadcast_to(tf.range(tf.shape(positions)[0])[:, None], tf.shape(positions))
+    real = weights > 0
+    index = tf.stack([tf.boolean_mask(rows, real), tf.boolean_mask(positions, real)], axis=-1)
+    original = tf.tensor_scatter_nd_update(
+        features["input_ids"], index, tf.boolean_mask(features["masked_lm_ids"], real)
+    )  # [b, seq]
+    out = {k: v for k, v in features.items() if k not in _MASKED_KEYS}
+    return {**out, "input_ids": original}
 
 
 def _mask_batch(features: dict, epochs, indices, *, seed: int, process_index: int, cfg) -> dict:
@@ -243,7 +278,7 @@ def pretraining_dataset(
             f"{data_dir}/{METADATA_FILE}: masking is {meta['masking']!r}: records carry no masks, "
             "pass dynamic_masking"
         )
-    mask_cfg = None if dynamic_masking is None else _check_dynamic_masking(dynamic_masking, meta)
+    mask_cfg = None if dynamic_masking is None else _check_dynamic_masking(dynamic_masking)
 
     first_epoch, first_offset = divmod(start_batch * per_host_batch_size, epoch_examples)
     end_epoch = np.iinfo(np.int64).max if repeat else 1
@@ -287,7 +322,7 @@ def pretraining_dataset(
             records,
         )
 
-    spec = _feature_spec(meta, with_masks=mask_cfg is None)
+    spec = _feature_spec(meta, with_masks=meta["masking"] == "static")
 
     def parse(epochs, indices, serialized):
         raw = tf.io.parse_example(serialized, spec)
@@ -296,6 +331,8 @@ def pretraining_dataset(
         }
         features["next_sentence_labels"] = features["next_sentence_labels"][:, 0]  # [b]
         if mask_cfg is not None:
+            if meta["masking"] == "static":  # re-mask from the original tokens
+                features = _unmask_batch(features)
             features = _mask_batch(
                 features, epochs, indices, seed=seed, process_index=process_index, cfg=mask_cfg
             )
@@ -307,6 +344,18 @@ def pretraining_dataset(
     options = tf.data.Options()
     options.deterministic = True
     return ds.with_options(options).prefetch(tf.data.AUTOTUNE)
+
+
+def _check_state(state: Mapping[str, Any], required: Sequence[str], same: Mapping[str, Any]):
+    """One-line errors for a checkpointed iterator state that lacks keys or does not match."""
+    for key in required:
+        if key not in state:
+            raise ValueError(f"data iterator state: missing key {key!r}")
+    for key, ours in same.items():
+        if key in state and state[key] != ours:
+            raise ValueError(
+                f"data iterator state: {key}={state[key]!r} but this iterator has {ours!r}"
+            )
 
 
 def _to_numpy(batch: Mapping[str, tf.Tensor]) -> dict[str, np.ndarray]:
@@ -341,19 +390,11 @@ class PretrainingData:
         repeat: bool = True,
         shuffle: bool = True,
         shuffle_buffer: int = 10_000,
+        drop_remainder: bool = True,
     ):
-        self._args = dict(
-            data_dir=data_dir,
-            split=split,
-            per_host_batch_size=per_host_batch_size,
-            seed=seed,
-            process_index=process_index,
-            process_count=process_count,
-            dynamic_masking=dynamic_masking,
-            repeat=repeat,
-            shuffle=shuffle,
-            shuffle_buffer=shuffle_buffer,
-        )
+        hide_accelerators_from_tf()
+        # Every argument is passed on to `pretraining_dataset` when the iterator is (re)built.
+        self._args = {k: v for k, v in locals().items() if k != "self"}
         files = host_shards(list_shards(data_dir, split), process_index, process_count)
         self._epoch_examples = sum(shard_example_counts(read_metadata(data_dir), files))
         self._batches_consumed = 0
@@ -394,15 +435,9 @@ class PretrainingData:
     def restore(self, state: Mapping[str, Any]) -> None:
         """Continues from `state` (see the class docstring for what is exact when hosts change)."""
         a = self._args
-        for key in ("batches_consumed", "seed", "split", "per_host_batch_size", "process_count"):
-            if key not in state:
-                raise ValueError(f"data iterator state: missing key {key!r}")
-        for key in ("seed", "split", "shuffle", "shuffle_buffer", "dynamic_masking"):
-            ours = a[key] if key != "dynamic_masking" else a[key] is not None
-            if key in state and state[key] != ours:
-                raise ValueError(
-                    f"data iterator state: {key}={state[key]!r} but this iterator has {ours!r}"
-                )
+        required = ("batches_consumed", "seed", "split", "per_host_batch_size", "process_count")
+        same = {k: a[k] for k in ("seed", "split", "shuffle", "shuffle_buffer")}
+        _check_state(state, required, {**same, "dynamic_masking": a["dynamic_masking"] is not None})
         batches = int(state["batches_consumed"])
         old_global = int(state["per_host_batch_size"]) * int(state["process_count"])
         new_global = a["per_host_batch_size"] * a["process_count"]
@@ -454,7 +489,7 @@ class ArrayData:
         for key, size in sizes.items():
             if size is None or size != self._num:
                 raise ValueError(
-                    f"ArrayData: feature {key!r} has {size} examples, expected {self._num} as in the first one"
+                    f"ArrayData: feature {key!r} has {size} examples, expected {self._num}"
                 )
         if not self._num:
             raise ValueError("ArrayData: features hold 0 examples")
@@ -526,17 +561,7 @@ class ArrayData:
 
     def restore(self, state: Mapping[str, Any]) -> None:
         """Continues exactly at the saved global example position (any host count or batch size)."""
-        for key in ("examples_consumed", "seed", "num_examples"):
-            if key not in state:
-                raise ValueError(f"data iterator state: missing key {key!r}")
-        for key, ours in (
-            ("seed", self._seed),
-            ("num_examples", self._num),
-            ("shuffle", self._shuffle),
-        ):
-            if key in state and state[key] != ours:
-                raise ValueError(
-                    f"data iterator state: {key}={state[key]!r} but this iterator has {ours!r}"
-                )
+        same = {"seed": self._seed, "num_examples": self._num, "shuffle": self._shuffle}
+        _check_state(state, ("examples_consumed", "seed", "num_examples"), same)
         self._examples_consumed = int(state["examples_consumed"])
         self._batches_consumed = int(state.get("batches_consumed", 0))

@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
+import functools
 import json
 import logging
 import multiprocessing
@@ -223,7 +224,9 @@ def instance_to_example(
     features["input_mask"] = _int64_feature([1] * n + [0] * (seq - n))
     features["segment_ids"] = _int64_feature(segment_ids + [0] * (seq - n))
     features["next_sentence_labels"] = _int64_feature([int(is_random_next)])
-    return tf.train.Example(features=tf.train.Features(feature=features)).SerializeToString()
+    return tf.train.Example(features=tf.train.Features(feature=features)).SerializeToString(
+        deterministic=True
+    )  # map keys sorted: bytes independent of the process (hash seed)
 
 
 class _DocumentWindow:
@@ -304,77 +307,71 @@ def _tokenized_documents(source, index, cfg, tok, progress):
         yield split, ids
 
 
+def _doc_stream(source, index: int, cfg: PrepareConfig, tok, cache_path: str, pass_index: int):
+    """(split, document) pairs: tokenized from the corpus in pass 0 (and cached), then from the cache."""
+    if pass_index > 0:
+        with open(cache_path, "rb") as cache:
+            while True:
+                try:
+                    yield pickle.load(cache)
+                except EOFError:
+                    return
+    progress = _Progress()
+    with open(cache_path, "wb") as cache:
+        for item in _tokenized_documents(source, index, cfg, tok, progress):
+            if cfg.dupe_factor > 1:
+                pickle.dump(item, cache, protocol=pickle.HIGHEST_PROTOCOL)
+            yield item
+    progress.flush()
+
+
 def _process_source(task) -> dict:
     """Worker: all passes over one unit, writing per-shard part files; returns counts."""
     index, source, cfg, tok_spec, tmp_dir = task
     tok = _tokenizer_for(tok_spec)
-    consts = {
-        "vocab_size": tok.vocab_size,
-        "mask_id": tok.mask_id,
-        "cls_id": tok.cls_id,
-        "sep_id": tok.sep_id,
-        "pad_id": tok.pad_id,
-        "special_ids": (tok.cls_id, tok.sep_id, tok.pad_id),
-        "word_start": tok.word_start_table() if cfg.whole_word_mask else None,
-    }
-    num_shards = cfg.shard_counts()
-    writers: dict = {}
+    consts = dict(
+        vocab_size=tok.vocab_size, mask_id=tok.mask_id, cls_id=tok.cls_id, sep_id=tok.sep_id,
+        pad_id=tok.pad_id, special_ids=(tok.cls_id, tok.sep_id, tok.pad_id),
+        word_start=tok.word_start_table() if cfg.whole_word_mask else None,
+    )  # fmt: skip
+    num_shards, writers = cfg.shard_counts(), {}
     examples = {split: collections.Counter() for split in SPLITS}
+    written = collections.Counter()
     stats = {"documents": dict.fromkeys(SPLITS, 0), "sentences": 0, "tokens": 0}
-    written = dict.fromkeys(SPLITS, 0)
-    progress = _Progress()
     cache_path = os.path.join(tmp_dir, f"cache-{index:06d}.pkl")
 
-    def write(split: str, record: bytes) -> None:
-        shard = (written[split] + index) % num_shards[split]
-        written[split] += 1
-        key = (split, shard)
-        if key not in writers:
-            writers[key] = tf.io.TFRecordWriter(
-                os.path.join(tmp_dir, _part_name(split, shard, index))
-            )
-        writers[key].write(record)
-        examples[split][shard] += 1
+    def make_instances(split: str, rng: np.random.Generator, pool, i: int) -> None:
+        kw = dict(max_seq_length=cfg.max_seq_length, short_seq_prob=cfg.short_seq_prob, nsp=cfg.nsp)
+        for a, b, is_random in create_instances_from_document(pool, i, rng=rng, **kw):
+            record = instance_to_example(a, b, is_random, cfg=cfg, consts=consts, rng=rng)
+            shard = (written[split] + index) % num_shards[split]  # round robin, offset per unit
+            written[split] += 1
+            if (split, shard) not in writers:
+                part = os.path.join(tmp_dir, _part_name(split, shard, index))
+                writers[split, shard] = tf.io.TFRecordWriter(part)
+            writers[split, shard].write(record)
+            examples[split][shard] += 1
 
     for pass_index in range(cfg.dupe_factor):
-        windows = {}
-        for split_id, split in enumerate(SPLITS):
-            rng = np.random.default_rng([cfg.seed, index, pass_index, split_id])
-
-            def make(pool, i, rng=rng, split=split):
-                for a, b, is_random in create_instances_from_document(
-                    pool,
-                    i,
-                    max_seq_length=cfg.max_seq_length,
-                    short_seq_prob=cfg.short_seq_prob,
-                    nsp=cfg.nsp,
-                    rng=rng,
-                ):
-                    write(
-                        split, instance_to_example(a, b, is_random, cfg=cfg, consts=consts, rng=rng)
-                    )
-
-            windows[split] = _DocumentWindow(cfg.random_document_buffer, make)
-        if pass_index == 0:
-            with open(cache_path, "wb") as cache:
-                for split, doc in _tokenized_documents(source, index, cfg, tok, progress):
-                    stats["documents"][split] += 1
-                    stats["sentences"] += len(doc)
-                    stats["tokens"] += sum(map(len, doc))
-                    if cfg.dupe_factor > 1:
-                        pickle.dump((split, doc), cache, protocol=pickle.HIGHEST_PROTOCOL)
-                    windows[split].push(doc)
-        else:
-            with open(cache_path, "rb") as cache:
-                while True:
-                    try:
-                        split, doc = pickle.load(cache)
-                    except EOFError:
-                        break
-                    windows[split].push(doc)
+        windows = {
+            split: _DocumentWindow(
+                cfg.random_document_buffer,
+                functools.partial(
+                    make_instances,
+                    split,
+                    np.random.default_rng([cfg.seed, index, pass_index, split_id]),
+                ),
+            )  # fmt: skip
+            for split_id, split in enumerate(SPLITS)
+        }
+        for split, doc in _doc_stream(source, index, cfg, tok, cache_path, pass_index):
+            if pass_index == 0:
+                stats["documents"][split] += 1
+                stats["sentences"] += len(doc)
+                stats["tokens"] += sum(map(len, doc))
+            windows[split].push(doc)
         for window in windows.values():
             window.finish()
-    progress.flush()
     for writer in writers.values():
         writer.close()
     os.remove(cache_path)
@@ -574,6 +571,10 @@ def _check_documents(cfg: PrepareConfig, sources: list, results: list, documents
         raise ValueError(
             f"corpus {shown}: only 1 document; next-sentence prediction needs at least 2 "
             "(add documents or pass nsp=False / --nsp=false)"
+        )
+    if cfg.eval_fraction and documents["eval"] == 0:
+        log.warning(
+            "eval_fraction=%s chose no document: the eval shards are empty", cfg.eval_fraction
         )
     for r in results:
         if sum(r["documents"].values()) == 0:

@@ -124,8 +124,8 @@ def glue_metrics(task: str, labels: Sequence, preds: Sequence) -> dict[str, floa
     Classification tasks take integer label ids (label 1 is the positive class for F1); STS-B takes
     float scores. MRPC/QQP also report `acc_and_f1` and STS-B `corr`, the averages GLUE ranks by.
     """
-    key = task.lower().replace("-", "").replace("/", "_")
-    key = {"glue_sst2": "sst2", "sts_b": "stsb", "glue_stsb": "stsb"}.get(key, key)
+    key = task.lower().removeprefix("glue/")
+    key = {"mnli-m": "mnli_matched", "mnli-mm": "mnli_mismatched"}.get(key, key).replace("-", "")
     if key not in GLUE_TASK_METRICS:
         raise ValueError(f"unknown GLUE task {task!r}; known: {sorted(GLUE_TASK_METRICS)}")
     fns = {
@@ -276,6 +276,11 @@ def evaluate_squad_v2(
         raise ValueError("no SQuAD question has a prediction")
     given_probs = na_probs is not None
     probs = dict(na_probs) if given_probs else {k: 0.0 for k in predictions}
+    missing = [qid for qid in exact_raw if qid not in probs]
+    if missing:
+        raise ValueError(
+            f"no no-answer probability for question {missing[0]} ({len(missing)} missing)"
+        )
 
     def threshold(scores):
         out = {}

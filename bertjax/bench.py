@@ -1,0 +1,568 @@
+"""``bertjax bench``: step time, tokens/s, TFLOP/s, MFU, compile time, memory and input speed.
+
+One run on the current devices measures:
+
+* the real pretraining ``train_step`` (``bertjax.train.jit_train_step`` of a ``PretrainingTask`` whose
+  data is a synthetic batch, so no corpus is needed): compile time, the median step time after
+  warm-up (each step synchronised) and the mean of a pipelined run (one sync at the end);
+* achieved TFLOP/s from the analytic count of ``bertjax.flops`` (attention included, MLM head only at
+  the masked positions), XLA's own count (``compiled.cost_analysis()``) beside it, and MFU against the
+  table peak of known TPU/GPU kinds or, on CPU, a jitted fp32 matmul peak measured in the same run;
+* peak memory: ``device.memory_stats()`` where the backend has it, else the process's peak RSS;
+* ``bertjax prepare`` on a real corpus (docs/s, MB/s, cores used, peak RSS of the process tree), at
+  the corpus sizes of ``--prepare_scales``, and the tf.data ``PretrainingData`` examples/s over the
+  records it wrote, with the ratio to the model's sequences/s;
+* with ``--peers``: transformers' ``FlaxBertForPreTraining`` and PyTorch ``BertForPreTraining`` on the
+  same shapes (``bertjax/bench_peers.py`` in the ``.venv-peers`` virtualenv), and the speed-up ratios.
+
+``--json`` prints ONE JSON object; ``--output_dir`` writes ``results.json`` and ``results.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import Any
+
+from bertjax import bench_peers
+
+_SHARED = os.environ.get(
+    "BERTJAX_SHARED_DATA",
+    os.path.join(
+        os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+        "shared",
+        "data",
+    ),
+)
+DEFAULT_CORPUS = os.path.join(_SHARED, "corpus", "gutenberg", "*.txt")
+DEFAULT_VOCAB = os.path.join(_SHARED, "vocab", "bert-base-uncased", "vocab.txt")
+DEFAULT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "bertjax", "bench")
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="bertjax bench", description=__doc__.split("\n")[0])
+    p.add_argument(
+        "--preset", default="small", help="model preset (tiny/mini/small/base/L4_H512...)"
+    )
+    p.add_argument("--vocab_size", type=int, default=30522)
+    p.add_argument("--batch", type=int, default=32, help="global batch size")
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--masked", type=int, default=0, help="MLM predictions/seq (0: 15%% of seq)")
+    p.add_argument("--steps", type=int, default=10, help="timed steps (median reported)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps after compilation")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    p.add_argument("--attention_impl", default="xla", choices=("xla", "dot_product", "cudnn"))
+    p.add_argument("--remat", default="none", choices=("none", "dots", "full"))
+    p.add_argument("--scan_layers", action="store_true")
+    p.add_argument("--dropout", type=float, default=0.1, help="hidden and attention dropout")
+    p.add_argument("--devices", type=int, default=0, help="use the first N devices (0: all)")
+    p.add_argument("--peak_tflops", type=float, default=0.0, help="override the per-device peak")
+    p.add_argument("--matmul_size", type=int, default=2048, help="n of the CPU n*n matmul peak")
+    p.add_argument("--json", action="store_true", help="print one JSON object, nothing else")
+    p.add_argument("--output_dir", default="", help="write results.json and results.md here")
+    p.add_argument("--skip_input", action="store_true", help="skip the tf.data input benchmark")
+    p.add_argument("--skip_prepare", action="store_true", help="skip the prepare benchmark")
+    p.add_argument("--corpus", default=DEFAULT_CORPUS, help="real text for prepare (glob)")
+    p.add_argument("--corpus_format", default="text", choices=("text", "bert"))
+    p.add_argument("--vocab", default=DEFAULT_VOCAB, help="WordPiece vocab.txt for prepare")
+    p.add_argument("--prepare_scales", default="1", help="corpus copies per prepare run, e.g. 1,4")
+    p.add_argument("--dupe_factor", type=int, default=1, help="prepare's passes over the corpus")
+    p.add_argument("--prepare_workers", type=int, default=0, help="0: all cores")
+    p.add_argument("--input_batches", type=int, default=100, help="timed tf.data batches")
+    p.add_argument("--cache_dir", default=DEFAULT_CACHE, help="prepared records for --skip_prepare")
+    p.add_argument("--peers", action="store_true", help="also time transformers Flax + PyTorch")
+    p.add_argument("--peers_python", default="", help="python of the peer venv")
+    p.add_argument("--peer_steps", type=int, default=5)
+    p.add_argument("--profile_dir", default="", help="write a jax.profiler trace of 3 steps")
+    args = p.parse_args(argv)
+    args.masked = args.masked or max(1, round(0.15 * args.seq + 0.3))  # 128 -> 20, 512 -> 77
+    return args
+
+
+# ---- the model step ------------------------------------------------------------------------------
+def bench_config(args: argparse.Namespace):
+    """The experiment the benchmark runs: one pretraining phase with the paper's AdamW settings."""
+    import ml_collections
+
+    from bertjax.sharding import RULES
+
+    c = ml_collections.ConfigDict()
+    c.task = "pretrain"
+    c.model = dict(
+        preset=args.preset,
+        dtype=args.dtype,
+        hidden_dropout=args.dropout,
+        attention_dropout=args.dropout,
+        max_position_embeddings=max(512, args.seq),
+        type_vocab_size=2,
+        attention_impl=args.attention_impl,
+        remat=args.remat,
+        scan_layers=args.scan_layers,
+    )
+    c.data = dict(
+        corpus="",
+        prepared_dir="",
+        vocab="",
+        max_seq_length=args.seq,
+        max_predictions_per_seq=args.masked,
+        nsp=True,
+        phases=(),
+    )
+    c.train = dict(steps=1_000_000, seed=0, global_batch_size=args.batch, grad_accum_steps=1)
+    c.optimizer = dict(
+        name="adamw",
+        learning_rate=1e-4,
+        warmup_steps=10_000,
+        b1=0.9,
+        b2=0.999,
+        eps=1e-6,
+        weight_decay=0.01,
+        grad_clip_norm=1.0,
+        end_lr_factor=0.0,
+    )
+    c.mesh = dict(
+        data=-1, fsdp=1, tensor=1, num_devices=args.devices, rules=[list(rule) for rule in RULES]
+    )
+    return ml_collections.ConfigDict(c)
+
+
+def _synthetic_task_class():
+    from bertjax.tasks.pretraining import PretrainingTask, model_config_from
+
+    class SyntheticPretrainingTask(PretrainingTask):
+        """PretrainingTask without data on disk: the vocabulary size is given, batches synthetic."""
+
+        def __init__(self, config, workdir, vocab_size: int):
+            super().__init__(config, workdir)
+            self.vocab_size = vocab_size
+
+        def prepare(self) -> None:
+            """Nothing on disk to build."""
+
+        def after_prepare(self) -> None:
+            """No vocabulary or records to load."""
+
+        def model_config(self):
+            return model_config_from(self.config, self.vocab_size)
+
+        def synthetic_batch(self, phase) -> dict:
+            """The init_batch shapes filled like real data (same values as the peers get)."""
+            seq, pred = self.step_shape(phase)
+            hf = bench_peers.synthetic_batch(phase.global_batch_size, seq, pred, self.vocab_size)
+            positions = (hf["labels"] >= 0).nonzero()[1].reshape(phase.global_batch_size, pred)
+            batch = self.init_batch(phase, phase.global_batch_size)
+            batch.update(
+                input_ids=hf["input_ids"],
+                segment_ids=hf["token_type_ids"],
+                masked_lm_positions=positions,
+                next_sentence_labels=hf["next_sentence_label"],
+                masked_lm_ids=hf["labels"][hf["labels"] >= 0].reshape(positions.shape),
+            )
+            batch["masked_lm_weights"][:] = 1.0
+            return {k: v.astype(batch[k].dtype) for k, v in batch.items()}
+
+    return SyntheticPretrainingTask
+
+
+def matmul_peak_tflops(n: int, reps: int = 7) -> float:
+    """Median TFLOP/s of a jitted fp32 [n, n] x [n, n] matmul on the first device."""
+    import jax
+    import jax.numpy as jnp
+
+    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
+    b = jax.random.normal(jax.random.key(1), (n, n), jnp.float32)
+    f = jax.jit(jnp.matmul)
+    f(a, b).block_until_ready()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        f(a, b).block_until_ready()
+        times.append(time.perf_counter() - t0)
+    return 2.0 * n**3 / statistics.median(times) / 1e12
+
+
+def peak_memory(device) -> dict[str, Any]:
+    """Peak bytes in use on ``device`` when its backend reports it, else this process's peak RSS."""
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    if stats and stats.get("peak_bytes_in_use"):
+        return {"peak_bytes": int(stats["peak_bytes_in_use"]), "source": "device.memory_stats"}
+    return {
+        "peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "source": "peak RSS of the process",
+    }
+
+
+def _xla_flops(compiled) -> float | None:
+    cost = compiled.cost_analysis()
+    if isinstance(cost, list | tuple):
+        cost = cost[0] if cost else None
+    return float(cost["flops"]) if cost and "flops" in cost else None
+
+
+def measure_step(args: argparse.Namespace) -> dict[str, Any]:
+    """Compiles and times the real jitted pretraining step on a synthetic batch."""
+    import flax.linen as nn
+    import jax
+
+    from bertjax import flops, sharding, train
+
+    config = bench_config(args)
+    with tempfile.TemporaryDirectory(prefix="bertjax-bench-") as workdir:
+        task = _synthetic_task_class()(config, workdir, args.vocab_size)
+        setup = train.build(config, workdir, task)
+    phase = setup.phases[0]
+    model_cfg = setup.model.config
+    devices = list(setup.mesh.devices.flat)
+    with jax.set_mesh(setup.mesh), nn.logical_axis_rules(setup.rules):
+        state = setup.init_state(jax.random.key_data(jax.random.key(0)))
+        batch = sharding.global_batch(task.synthetic_batch(phase), setup.mesh, setup.rules)
+        step = train.jit_train_step(setup, accum_steps=1)
+        t0 = time.perf_counter()
+        compiled = step.lower(state, batch).compile()
+        compile_s = time.perf_counter() - t0
+        with jax.transfer_guard("disallow"):
+            for _ in range(args.warmup):
+                state, metrics = compiled(state, batch)
+            jax.block_until_ready((state, metrics))
+            times = []
+            for _ in range(args.steps):  # each step synchronised: a per-step median
+                t0 = time.perf_counter()
+                state, metrics = compiled(state, batch)
+                jax.block_until_ready((state, metrics))
+                times.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            for _ in range(args.steps):  # pipelined: no host sync inside the loop
+                state, metrics = compiled(state, batch)
+            jax.block_until_ready((state, metrics))
+            pipelined = (time.perf_counter() - t0) / args.steps
+        if args.profile_dir:
+            with jax.profiler.trace(args.profile_dir), jax.transfer_guard("disallow"):
+                for _ in range(3):
+                    state, metrics = compiled(state, batch)
+                jax.block_until_ready((state, metrics))
+    loss = float(jax.device_get(metrics["loss"]))
+    memory = peak_memory(devices[0])
+    analysis = compiled.memory_analysis()
+    if analysis is not None:
+        for key in ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes"):
+            memory[key.replace("_size_in", "")] = int(getattr(analysis, key, 0) or 0)
+    step_s = statistics.median(times)
+    step_flops = flops.train_flops_per_step(model_cfg, args.batch, args.seq, args.masked)
+    tflops = step_flops / step_s / len(devices) / 1e12
+    peak = flops.device_peak_tflops(devices[0], args.peak_tflops)
+    source = "override" if args.peak_tflops > 0 else "table"
+    matmul = None
+    if devices[0].platform == "cpu":
+        matmul = matmul_peak_tflops(args.matmul_size)
+        if not args.peak_tflops:
+            peak, source = matmul, f"measured fp32 {args.matmul_size}^3 matmul"
+    return {
+        "platform": devices[0].platform,
+        "device_kind": devices[0].device_kind,
+        "num_devices": len(devices),
+        "num_params": int(model_cfg.num_params()),
+        "model": {
+            k: getattr(model_cfg, k)
+            for k in ("num_layers", "hidden_size", "num_heads", "intermediate_size", "vocab_size")
+        },
+        "compile_s": compile_s,
+        "step_time_s": step_s,
+        "step_time_s_min": min(times),
+        "step_times_s": times,
+        "step_time_s_pipelined": pipelined,
+        "sequences_per_sec": args.batch / step_s,
+        "tokens_per_sec": args.batch * args.seq / step_s,
+        "train_flops_per_step": step_flops,
+        "xla_flops_per_step": _xla_flops(compiled),
+        "tflops_per_sec_per_device": tflops,
+        "peak_tflops": peak or None,
+        "peak_source": source if peak else "unknown device kind",
+        "matmul_peak_tflops": matmul,
+        "mfu": tflops / peak if peak else None,
+        "memory": memory,
+        "final_loss": loss,
+    }
+
+
+# ---- data: prepare and the tf.data pipeline ------------------------------------------------------
+def _corpus_copies(corpus: str, scale: int, directory: str) -> str:
+    """A glob over ``scale`` symlinked copies of every corpus file (distinct names, same text)."""
+    import glob
+
+    files = sorted(f for pattern in corpus.split(",") for f in glob.glob(pattern))
+    if not files:
+        raise ValueError(f"--corpus={corpus}: no files (pass --skip_prepare --skip_input?)")
+    if scale == 1:
+        return ",".join(files)
+    os.makedirs(directory, exist_ok=True)
+    for copy in range(scale):
+        for f in files:
+            link = os.path.join(directory, f"copy{copy}-{os.path.basename(f)}")
+            if not os.path.lexists(link):
+                os.symlink(os.path.abspath(f), link)
+    return os.path.join(directory, "*")
+
+
+def measure_prepare(args, scale: int, output_dir: str) -> dict[str, Any]:
+    """Runs ``bertjax prepare`` in a child process; wall time, cores used, peak RSS of its tree."""
+    import psutil
+
+    corpus = _corpus_copies(args.corpus, scale, os.path.join(args.cache_dir, f"corpus-x{scale}"))
+    shutil.rmtree(output_dir, ignore_errors=True)
+    argv = [
+        sys.executable,
+        "-c",
+        "import sys; from bertjax.data.prepare import main; sys.exit(main(sys.argv[1:]))",
+        f"--input={corpus}",
+        f"--output_dir={output_dir}",
+        f"--vocab={args.vocab}",
+        f"--format={args.corpus_format}",
+        "--no_progress",
+        f"--max_seq_length={args.seq}",
+        f"--max_predictions_per_seq={args.masked}",
+        f"--dupe_factor={args.dupe_factor}",
+    ]
+    if args.prepare_workers:
+        argv.append(f"--num_workers={args.prepare_workers}")
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t0 = time.perf_counter()
+    proc = psutil.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    peak = {"rss": 0}
+
+    def poll():  # the tree's summed RSS every 0.2 s (workers included)
+        while proc.poll() is None:
+            try:
+                tree = [proc, *proc.children(recursive=True)]
+                peak["rss"] = max(peak["rss"], sum(p.memory_info().rss for p in tree))
+            except psutil.Error:
+                pass
+            time.sleep(0.2)
+
+    watcher = threading.Thread(target=poll, daemon=True)
+    watcher.start()
+    _, stderr = proc.communicate()
+    wall = time.perf_counter() - t0
+    watcher.join()
+    if proc.returncode:
+        raise RuntimeError(f"bertjax prepare failed (exit {proc.returncode}):\n{stderr[-2000:]}")
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    with open(os.path.join(output_dir, "metadata.json")) as f:
+        meta = json.load(f)
+    docs = sum(meta["documents"].values())
+    return {
+        "scale": scale,
+        "input_mb": meta["input_bytes"] / 1e6,
+        "documents": docs,
+        "examples": sum(meta["examples"].values()),
+        "wall_s": wall,
+        "docs_per_sec": docs / wall,
+        "mb_per_sec": meta["input_bytes"] / 1e6 / wall,
+        "cores_used": cpu / wall,
+        "peak_rss_bytes": peak["rss"],
+        "data_dir": output_dir,
+    }
+
+
+def measure_input(data_dir: str, batch: int, batches: int) -> dict[str, Any]:
+    """Examples/s of the trainer's tf.data iterator (shuffled, parsed, batched, to NumPy)."""
+    from bertjax.data import pipeline
+
+    pipeline.hide_accelerators_from_tf()
+    data = pipeline.PretrainingData(
+        data_dir, "train", batch, seed=0, process_index=0, process_count=1
+    )
+    for _ in range(5):  # fill the shuffle buffer and the prefetch queue
+        next(data)
+    t0 = time.perf_counter()
+    for _ in range(batches):
+        next(data)
+    seconds = time.perf_counter() - t0
+    return {
+        "batches": batches,
+        "batch": batch,
+        "examples_per_sec": batches * batch / seconds,
+        "data_dir": data_dir,
+    }
+
+
+def cached_records(args) -> str:
+    """Records for the input benchmark when prepare is not measured: prepared once, then reused."""
+    from bertjax.data.prepare import prepare
+    from bertjax.tokenization import load_tokenizer
+
+    out = os.path.join(args.cache_dir, f"records-seq{args.seq}-pred{args.masked}")
+    prepare(
+        _corpus_copies(args.corpus, 1, ""),
+        out,
+        load_tokenizer(args.vocab),
+        corpus_format=args.corpus_format,
+        max_seq_length=args.seq,
+        max_predictions_per_seq=args.masked,
+        dupe_factor=args.dupe_factor,
+        show_progress=False,
+    )
+    return out
+
+
+# ---- peers, output -------------------------------------------------------------------------------
+def measure_peers(args, result: dict) -> dict[str, Any]:
+    """Runs both peers on the model's shapes; adds bertjax's speed-up over each."""
+    python = args.peers_python or bench_peers.default_peer_python()
+    if not os.path.exists(python):
+        return {"skipped": f"no peer virtualenv python at {python}"}
+    m = result["model"]
+    shape = dict(
+        layers=m["num_layers"],
+        hidden=m["hidden_size"],
+        heads=m["num_heads"],
+        intermediate=m["intermediate_size"],
+        vocab=m["vocab_size"],
+        batch=args.batch,
+        seq=args.seq,
+        masked=args.masked,
+        steps=args.peer_steps,
+        warmup=2,
+    )
+    peers = {}
+    for framework in bench_peers.PEER_FRAMEWORKS:
+        peer = bench_peers.run_peer(python, framework, shape)
+        peer["bertjax_speedup"] = result["tokens_per_sec"] / peer["tokens_per_sec"]
+        peers[framework] = peer
+    return peers
+
+
+def _num(value: Any, digits: int = 3) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.{digits}g}" if abs(value) < 100 else f"{value:,.0f}"
+    return f"{value:,}" if isinstance(value, int) else str(value)
+
+
+def to_markdown(r: dict) -> str:
+    """A results table (plus data and peer tables when measured) in GitHub markdown."""
+    c, mem = r["config"], r.get("memory", {})
+    rows = [
+        (
+            "model",
+            f"{c['preset']} ({_num(r['num_params'])} params), {c['dtype']}, "
+            f"attention {c['attention_impl']}, remat {c['remat']}, scan {c['scan_layers']}",
+        ),
+        ("shape", f"batch {c['batch']} x seq {c['seq']}, {c['masked']} MLM predictions/seq"),
+        ("devices", f"{r['num_devices']} x {r['device_kind']} ({r['platform']})"),
+        ("compile time (s)", _num(r["compile_s"])),
+        ("step time, median (s)", _num(r["step_time_s"])),
+        ("step time, pipelined mean (s)", _num(r["step_time_s_pipelined"])),
+        ("sequences/s", _num(r["sequences_per_sec"])),
+        ("tokens/s", _num(r["tokens_per_sec"])),
+        ("analytic TFLOP per step", _num(r["train_flops_per_step"] / 1e12)),
+        ("XLA-counted TFLOP per step", _num((r["xla_flops_per_step"] or 0) / 1e12)),
+        ("achieved TFLOP/s per device", _num(r["tflops_per_sec_per_device"])),
+        ("peak TFLOP/s per device", f"{_num(r['peak_tflops'])} ({r['peak_source']})"),
+        ("MFU", "-" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"),
+        ("peak memory (MB)", f"{mem.get('peak_bytes', 0) / 1e6:,.0f} ({mem.get('source')})"),
+    ]
+    out = ["| metric | value |", "|---|---|", *[f"| {k} | {v} |" for k, v in rows]]
+    if r.get("prepare"):
+        out += [
+            "",
+            "| prepare: corpus | MB | docs | wall s | docs/s | MB/s | cores | peak RSS MB |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        out += [
+            f"| x{p['scale']} | {_num(p['input_mb'])} | {p['documents']:,} | {_num(p['wall_s'])}"
+            f" | {_num(p['docs_per_sec'])} | {_num(p['mb_per_sec'])} | {_num(p['cores_used'])}"
+            f" | {p['peak_rss_bytes'] / 1e6:,.0f} |"
+            for p in r["prepare"]
+        ]
+    if r.get("input"):
+        i = r["input"]
+        out += [
+            "",
+            f"tf.data input: {_num(i['examples_per_sec'])} examples/s = "
+            f"{_num(i['ratio_to_model'])}x the model's {_num(r['sequences_per_sec'])} seq/s",
+        ]
+    peers = {k: v for k, v in (r.get("peers") or {}).items() if isinstance(v, dict)}
+    if peers:
+        out += [
+            "",
+            "| implementation | step s (median) | tokens/s | bertjax speed-up |",
+            "|---|---|---|---|",
+            f"| bertjax | {_num(r['step_time_s'])} | {_num(r['tokens_per_sec'])} | 1.00x |",
+        ]
+        out += [
+            f"| {p['framework']} | {_num(p['step_time_s'])} | {_num(p['tokens_per_sec'])} | "
+            f"{p['bertjax_speedup']:.2f}x |"
+            for p in peers.values()
+        ]
+    return "\n".join(out) + "\n"
+
+
+def write_outputs(result: dict, output_dir: str) -> None:
+    os.makedirs(output_dir, exist_ok=True)
+    with open(os.path.join(output_dir, "results.json"), "w") as f:
+        json.dump(result, f, indent=2, sort_keys=True)
+    with open(os.path.join(output_dir, "results.md"), "w") as f:
+        f.write(to_markdown(result))
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Every measurement the flags ask for, as one JSON-able dict."""
+    result: dict[str, Any] = {
+        "config": {
+            k: getattr(args, k)
+            for k in (
+                "preset",
+                "batch",
+                "seq",
+                "masked",
+                "steps",
+                "warmup",
+                "dtype",
+                "attention_impl",
+                "remat",
+                "scan_layers",
+                "dropout",
+            )
+        }
+    }
+    result["host"] = {"cpu_count": os.cpu_count(), "loadavg_before": os.getloadavg()}
+    result.update(measure_step(args))
+    if not args.skip_prepare:
+        result["prepare"] = [
+            measure_prepare(args, int(s), os.path.join(args.cache_dir, f"prepared-x{s}"))
+            for s in args.prepare_scales.split(",")
+        ]
+    if not args.skip_input:
+        data_dir = (
+            result["prepare"][0]["data_dir"] if result.get("prepare") else cached_records(args)
+        )
+        result["input"] = measure_input(data_dir, args.batch, args.input_batches)
+        result["input"]["ratio_to_model"] = (
+            result["input"]["examples_per_sec"] / result["sequences_per_sec"]
+        )
+    if args.peers:
+        result["peers"] = measure_peers(args, result)
+    result["host"]["loadavg_after"] = os.getloadavg()
+    return result
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(sys.argv[1:] if argv is None else list(argv))
+    result = run(args)
+    if args.output_dir:
+        write_outputs(result, args.output_dir)
+    if args.json:
+        print(json.dumps(result, sort_keys=True))
+    else:
+        print(to_markdown(result), end="")

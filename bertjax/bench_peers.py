@@ -1,0 +1,255 @@
+"""Peer baselines for ``bertjax bench --peers``: the same pretraining step in Hugging Face transformers.
+
+Two peers, each written the way their users write it:
+
+* ``flax``: transformers 4.x ``FlaxBertForPreTraining`` (full-sequence MLM logits, as HF computes
+  them), masked cross-entropy + NSP cross-entropy, ``optax.chain(clip_by_global_norm(1.0),
+  adamw(...))``, one ``jax.jit`` with the train state donated;
+* ``torch``: transformers ``BertForPreTraining`` in eager PyTorch (its own MLM + NSP loss from
+  ``labels``/``next_sentence_label``), ``clip_grad_norm_(1.0)`` and ``torch.optim.AdamW``.
+
+Both train with dropout 0.1 on the same synthetic batch shapes as ``bertjax bench``: every token
+real, ``num_masked`` distinct masked positions per sequence, random NSP labels.
+
+This file runs as a SCRIPT under a second virtualenv (``.venv-peers``: transformers 4.57 with the
+jax/flax it supports and torch 2.13 CPU), never inside bertjax: the library never imports torch or
+transformers. Only the standard library is imported at module level, so ``bertjax.bench`` imports
+``run_peer`` from here to launch the script and read the one JSON line it prints.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+PEER_FRAMEWORKS = ("flax", "torch")
+
+
+def default_peer_python() -> str:
+    """``<repo>/.venv-peers/bin/python`` (the folder above the bertjax package), or $BERTJAX_PEERS_PYTHON."""
+    env = os.environ.get("BERTJAX_PEERS_PYTHON")
+    if env:
+        return env
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return os.path.join(root, ".venv-peers", "bin", "python")
+
+
+def run_peer(python: str, framework: str, shape: dict, timeout: float = 1800.0) -> dict:
+    """Runs this file under ``python`` for one framework; returns its JSON result.
+
+    ``shape`` holds layers, hidden, heads, intermediate, vocab, batch, seq, masked, steps, warmup.
+    """
+    argv = [python, os.path.abspath(__file__), f"--framework={framework}"]
+    argv += [f"--{key}={value}" for key, value in shape.items()]
+    env = dict(os.environ)
+    env.setdefault("JAX_PLATFORMS", "cpu")
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    env.pop("XLA_FLAGS", None)  # one host device, as bertjax bench uses
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode != 0 or not lines:
+        tail = (done.stderr or done.stdout)[-2000:]
+        raise RuntimeError(f"peer {framework} failed (exit {done.returncode}):\n{tail}")
+    return json.loads(lines[-1])
+
+
+def synthetic_batch(batch: int, seq: int, masked: int, vocab: int, seed: int = 0) -> dict:
+    """NumPy batch: ids [batch, seq], masked positions/labels [batch, masked], nsp [batch]."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    positions = np.sort(
+        np.stack([rng.choice(np.arange(1, seq - 1), masked, replace=False) for _ in range(batch)]),
+        axis=1,
+    )
+    mask_id = min(103, vocab - 1)  # [MASK] in the BERT vocabularies
+    ids = rng.integers(vocab // 30, vocab, (batch, seq))  # mostly ordinary word pieces
+    labels_full = np.full((batch, seq), -100, np.int64)  # HF convention: -100 = not predicted
+    np.put_along_axis(labels_full, positions, np.take_along_axis(ids, positions, 1), axis=1)
+    np.put_along_axis(ids, positions, mask_id, axis=1)
+    segments = (np.arange(seq)[None, :] >= seq // 2).astype(np.int64).repeat(batch, 0)
+    return {
+        "input_ids": ids,
+        "attention_mask": np.ones((batch, seq), np.int64),
+        "token_type_ids": segments,
+        "labels": labels_full,
+        "next_sentence_label": rng.integers(0, 2, (batch,)),
+    }
+
+
+def _hf_config(a):
+    from transformers import BertConfig
+
+    return BertConfig(
+        vocab_size=a.vocab,
+        hidden_size=a.hidden,
+        num_hidden_layers=a.layers,
+        num_attention_heads=a.heads,
+        intermediate_size=a.intermediate,
+        hidden_act="gelu",
+        hidden_dropout_prob=0.1,
+        attention_probs_dropout_prob=0.1,
+        max_position_embeddings=max(512, a.seq),
+    )
+
+
+def _time_steps(run_step, steps: int, warmup: int) -> tuple[list[float], float]:
+    """Calls ``run_step()`` (which must block until done); returns per-step times and first-call s."""
+    t0 = time.perf_counter()
+    run_step()
+    first = time.perf_counter() - t0
+    for _ in range(max(warmup - 1, 0)):
+        run_step()
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        run_step()
+        times.append(time.perf_counter() - t0)
+    return times, first
+
+
+def bench_flax(a) -> dict:
+    """FlaxBertForPreTraining + optax AdamW, full-sequence MLM logits, one jitted donated step."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from flax import traverse_util
+    from transformers import FlaxBertForPreTraining
+
+    model = FlaxBertForPreTraining(_hf_config(a), seed=0, dtype=jnp.float32)
+
+    def decay_mask(params):
+        flat = traverse_util.flatten_dict(params)
+        keep = {p: p[-1] != "bias" and "LayerNorm" not in "/".join(p) for p in flat}
+        return traverse_util.unflatten_dict(keep)
+
+    tx = optax.chain(
+        optax.clip_by_global_norm(1.0),
+        optax.adamw(1e-4, b1=0.9, b2=0.999, eps=1e-6, weight_decay=0.01, mask=decay_mask),
+    )
+    state = (model.params, tx.init(model.params), jax.random.PRNGKey(0))
+    batch = {
+        k: jnp.asarray(v, jnp.int32)
+        for k, v in synthetic_batch(a.batch, a.seq, a.masked, a.vocab).items()
+    }
+
+    def loss_fn(params, batch, rng):
+        out = model(
+            batch["input_ids"],
+            batch["attention_mask"],
+            batch["token_type_ids"],
+            params=params,
+            dropout_rng=rng,
+            train=True,
+        )
+        logits = out.prediction_logits  # [batch, seq, vocab]: every position, as HF does
+        labels = batch["labels"]
+        weight = (labels >= 0).astype(jnp.float32)
+        nll = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.maximum(labels, 0))
+        mlm = (nll * weight).sum() / weight.sum()
+        nsp = optax.softmax_cross_entropy_with_integer_labels(
+            out.seq_relationship_logits, batch["next_sentence_label"]
+        ).mean()
+        return mlm + nsp
+
+    def train_step(state, batch):
+        params, opt_state, rng = state
+        rng, dropout_rng = jax.random.split(rng)
+        loss, grads = jax.value_and_grad(loss_fn)(params, batch, dropout_rng)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return (optax.apply_updates(params, updates), opt_state, rng), loss
+
+    step = jax.jit(train_step, donate_argnums=(0,))
+    holder = {"state": state}
+
+    def run():
+        holder["state"], loss = step(holder["state"], batch)
+        loss.block_until_ready()
+
+    times, first = _time_steps(run, a.steps, a.warmup)
+    return {
+        "framework": "transformers-flax",
+        "times": times,
+        "first_step_s": first,
+        "versions": {
+            "jax": jax.__version__,
+            "flax": _version("flax"),
+            "transformers": _version("transformers"),
+        },
+    }
+
+
+def bench_torch(a) -> dict:
+    """Eager PyTorch BertForPreTraining with its built-in loss, clip_grad_norm_ and AdamW."""
+    import torch
+    from transformers import BertForPreTraining
+
+    torch.manual_seed(0)
+    model = BertForPreTraining(_hf_config(a))
+    model.train()
+    decay = [p for n, p in model.named_parameters() if not ("bias" in n or "LayerNorm" in n)]
+    no_decay = [p for n, p in model.named_parameters() if "bias" in n or "LayerNorm" in n]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=1e-4,
+        eps=1e-6,
+    )
+    batch = {
+        k: torch.as_tensor(v) for k, v in synthetic_batch(a.batch, a.seq, a.masked, a.vocab).items()
+    }
+
+    def run():
+        loss = model(**batch).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    times, first = _time_steps(run, a.steps, a.warmup)
+    return {
+        "framework": "transformers-torch",
+        "times": times,
+        "first_step_s": first,
+        "attn_implementation": model.config._attn_implementation,
+        "threads": torch.get_num_threads(),
+        "versions": {"torch": torch.__version__, "transformers": _version("transformers")},
+    }
+
+
+def _version(name: str) -> str:
+    from importlib.metadata import version
+
+    return version(name)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--framework", choices=PEER_FRAMEWORKS, required=True)
+    for name, default in (
+        ("layers", 4),
+        ("hidden", 512),
+        ("heads", 8),
+        ("intermediate", 2048),
+        ("vocab", 30522),
+        ("batch", 32),
+        ("seq", 128),
+        ("masked", 20),
+        ("steps", 10),
+        ("warmup", 2),
+    ):
+        p.add_argument(f"--{name}", type=int, default=default)
+    a = p.parse_args(argv)
+    result = bench_flax(a) if a.framework == "flax" else bench_torch(a)
+    result["step_time_s"] = statistics.median(result["times"])
+    result["tokens_per_sec"] = a.batch * a.seq / result["step_time_s"]
+    result["sequences_per_sec"] = a.batch / result["step_time_s"]
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,289 @@
+"""Load a pretrained BERT from any checkpoint format and run it: ``load_pretrained(path)``.
+
+``path`` may be a Hugging Face model directory, an original Google checkpoint directory or a
+bertjax checkpoint directory (see ``bertjax.convert``). The result bundles the Flax module, its
+params, the model config and the tokenizer, and is callable on token ids::
+
+    model = load_pretrained("bert-base-uncased/")
+    batch = model.encode_batch(["a sentence", ("first", "second")], max_length=128)
+    out = model(**batch)  # out.sequence_output [b, seq, hidden], out.mlm_logits [b, seq, vocab]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from bertjax.convert import Checkpoint, unflatten_params
+from bertjax.model_config import BertConfig
+from bertjax.modeling import BertModel, MaskedLMHead
+
+log = logging.getLogger("bertjax")
+
+Array = jax.Array
+
+
+class PretrainedBert(nn.Module):
+    """BertModel (``bert``) plus whichever heads a checkpoint holds: ``predictions`` (MLM, tied
+    decoder), ``seq_relationship`` (NSP) and ``classifier`` (sequence classification)."""
+
+    config: BertConfig
+    pooler: bool = True
+    mlm: bool = False
+    nsp: bool = False
+    num_labels: int = 0
+
+    @nn.compact
+    def __call__(
+        self,
+        input_ids: Array,
+        token_type_ids: Array | None = None,
+        attention_mask: Array | None = None,
+        *,
+        deterministic: bool = True,
+        output_hidden_states: bool = False,
+    ) -> dict[str, Any]:
+        cfg = self.config
+        bert = BertModel(cfg, add_pooler=self.pooler, name="bert")
+        out = bert(
+            input_ids,
+            token_type_ids,
+            attention_mask,
+            deterministic=deterministic,
+            output_hidden_states=output_hidden_states,
+        )
+        result = {"sequence_output": out.sequence_output, "pooled_output": out.pooled_output}
+        if output_hidden_states:
+            result["hidden_states"] = out.hidden_states  # L + 1 of [batch, seq, hidden]
+        if self.mlm:
+            words = nn.meta.unbox(bert.variables["params"]["embeddings"]["word_embeddings"])
+            head = MaskedLMHead(cfg, name="predictions")
+            result["mlm_logits"] = head(out.sequence_output, words["embedding"])  # [b, seq, vocab]
+        pooled = None if out.pooled_output is None else out.pooled_output.astype(jnp.float32)
+        init = nn.initializers.truncated_normal(stddev=cfg.initializer_range)
+        if self.nsp:
+            nsp = nn.Dense(2, dtype=jnp.float32, kernel_init=init, name="seq_relationship")
+            result["nsp_logits"] = nsp(pooled)  # [batch, 2]
+        if self.num_labels:
+            classifier = nn.Dense(
+                self.num_labels, dtype=jnp.float32, kernel_init=init, name="classifier"
+            )
+            result["logits"] = classifier(pooled)  # [batch, num_labels]
+        return result
+
+
+@dataclasses.dataclass(frozen=True)
+class PretrainedOutput:
+    """Model outputs; a field is None when the checkpoint has no such head."""
+
+    sequence_output: Array  # [batch, seq, hidden]
+    pooled_output: Array | None = None  # [batch, hidden]
+    mlm_logits: Array | None = None  # [batch, seq, vocab]
+    nsp_logits: Array | None = None  # [batch, 2]
+    logits: Array | None = None  # [batch, num_labels] (sequence classifier)
+    hidden_states: tuple | None = None  # embeddings, then every layer: [batch, seq, hidden] each
+
+
+def truncate_pair(a: list[int], b: list[int], max_tokens: int) -> tuple[list[int], list[int]]:
+    """Drops tokens from the end of the longer sequence until both fit (as the original BERT)."""
+    a, b = list(a), list(b)
+    while len(a) + len(b) > max_tokens:
+        (a if len(a) > len(b) else b).pop()
+    return a, b
+
+
+def encode_batch(
+    tokenizer, texts_or_pairs: Sequence, max_length: int, pad_to_max_length: bool = False
+) -> dict[str, np.ndarray]:
+    """Texts or (text_a, text_b) pairs -> ``[CLS] A [SEP] (B [SEP])`` padded int32 arrays.
+
+    Returns input_ids, token_type_ids and attention_mask, each [batch, length] where length is the
+    longest sequence (or ``max_length`` when ``pad_to_max_length``). Longer inputs are truncated.
+    """
+    if max_length < 3:
+        raise ValueError(f"max_length={max_length} leaves no room for [CLS] text [SEP]")
+    rows = []
+    for item in texts_or_pairs:
+        if isinstance(item, str):
+            a = tokenizer.encode(item)[: max_length - 2]
+            rows.append(([tokenizer.cls_id, *a, tokenizer.sep_id], [0] * (len(a) + 2)))
+        else:
+            text_a, text_b = item
+            a, b = truncate_pair(tokenizer.encode(text_a), tokenizer.encode(text_b), max_length - 3)
+            ids = [tokenizer.cls_id, *a, tokenizer.sep_id, *b, tokenizer.sep_id]
+            rows.append((ids, [0] * (len(a) + 2) + [1] * (len(b) + 1)))
+    length = max_length if pad_to_max_length else max((len(r[0]) for r in rows), default=1)
+    input_ids = np.full((len(rows), length), tokenizer.pad_id, np.int32)
+    token_type_ids = np.zeros((len(rows), length), np.int32)
+    attention_mask = np.zeros((len(rows), length), np.int32)
+    for i, (ids, types) in enumerate(rows):
+        input_ids[i, : len(ids)] = ids
+        token_type_ids[i, : len(ids)] = types
+        attention_mask[i, : len(ids)] = 1
+    return {
+        "input_ids": input_ids,
+        "token_type_ids": token_type_ids,
+        "attention_mask": attention_mask,
+    }
+
+
+@dataclasses.dataclass
+class Pretrained:
+    """A loaded checkpoint: Flax ``module`` with ``params``, ``config``, ``tokenizer``, and the
+    heads absent from the source (``missing``; freshly initialised when loaded with heads="all")."""
+
+    module: PretrainedBert
+    params: dict
+    config: BertConfig
+    tokenizer: Any
+    missing: tuple[str, ...]
+    source: str = ""
+
+    def __post_init__(self):
+        self._apply = _jitted_apply(self.module)
+
+    @property
+    def heads(self) -> tuple[str, ...]:
+        """Heads this model runs (pooler, mlm, nsp, classifier)."""
+        m = self.module
+        flags = (m.pooler, m.mlm, m.nsp, m.num_labels > 0)
+        return tuple(h for h, on in zip(("pooler", "mlm", "nsp", "classifier"), flags) if on)
+
+    @property
+    def bert_params(self) -> dict:
+        """The encoder's params (the ``bert`` subtree, what fine-tuning heads start from)."""
+        return self.params["bert"]
+
+    def encode_batch(
+        self, texts_or_pairs: Sequence, max_length: int | None = None, pad_to_max_length=False
+    ) -> dict[str, np.ndarray]:
+        """Tokenizes and pads a batch (see :func:`encode_batch`); needs a vocabulary file."""
+        if self.tokenizer is None:
+            raise ValueError(f"{self.source}: no vocabulary file found beside the checkpoint")
+        max_length = max_length or self.config.max_position_embeddings
+        self.check_length(max_length)
+        return encode_batch(self.tokenizer, texts_or_pairs, max_length, pad_to_max_length)
+
+    def check_length(self, length: int) -> None:
+        """Raises ValueError when ``length`` exceeds the position-embedding table."""
+        if length > self.config.max_position_embeddings:
+            raise ValueError(
+                f"sequence length {length} exceeds the position table of {self.source} "
+                f"(max_position_embeddings={self.config.max_position_embeddings})"
+            )
+
+    def __call__(
+        self,
+        input_ids,
+        token_type_ids=None,
+        attention_mask=None,
+        *,
+        output_hidden_states: bool = False,
+    ) -> PretrainedOutput:
+        """Runs the model (jitted) on [batch, seq] int arrays; masks default to all ones."""
+        input_ids = jnp.asarray(input_ids, jnp.int32)
+        if input_ids.ndim != 2:
+            raise ValueError(f"input_ids must be [batch, seq], got shape {input_ids.shape}")
+        self.check_length(input_ids.shape[1])
+        token_type_ids = jnp.zeros_like(input_ids) if token_type_ids is None else token_type_ids
+        attention_mask = jnp.ones_like(input_ids) if attention_mask is None else attention_mask
+        out = self._apply(
+            {"params": self.params},
+            input_ids,
+            jnp.asarray(token_type_ids, jnp.int32),
+            jnp.asarray(attention_mask, jnp.int32),
+            output_hidden_states=output_hidden_states,
+        )
+        return PretrainedOutput(**out)
+
+
+@functools.lru_cache(maxsize=16)
+def _jitted_apply(module: PretrainedBert):
+    """One jitted ``apply`` per module definition, shared by every model loaded with it."""
+    return jax.jit(module.apply, static_argnames=("output_hidden_states",))
+
+
+@functools.lru_cache(maxsize=16)
+def _jitted_init(module: PretrainedBert):
+    ids = jnp.zeros((1, 2), jnp.int32)
+    return jax.jit(lambda rng: nn.meta.unbox(module.init({"params": rng}, ids)["params"]))
+
+
+def _fresh_params(module: PretrainedBert, seed: int) -> dict:
+    """Initialised (unboxed) params of ``module``."""
+    return _jitted_init(module)(jax.random.key(seed))
+
+
+def pretrained_from_checkpoint(
+    ckpt: Checkpoint, heads: str = "available", dtype: str = "float32", seed: int = 0
+) -> Pretrained:
+    """Builds a :class:`Pretrained` from a loaded :class:`~bertjax.convert.Checkpoint`."""
+    if heads not in ("available", "all"):
+        raise ValueError(f"heads={heads!r} must be 'available' or 'all'")
+    present = set(ckpt.heads)
+    missing = tuple(h for h in ("pooler", "mlm", "nsp") if h not in present)
+    want = set(present)
+    if heads == "all":
+        want |= {"pooler", "mlm", "nsp"}
+    if want & {"nsp", "classifier"}:
+        want.add("pooler")  # these heads read the pooled output
+    config = ckpt.config.replace(dtype=dtype, param_dtype="float32", scan_layers=False)
+    module = PretrainedBert(
+        config,
+        pooler="pooler" in want,
+        mlm="mlm" in want,
+        nsp="nsp" in want,
+        num_labels=ckpt.num_labels,
+    )
+    params = unflatten_params({k: np.asarray(v, np.float32) for k, v in ckpt.tensors.items()})
+    fresh = sorted(want - present)
+    if fresh:
+        init = _fresh_params(module, seed)
+        for head in fresh:
+            if head == "pooler":
+                params["bert"]["pooler"] = init["bert"]["pooler"]
+            else:
+                name = {"mlm": "predictions", "nsp": "seq_relationship"}[head]
+                params[name] = init[name]
+        log.info("%s: heads %s absent; initialised freshly (seed %d)", ckpt.source, fresh, seed)
+    elif missing:
+        log.info("%s: heads %s absent (heads='all' initialises them)", ckpt.source, list(missing))
+    tokenizer = None
+    if ckpt.vocab_file:
+        from bertjax.tokenization import load_tokenizer
+
+        tokenizer = load_tokenizer(ckpt.vocab_file, ckpt.do_lower_case)
+    else:
+        log.warning("%s: no vocabulary file found; tokenizer is None", ckpt.source)
+    params = jax.device_put(params)
+    return Pretrained(module, params, config, tokenizer, missing, ckpt.source)
+
+
+def load_pretrained(
+    path: str,
+    *,
+    heads: str = "available",
+    dtype: str = "float32",
+    seed: int = 0,
+    vocab: str | None = None,
+    fmt: str | None = None,
+) -> Pretrained:
+    """Loads a HF, original Google or bertjax checkpoint directory as a runnable model.
+
+    heads="available" keeps the heads the checkpoint has; "all" adds freshly initialised pooler,
+    MLM and NSP heads (seeded by ``seed``) where absent. ``dtype`` is the compute dtype (params
+    stay float32). ``vocab`` overrides the vocabulary file found beside the checkpoint and ``fmt``
+    (hf, tf, bertjax) the detected format.
+    """
+    from bertjax.convert import load_checkpoint
+
+    ckpt = load_checkpoint(path, fmt, vocab)
+    return pretrained_from_checkpoint(ckpt, heads=heads, dtype=dtype, seed=seed)

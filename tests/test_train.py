@@ -1,0 +1,190 @@
+"""The trainer: smoke run, 1-device == 8-device losses, accumulation, resume after SIGKILL/SIGTERM."""
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+from train_fixtures import read_metrics, tiny_config
+
+from bertjax import train
+from bertjax.task import Task, register
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+
+
+def _losses(workdir, key="loss"):
+    return [r[key] for r in read_metrics(workdir)]
+
+
+def test_smoke_run_logs_evaluates_and_checkpoints(tmp_path):
+    config = tiny_config(tmp_path, steps=4, **{"train.eval_every": 2, "tensorboard": True})
+    result = train.train_and_evaluate(config, str(tmp_path / "run"))
+    records = read_metrics(tmp_path / "run")
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    for key in ("loss", "mlm_loss", "nsp_loss", "mlm_accuracy", "nsp_accuracy", "learning_rate",
+                "grad_norm", "seq_per_sec", "tokens_per_sec", "tflops_per_device"):
+        assert all(np.isfinite(r[key]) for r in records), key
+    evals = read_metrics(tmp_path / "run", "eval")
+    assert [r["step"] for r in evals] == [2, 4] and "mlm_accuracy" in evals[0]
+    assert sorted(os.listdir(tmp_path / "run" / "checkpoints")) == ["2", "4"]
+    assert os.listdir(tmp_path / "run" / "tensorboard")
+    assert result["step"] == 4
+    # The learning rate follows warmup (1 step) then linear decay to 0 at step 4.
+    np.testing.assert_allclose([r["learning_rate"] for r in records], [0.0, 7.5e-4, 5e-4, 2.5e-4])
+
+
+def test_eight_devices_with_data_fsdp_tensor_match_one_device(tmp_path):
+    one = tiny_config(tmp_path, steps=3, **{"mesh.num_devices": 1})
+    train.train_and_evaluate(one, str(tmp_path / "one"))
+    eight = tiny_config(tmp_path, steps=3, **{"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2})
+    setup = train.build(eight, str(tmp_path / "eight_probe"), _prepared_task(eight, tmp_path))
+    # Parameters really are split: the MLP kernel over fsdp x tensor, the embeddings over both too.
+    spec = setup.state_shardings.params["bert"]["encoder"]["layer_0"]["intermediate"]["kernel"].spec
+    assert tuple(spec) == ("fsdp", "tensor")
+    train.train_and_evaluate(eight, str(tmp_path / "eight"))
+    for key in ("loss", "mlm_loss", "nsp_loss", "grad_norm"):
+        a, b = np.array(_losses(tmp_path / "one", key)), np.array(_losses(tmp_path / "eight", key))
+        np.testing.assert_allclose(b, a, rtol=1e-5, err_msg=key)
+
+
+def _prepared_task(config, tmp_path):
+    from bertjax.task import get_task
+
+    task = get_task("pretrain", config, str(tmp_path))
+    task.after_prepare()
+    return task
+
+
+def test_gradient_accumulation_equals_the_whole_batch(tmp_path):
+    whole = tiny_config(tmp_path, steps=2)
+    train.train_and_evaluate(whole, str(tmp_path / "whole"))
+    accum = tiny_config(tmp_path, steps=2, **{"train.grad_accum_steps": 4})
+    train.train_and_evaluate(accum, str(tmp_path / "accum"))
+    for key in ("loss", "mlm_accuracy", "grad_norm", "param_norm"):
+        np.testing.assert_allclose(
+            _losses(tmp_path / "accum", key), _losses(tmp_path / "whole", key), rtol=2e-5,
+            err_msg=key)
+
+
+def test_lamb_optimizer_trains(tmp_path):
+    config = tiny_config(tmp_path, steps=2, **{"optimizer.name": "lamb"})
+    train.train_and_evaluate(config, str(tmp_path / "lamb"))
+    assert all(np.isfinite(_losses(tmp_path / "lamb")))
+
+
+@register("test/nan_loss")
+class _NanTask(Task):
+    """Pretraining whose loss turns NaN: the trainer must stop and name the step."""
+
+    def __new__(cls, config, workdir):
+        from bertjax.tasks.pretraining import PretrainingTask
+
+        class Nan(PretrainingTask):
+            def loss(self, *args, **kwargs):
+                loss, metrics = super().loss(*args, **kwargs)
+                return loss * jax.numpy.nan, metrics
+
+        return Nan(config, workdir)
+
+
+def test_non_finite_loss_stops_with_the_step(tmp_path):
+    config = tiny_config(tmp_path, steps=3, task="test/nan_loss")
+    with pytest.raises(FloatingPointError, match="non-finite loss nan at step 1"):
+        train.train_and_evaluate(config, str(tmp_path / "nan"))
+
+
+def test_vocab_size_disagreeing_with_model_config_is_an_error(tmp_path):
+    config = tiny_config(tmp_path, steps=1)
+    with config.unlocked():
+        config.model.vocab_size = 999
+    with pytest.raises(ValueError, match="model.vocab_size=999 disagrees with the vocabulary"):
+        train.train_and_evaluate(config, str(tmp_path / "bad"))
+
+
+def _cli(tmp_path, workdir, *extra):
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, "-m", "bertjax.cli", "pretrain",
+           f"--config={REPO}/tests/tiny_pretrain_config.py:{tmp_path}", f"--workdir={workdir}",
+           "--config.train.checkpoint_every=3", "--config.train.async_checkpoints=true", *extra]
+    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+
+
+def _wait_for(predicate, proc, timeout=240):
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        if predicate():
+            return
+        if proc.poll() is not None:
+            raise AssertionError(f"process ended early:\n{proc.stdout.read()[-3000:]}")
+        time.sleep(0.2)
+    proc.kill()
+    raise AssertionError("timed out")
+
+
+def _logged_steps(workdir):
+    path = pathlib.Path(workdir, "metrics.jsonl")
+    if not path.exists():
+        return []
+    steps = []
+    for line in path.read_text().splitlines():
+        try:
+            steps.append(json.loads(line)["step"])
+        except json.JSONDecodeError:
+            pass
+    return steps
+
+
+@pytest.mark.slow
+def test_sigkill_then_rerun_reproduces_the_uninterrupted_run(tmp_path):
+    reference = tmp_path / "reference"
+    train.train_and_evaluate(tiny_config(tmp_path, steps=10), str(reference))
+    workdir = tmp_path / "killed"
+    proc = _cli(tmp_path, workdir)
+    _wait_for(lambda: (workdir / "checkpoints" / "3").exists() and max(_logged_steps(workdir),
+                                                                       default=0) >= 5, proc)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    killed_at = max(_logged_steps(workdir))
+    assert killed_at < 10
+    rerun = _cli(tmp_path, workdir)
+    out, _ = rerun.communicate(timeout=300)
+    assert rerun.returncode == 0, out[-3000:]
+    assert "resumed from" in out
+    assert [r["step"] for r in read_metrics(workdir)] == list(range(1, 11))
+    np.testing.assert_allclose(_losses(workdir), _losses(reference), rtol=1e-6)
+
+
+@pytest.mark.slow
+def test_sigterm_saves_a_checkpoint_and_exits_then_resumes(tmp_path):
+    reference = tmp_path / "reference"
+    train.train_and_evaluate(tiny_config(tmp_path, steps=10), str(reference))
+    workdir = tmp_path / "term"
+    proc = _cli(tmp_path, workdir, "--config.train.log_every=1")
+    _wait_for(lambda: max(_logged_steps(workdir), default=0) >= 4, proc)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out[-3000:]
+    assert "saving a checkpoint" in out
+    saved = max(int(s) for s in os.listdir(workdir / "checkpoints") if s.isdigit())
+    assert saved >= 4 and saved % 3 != 0 or saved >= 4
+    rerun = _cli(tmp_path, workdir)
+    out, _ = rerun.communicate(timeout=300)
+    assert rerun.returncode == 0, out[-3000:]
+    np.testing.assert_allclose(_losses(workdir), _losses(reference), rtol=1e-6)
+
+
+def test_unknown_config_key_fails_in_one_line(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "bertjax.cli", "pretrain", "--config=configs/demo.py",
+         f"--workdir={tmp_path}", "--config.train.stepz=3"],
+        cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "stepz" in proc.stderr
