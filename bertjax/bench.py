@@ -95,47 +95,22 @@ def bench_config(args: argparse.Namespace):
 
     from bertjax.sharding import RULES
 
-    c = ml_collections.ConfigDict()
-    c.task = "pretrain"
-    c.model = dict(
-        preset=args.preset,
-        dtype=args.dtype,
-        hidden_dropout=args.dropout,
-        attention_dropout=args.dropout,
-        max_position_embeddings=max(512, args.seq),
-        type_vocab_size=2,
-        attention_impl=args.attention_impl,
-        remat=args.remat,
-        scan_layers=args.scan_layers,
-    )
-    c.data = dict(
-        corpus="",
-        prepared_dir="",
-        vocab="",
-        max_seq_length=args.seq,
-        max_predictions_per_seq=args.masked,
-        nsp=True,
-        phases=(),
-    )
-    c.train = dict(steps=1_000_000, seed=0, global_batch_size=args.batch, grad_accum_steps=1)
-    c.optimizer = dict(
-        name="adamw",
-        learning_rate=1e-4,
-        warmup_steps=10_000,
-        b1=0.9,
-        b2=0.999,
-        eps=1e-6,
-        weight_decay=0.01,
-        grad_clip_norm=1.0,
-        end_lr_factor=0.0,
-    )
-    c.mesh = dict(
-        data=-1, fsdp=1, tensor=1, num_devices=args.devices, rules=[list(rule) for rule in RULES]
-    )
-    return ml_collections.ConfigDict(c)
+    switches = {k: getattr(args, k) for k in ("dtype", "attention_impl", "remat", "scan_layers")}
+    model = dict(preset=args.preset, max_position_embeddings=max(512, args.seq), **switches)
+    model.update(hidden_dropout=args.dropout, attention_dropout=args.dropout)
+    data = dict(max_seq_length=args.seq, max_predictions_per_seq=args.masked, nsp=True, phases=())
+    optimizer = dict(name="adamw", learning_rate=1e-4, warmup_steps=10_000, grad_clip_norm=1.0)
+    optimizer.update(b1=0.9, b2=0.999, eps=1e-6, weight_decay=0.01, end_lr_factor=0.0)
+    mesh = dict(data=-1, fsdp=1, tensor=1, num_devices=args.devices)
+    mesh["rules"] = [list(rule) for rule in RULES]
+    train = dict(steps=1_000_000, seed=0, global_batch_size=args.batch, grad_accum_steps=1)
+    c = dict(task="pretrain", model=model, data=dict(data, prepared_dir=""), train=train)
+    return ml_collections.ConfigDict(dict(c, optimizer=optimizer, mesh=mesh))
 
 
 def _synthetic_task_class():
+    import numpy as np
+
     from bertjax.tasks.pretraining import PretrainingTask, model_config_from
 
     class SyntheticPretrainingTask(PretrainingTask):
@@ -159,16 +134,16 @@ def _synthetic_task_class():
             seq, pred = self.step_shape(phase)
             hf = bench_peers.synthetic_batch(phase.global_batch_size, seq, pred, self.vocab_size)
             positions = (hf["labels"] >= 0).nonzero()[1].reshape(phase.global_batch_size, pred)
-            batch = self.init_batch(phase, phase.global_batch_size)
-            batch.update(
+            batch = self.init_batch(phase, phase.global_batch_size)  # the dtypes of real batches
+            values = dict(
                 input_ids=hf["input_ids"],
                 segment_ids=hf["token_type_ids"],
                 masked_lm_positions=positions,
                 next_sentence_labels=hf["next_sentence_label"],
                 masked_lm_ids=hf["labels"][hf["labels"] >= 0].reshape(positions.shape),
+                masked_lm_weights=np.ones(positions.shape),
             )
-            batch["masked_lm_weights"][:] = 1.0
-            return {k: v.astype(batch[k].dtype) for k, v in batch.items()}
+            return {k: values.get(k, v).astype(v.dtype) for k, v in batch.items()}
 
     return SyntheticPretrainingTask
 
@@ -198,6 +173,41 @@ def peak_memory(device) -> dict[str, Any]:
     return {
         "peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "source": "peak RSS of the process",
+    }
+
+
+def summarize_trace(profile_dir: str, top: int = 12) -> dict[str, Any]:
+    """Device time per XLA op kind (``fusion.3`` and ``fusion.7`` add up) from the perfetto trace.
+
+    Host-side events (Python frames ``$...``, runtime ``A::B`` calls, ``end: ...`` markers) are
+    left out; what remains are the compiled program's ops (on CPU: thunks such as ``ynn_fusion``
+    for matmuls, ``loop_fusion``/``input_fusion`` for elementwise and reductions).
+    """
+    import glob
+    import gzip
+    import re
+
+    paths = sorted(
+        glob.glob(os.path.join(profile_dir, "**", "perfetto_trace.json.gz"), recursive=True)
+    )
+    if not paths:
+        return {}
+    with gzip.open(paths[-1]) as f:
+        events = json.load(f)
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    totals: dict[str, float] = {}
+    for e in events:
+        name = e.get("name", "")
+        if e.get("ph") != "X" or re.match(r"^(\$|end: )|::|^Pjit|\s", name):
+            continue
+        kind = re.sub(r"[.:]\d+$", "", name)
+        totals[kind] = totals.get(kind, 0.0) + e.get("dur", 0.0) / 1e6
+    total = sum(totals.values())
+    ranked = sorted(totals.items(), key=lambda kv: -kv[1])[:top]
+    return {
+        "trace": paths[-1],
+        "op_seconds": total,
+        "top_ops": [{"op": k, "seconds": v, "share": v / total} for k, v in ranked],
     }
 
 
@@ -245,10 +255,12 @@ def measure_step(args: argparse.Namespace) -> dict[str, Any]:
             jax.block_until_ready((state, metrics))
             pipelined = (time.perf_counter() - t0) / args.steps
         if args.profile_dir:
-            with jax.profiler.trace(args.profile_dir), jax.transfer_guard("disallow"):
+            trace = jax.profiler.trace(args.profile_dir, create_perfetto_trace=True)
+            with trace, jax.transfer_guard("disallow"):
                 for _ in range(3):
                     state, metrics = compiled(state, batch)
                 jax.block_until_ready((state, metrics))
+    profile = summarize_trace(args.profile_dir) if args.profile_dir else None
     loss = float(jax.device_get(metrics["loss"]))
     memory = peak_memory(devices[0])
     analysis = compiled.memory_analysis()
@@ -290,6 +302,7 @@ def measure_step(args: argparse.Namespace) -> dict[str, Any]:
         "mfu": tflops / peak if peak else None,
         "memory": memory,
         "final_loss": loss,
+        "profile": profile,
     }
 
 
@@ -492,7 +505,13 @@ def to_markdown(r: dict) -> str:
             f"tf.data input: {_num(i['examples_per_sec'])} examples/s = "
             f"{_num(i['ratio_to_model'])}x the model's {_num(r['sequences_per_sec'])} seq/s",
         ]
-    peers = {k: v for k, v in (r.get("peers") or {}).items() if isinstance(v, dict)}
+    if r.get("profile"):
+        out += ["", "| XLA op kind (3 profiled steps) | seconds | share |", "|---|---|---|"]
+        out += [
+            f"| {o['op']} | {_num(o['seconds'])} | {100 * o['share']:.1f}% |"
+            for o in r["profile"]["top_ops"]
+        ]
+    peers = {k: v for k, v in (r.get("peers") or {}).items() if "framework" in v}
     if peers:
         out += [
             "",
@@ -518,24 +537,8 @@ def write_outputs(result: dict, output_dir: str) -> None:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Every measurement the flags ask for, as one JSON-able dict."""
-    result: dict[str, Any] = {
-        "config": {
-            k: getattr(args, k)
-            for k in (
-                "preset",
-                "batch",
-                "seq",
-                "masked",
-                "steps",
-                "warmup",
-                "dtype",
-                "attention_impl",
-                "remat",
-                "scan_layers",
-                "dropout",
-            )
-        }
-    }
+    keys = "preset batch seq masked steps warmup dtype attention_impl remat scan_layers dropout"
+    result: dict[str, Any] = {"config": {k: getattr(args, k) for k in keys.split()}}
     result["host"] = {"cpu_count": os.cpu_count(), "loadavg_before": os.getloadavg()}
     result.update(measure_step(args))
     if not args.skip_prepare:

@@ -76,6 +76,9 @@ def train_command(argv: list[str], command: str) -> None:
     flags.mark_flags_as_required(["config", "workdir"])
 
     def run(_):
+        from absl import logging as absl_logging
+
+        absl_logging.set_verbosity(absl_logging.WARNING)  # Orbax logs every step at INFO
         setup_logging()
         try:
             distributed.initialize_from_flags()
@@ -107,6 +110,7 @@ def train_command(argv: list[str], command: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TensorFlow's C++ start-up chatter
     argv = list(sys.argv if argv is None else argv)
     if len(argv) < 2 or argv[1] in ("-h", "--help", "help"):
         print(_usage())

@@ -1,4 +1,4 @@
-"""``bertjax extract-features``: per-token vectors of chosen layers, like BERT's extract_features.py.
+"""``bertjax extract-features``: per-token vectors of chosen layers (as BERT's extract_features.py).
 
 Each input line is one sentence or a pair written ``A ||| B``. Layers index the model's hidden
 states: 0 is the embedding output and i the output of layer i, so negative indices (the default

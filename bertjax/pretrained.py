@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bertjax.convert import Checkpoint, unflatten_params
+from bertjax.convert import Checkpoint, layout, unflatten_params
 from bertjax.model_config import BertConfig
 from bertjax.modeling import BertModel, MaskedLMHead
 
@@ -211,15 +211,21 @@ def _jitted_apply(module: PretrainedBert):
     return jax.jit(module.apply, static_argnames=("output_hidden_states",))
 
 
-@functools.lru_cache(maxsize=16)
-def _jitted_init(module: PretrainedBert):
-    ids = jnp.zeros((1, 2), jnp.int32)
-    return jax.jit(lambda rng: nn.meta.unbox(module.init({"params": rng}, ids)["params"]))
-
-
-def _fresh_params(module: PretrainedBert, seed: int) -> dict:
-    """Initialised (unboxed) params of ``module``."""
-    return _jitted_init(module)(jax.random.key(seed))
+def fresh_head_tensors(config: BertConfig, heads, seed: int) -> dict[str, np.ndarray]:
+    """Newly initialised tensors of the given heads (flat bertjax paths), as in ``modeling``:
+    kernels truncated-normal(initializer_range), LayerNorm scales one, biases zero."""
+    entries = [e for e in layout(config, heads) if e.head in heads]
+    keys = jax.random.split(jax.random.key(seed), max(len(entries), 1))
+    kernel_init = nn.initializers.truncated_normal(stddev=config.initializer_range)
+    out = {}
+    for entry, key in zip(entries, keys):
+        if entry.path.endswith("/kernel"):
+            out[entry.path] = np.asarray(kernel_init(key, entry.shape, jnp.float32))
+        elif entry.path.endswith("/scale"):
+            out[entry.path] = np.ones(entry.shape, np.float32)
+        else:
+            out[entry.path] = np.zeros(entry.shape, np.float32)
+    return out
 
 
 def pretrained_from_checkpoint(
@@ -230,32 +236,34 @@ def pretrained_from_checkpoint(
         raise ValueError(f"heads={heads!r} must be 'available' or 'all'")
     present = set(ckpt.heads)
     missing = tuple(h for h in ("pooler", "mlm", "nsp") if h not in present)
+    tensors = {k: np.asarray(v, np.float32) for k, v in ckpt.tensors.items()}
+    num_labels = ckpt.num_labels
+    if "classifier" in present and "pooler" not in present:
+        # A classifier beside an encoder without pooler is a per-token (tagging) head.
+        log.warning("%s: classifier without pooler (a token classifier) is not run", ckpt.source)
+        present.discard("classifier")
+        tensors = {k: v for k, v in tensors.items() if not k.startswith("classifier/")}
+        num_labels = 0
     want = set(present)
     if heads == "all":
         want |= {"pooler", "mlm", "nsp"}
-    if want & {"nsp", "classifier"}:
-        want.add("pooler")  # these heads read the pooled output
+    if "nsp" in want:
+        want.add("pooler")  # NSP reads the pooled output
     config = ckpt.config.replace(dtype=dtype, param_dtype="float32", scan_layers=False)
     module = PretrainedBert(
         config,
         pooler="pooler" in want,
         mlm="mlm" in want,
         nsp="nsp" in want,
-        num_labels=ckpt.num_labels,
+        num_labels=num_labels,
     )
-    params = unflatten_params({k: np.asarray(v, np.float32) for k, v in ckpt.tensors.items()})
     fresh = sorted(want - present)
     if fresh:
-        init = _fresh_params(module, seed)
-        for head in fresh:
-            if head == "pooler":
-                params["bert"]["pooler"] = init["bert"]["pooler"]
-            else:
-                name = {"mlm": "predictions", "nsp": "seq_relationship"}[head]
-                params[name] = init[name]
+        tensors.update(fresh_head_tensors(config, fresh, seed))
         log.info("%s: heads %s absent; initialised freshly (seed %d)", ckpt.source, fresh, seed)
     elif missing:
         log.info("%s: heads %s absent (heads='all' initialises them)", ckpt.source, list(missing))
+    params = unflatten_params(tensors)
     tokenizer = None
     if ckpt.vocab_file:
         from bertjax.tokenization import load_tokenizer

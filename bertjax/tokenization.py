@@ -177,13 +177,12 @@ def load_vocab(path: str) -> list[str]:
 
 
 def _infer_do_lower_case(vocab: Sequence[str]) -> bool:
-    """Uncased when no ordinary token (not special, not [unusedN]) holds an upper-case letter."""
-    for token in vocab:
-        if token.startswith("[") and token.endswith("]"):
-            continue
-        if any(c.isupper() for c in token):
-            return False
-    return True
+    """Uncased unless more than 0.5% of ordinary tokens (not special, not [unusedN]) hold an
+    upper-case letter: the uncased BERT vocab still has a few symbols Python calls upper case
+    (e.g. 'ℝ'), a cased vocab has thousands of capitalised words."""
+    ordinary = [t for t in vocab if not (t.startswith("[") and t.endswith("]"))]
+    upper = sum(1 for t in ordinary if any(c.isupper() for c in t))
+    return upper <= 0.005 * len(ordinary)
 
 
 # Tokenizers.

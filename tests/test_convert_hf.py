@@ -269,6 +269,34 @@ def test_sequence_classifier_matches_transformers(tmp_path, uncased_vocab, share
     assert not any(info.values()), info
 
 
+def test_token_classifier_keeps_its_encoder_and_round_trips(tmp_path, uncased_vocab):
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    hf_model = make_hf_model(
+        tmp_path / "tok", uncased_vocab, "BertForTokenClassification", num_labels=5
+    )
+    model = load_pretrained(str(tmp_path / "tok"))  # no pooler: the classifier is per token
+    assert model.heads == () and model.missing == ("pooler", "mlm", "nsp")
+    ids = np.array([[2, 50, 60, 70, 3, 0], [2, 80, 3, 90, 3, 0]], np.int32)
+    mask = (ids > 0).astype(np.int32)
+    with torch.no_grad():
+        want = hf_model.bert(input_ids=torch.tensor(ids).long(), attention_mask=torch.tensor(mask))
+    got = model(ids, attention_mask=mask)
+    assert got.pooled_output is None and got.logits is None
+    assert np.abs(np.asarray(got.sequence_output) - want.last_hidden_state.numpy()).max() < TOL
+    convert_main([str(tmp_path / "tok"), "--to=bertjax", str(tmp_path / "bj")])
+    convert_main([str(tmp_path / "bj"), "--to=hf", str(tmp_path / "hf")])
+    _assert_same_tensors(
+        read_safetensors(str(tmp_path / "tok" / "model.safetensors")),
+        read_safetensors(str(tmp_path / "hf" / "model.safetensors")),
+    )
+    _, info = transformers.BertForTokenClassification.from_pretrained(
+        tmp_path / "hf", output_loading_info=True
+    )
+    assert not any(info.values()), info
+
+
 # ---------------------------------------------------------------------------------------------
 # Round trips and writing HF directories.
 # ---------------------------------------------------------------------------------------------
@@ -290,6 +318,13 @@ def test_hf_bertjax_hf_round_trip_is_bit_identical(hf_pretraining, tmp_path):
         "mlm",
         "nsp",
     ]
+    ids = np.array([[2, 50, 60, 70, 3, 0], [2, 80, 3, 90, 3, 0]], np.int32)
+    from_bertjax, from_hf = (
+        load_pretrained(str(tmp_path / "bj"))(ids),
+        load_pretrained(str(directory))(ids),
+    )
+    for name in ("sequence_output", "pooled_output", "mlm_logits", "nsp_logits"):
+        np.testing.assert_array_equal(getattr(from_bertjax, name), getattr(from_hf, name), name)
     convert_main(["--from=bertjax", str(tmp_path / "bj"), "--to=hf", str(tmp_path / "hf")])
     _assert_same_tensors(
         read_safetensors(str(directory / "model.safetensors")),

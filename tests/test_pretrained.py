@@ -61,7 +61,8 @@ def _training_checkpoint(workdir, scan_layers=True):
     }
     config = get_preset("tiny", vocab_size=101, max_position_embeddings=64, scan_layers=scan_layers)
     module = BertForPreTraining(config)
-    params = nn.meta.unbox(module.init(jax.random.key(3), jnp.asarray(IDS))["params"])
+    init = jax.jit(lambda rng: nn.meta.unbox(module.init(rng, jnp.asarray(IDS))["params"]))
+    params = init(jax.random.key(3))
     ckpt = Checkpointer(str(workdir / "checkpoints"), async_save=False)
     state = {"params": params, "step": np.int32(7)}
     ckpt.save(7, state, {"position": 1}, json.dumps(experiment), force=True)

@@ -34,7 +34,8 @@ HEADS = ("pooler", "mlm", "nsp", "classifier")
 FORMATS = ("hf", "tf", "bertjax")
 # Roles: how a bertjax array maps onto the original (TF, [in, out] kernels) layout.
 #   copy: same array; kernel: same [in, out]; kernel_t: original stores [out, in];
-#   heads_in: [H, N, D] <-> [H, N*D]; heads_bias: [N, D] <-> [N*D]; heads_out: [N, D, H] <-> [N*D, H].
+#   heads_in: [H, N, D] <-> [H, N*D]; heads_bias: [N, D] <-> [N*D];
+#   heads_out: [N, D, H] <-> [N*D, H].
 MATRIX_ROLES = ("kernel", "heads_in", "heads_out")
 
 
@@ -214,86 +215,8 @@ def match_tensors(
 
 
 # ---------------------------------------------------------------------------------------------
-# Config (original bert_config.json / HF config.json keys) and vocabulary.
+# Dtypes, vocabulary and atomic output directories.
 # ---------------------------------------------------------------------------------------------
-_ACT_FROM_ORIGINAL = {
-    "gelu": "gelu",
-    "gelu_new": "gelu_new",
-    "gelu_pytorch_tanh": "gelu_tanh",
-    "gelu_fast": "gelu_tanh",
-    "relu": "relu",
-    "silu": "silu",
-    "swish": "silu",
-}
-_ACT_TO_ORIGINAL = {
-    "gelu": "gelu",
-    "gelu_new": "gelu_new",
-    "gelu_tanh": "gelu_pytorch_tanh",
-    "relu": "relu",
-    "silu": "silu",
-}
-
-
-def config_from_original(values: dict, source: str) -> BertConfig:
-    """BertConfig from bert_config.json / HF config.json keys; bad values name ``source``."""
-    if values.get("model_type", "bert") != "bert":
-        raise ValueError(f"{source}: model_type {values['model_type']!r} is not a BERT model")
-    if values.get("position_embedding_type", "absolute") != "absolute":
-        raise ValueError(
-            f"{source}: position_embedding_type {values['position_embedding_type']!r} is not "
-            "supported (only 'absolute')"
-        )
-    keys = (
-        "vocab_size",
-        "hidden_size",
-        "num_hidden_layers",
-        "num_attention_heads",
-        "intermediate_size",
-        "max_position_embeddings",
-        "type_vocab_size",
-    )
-    absent = [k for k in keys if k not in values]
-    if absent:
-        raise ValueError(f"{source}: missing config key(s) {absent}")
-    act = values.get("hidden_act", "gelu")
-    if act not in _ACT_FROM_ORIGINAL:
-        raise ValueError(f"{source}: hidden_act {act!r} is not one of {sorted(_ACT_FROM_ORIGINAL)}")
-    try:
-        return BertConfig(
-            vocab_size=int(values["vocab_size"]),
-            hidden_size=int(values["hidden_size"]),
-            num_layers=int(values["num_hidden_layers"]),
-            num_heads=int(values["num_attention_heads"]),
-            intermediate_size=int(values["intermediate_size"]),
-            hidden_act=_ACT_FROM_ORIGINAL[act],
-            hidden_dropout=float(values.get("hidden_dropout_prob", 0.1)),
-            attention_dropout=float(values.get("attention_probs_dropout_prob", 0.1)),
-            max_position_embeddings=int(values["max_position_embeddings"]),
-            type_vocab_size=int(values["type_vocab_size"]),
-            initializer_range=float(values.get("initializer_range", 0.02)),
-            layer_norm_eps=float(values.get("layer_norm_eps", 1e-12)),
-        )
-    except ValueError as e:
-        raise ValueError(f"{source}: {e}") from None
-
-
-def config_to_original(config: BertConfig) -> dict:
-    """The bert_config.json keys of a BertConfig (HF's config.json adds its own on top)."""
-    return {
-        "attention_probs_dropout_prob": config.attention_dropout,
-        "hidden_act": _ACT_TO_ORIGINAL[config.hidden_act],
-        "hidden_dropout_prob": config.hidden_dropout,
-        "hidden_size": config.hidden_size,
-        "initializer_range": config.initializer_range,
-        "intermediate_size": config.intermediate_size,
-        "max_position_embeddings": config.max_position_embeddings,
-        "num_attention_heads": config.num_heads,
-        "num_hidden_layers": config.num_layers,
-        "type_vocab_size": config.type_vocab_size,
-        "vocab_size": config.vocab_size,
-    }
-
-
 def with_param_dtype(config: BertConfig, tensors: dict[str, np.ndarray]) -> BertConfig:
     """Sets ``param_dtype`` to the stored float dtype when every float tensor shares one."""
     kinds = {np.dtype(a.dtype).name for a in tensors.values()}
@@ -377,7 +300,7 @@ def unflatten_params(flat: dict[str, np.ndarray]) -> dict:
 
 
 def unstack_layers(flat: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Scanned params (``bert/encoder/layers/...`` with a leading [layers] axis) -> ``layer_{i}``."""
+    """Scanned params (``bert/encoder/layers/...``, leading [layers] axis) -> ``layer_{i}``."""
     stacked = "bert/encoder/layers/"
     out = {}
     for name, value in flat.items():

@@ -1,15 +1,15 @@
 """Hugging Face BERT checkpoints: names, config.json, safetensors and pytorch_model.bin, no torch.
 
 HF names follow the original Google names with ``.`` for ``/``, ``weight``/``bias`` for
-``kernel``/``gamma``/``beta`` and ``[out, in]`` Linear weights. Accepted namings: BertModel (no
-prefix), BertForPreTraining / BertForMaskedLM / BertForNextSentencePrediction /
-BertForSequenceClassification (``bert.`` prefix, ``cls.*``, ``classifier.*``), legacy
-``LayerNorm.gamma/beta``, the ``embeddings.position_ids`` buffer and a tied
-``cls.predictions.decoder.weight``.
+``kernel``/``gamma``/``beta`` and ``[out, in]`` Linear weights. Accepted namings: BertModel
+(no prefix), BertForPreTraining / BertForMaskedLM / BertForNextSentencePrediction /
+BertForSequenceClassification / BertForTokenClassification (``bert.`` prefix, ``cls.*``,
+``classifier.*``), legacy ``LayerNorm.gamma/beta``, the ``embeddings.position_ids`` buffer and a
+tied ``cls.predictions.decoder.weight``.
 
-``pytorch_model.bin`` is read by :func:`read_torch_file`: the zip archive's ``data.pkl`` is unpickled
-with an allow-list (OrderedDict, tensor rebuild functions, storage types) and every tensor is
-rebuilt as a NumPy view of its storage file, so no code from the file runs and torch is not needed.
+``pytorch_model.bin`` is read by :func:`read_torch_file`: the zip archive's ``data.pkl`` is
+unpickled with an allow-list (OrderedDict, tensor rebuild functions, storage types) and every
+tensor is rebuilt from a NumPy view of its storage file: no code from the file runs, no torch.
 """
 
 from __future__ import annotations
@@ -28,8 +28,6 @@ from bertjax.convert import (
     MATRIX_ROLES,
     Checkpoint,
     Entry,
-    config_from_original,
-    config_to_original,
     find_vocab,
     from_original,
     layout,
@@ -38,6 +36,7 @@ from bertjax.convert import (
     to_original,
     with_param_dtype,
 )
+from bertjax.convert.tf import config_from_original, config_to_original
 from bertjax.model_config import BertConfig
 
 SAFETENSORS = "model.safetensors"
@@ -58,6 +57,7 @@ _ARCHITECTURES = {  # heads present -> HF class whose state dict holds exactly t
     frozenset({"pooler", "mlm"}): "BertForMaskedLM",
     frozenset({"pooler", "nsp"}): "BertForNextSentencePrediction",
     frozenset({"pooler", "classifier"}): "BertForSequenceClassification",
+    frozenset({"classifier"}): "BertForTokenClassification",
 }
 
 
@@ -288,7 +288,7 @@ def read_safetensors(path: str) -> dict[str, np.ndarray]:
 
 
 def read_hf_weights(directory: str) -> tuple[dict[str, np.ndarray], str]:
-    """The state dict of a HF model directory (single or sharded safetensors / .bin) and its file."""
+    """State dict of a HF model directory (single or sharded safetensors / .bin) and its file."""
     candidates = (
         (SAFETENSORS, "model.safetensors.index.json", read_safetensors),
         (TORCH_BIN, "pytorch_model.bin.index.json", read_torch_file),

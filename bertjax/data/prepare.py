@@ -50,13 +50,19 @@ import pickle
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import tensorflow as tf
 import tqdm
 
-from bertjax.data import corpus, masking
+from bertjax.data import corpus
+from bertjax.data.instances import (  # noqa: F401  (re-exported)
+    _DocumentWindow,
+    create_instances_from_document,
+    instance_to_example,
+    truncate_seq_pair,
+)
 
 METADATA_FILE = "metadata.json"
 FORMAT_VERSION = 1
@@ -110,148 +116,6 @@ class PrepareConfig:
         """Number of shards per split (eval: about eval_fraction of num_shards, at least 1)."""
         num_eval = max(1, round(self.num_shards * self.eval_fraction)) if self.eval_fraction else 0
         return {"train": self.num_shards, "eval": num_eval}
-
-
-def truncate_seq_pair(tokens_a: list, tokens_b: list, max_num_tokens: int, rng) -> None:
-    """Trims the longer list (front or back at random) until both fit in max_num_tokens, in place."""
-    while len(tokens_a) + len(tokens_b) > max_num_tokens:
-        trunc = tokens_a if len(tokens_a) > len(tokens_b) else tokens_b
-        if rng.random() < 0.5:
-            del trunc[0]
-        else:
-            trunc.pop()
-
-
-def create_instances_from_document(
-    pool: Sequence[Sequence[list[int]]],
-    index: int,
-    *,
-    max_seq_length: int,
-    short_seq_prob: float,
-    nsp: bool,
-    rng: np.random.Generator,
-) -> list[tuple[list[int], list[int], bool]]:
-    """Instances (tokens_a, tokens_b, is_random_next) of document pool[index] (original algorithm).
-
-    A document is a list of non-empty token-id lists (sentences). Random next segments come from
-    pool[j], j != index (10 tries, as in the original). With nsp=False tokens_b is empty.
-    """
-    document = pool[index]
-    max_num_tokens = max_seq_length - (3 if nsp else 2)
-    target = max_num_tokens
-    if rng.random() < short_seq_prob:
-        target = int(rng.integers(2, max_num_tokens + 1))
-    instances = []
-    chunk: list[list[int]] = []
-    length = 0
-    i = 0
-    while i < len(document):
-        chunk.append(document[i])
-        length += len(document[i])
-        if i == len(document) - 1 or length >= target:
-            if not nsp:
-                tokens_a = [t for segment in chunk for t in segment]
-                truncate_seq_pair(tokens_a, [], max_num_tokens, rng)
-                instances.append((tokens_a, [], False))
-                chunk, length, i = [], 0, i + 1
-                continue
-            a_end = int(rng.integers(1, len(chunk))) if len(chunk) >= 2 else 1
-            tokens_a = [t for segment in chunk[:a_end] for t in segment]
-            tokens_b: list[int] = []
-            is_random_next = len(chunk) == 1 or rng.random() < 0.5
-            if is_random_next:
-                target_b = target - len(tokens_a)
-                for _ in range(10):
-                    other = int(rng.integers(0, len(pool)))
-                    if other != index:
-                        break
-                random_doc = pool[other]
-                for segment in random_doc[int(rng.integers(0, len(random_doc))) :]:
-                    tokens_b.extend(segment)
-                    if len(tokens_b) >= target_b:
-                        break
-                i -= len(chunk) - a_end  # put the unused segments back
-            else:
-                tokens_b = [t for segment in chunk[a_end:] for t in segment]
-            truncate_seq_pair(tokens_a, tokens_b, max_num_tokens, rng)
-            instances.append((tokens_a, tokens_b, is_random_next))
-            chunk, length = [], 0
-        i += 1
-    return instances
-
-
-def _int64_feature(values) -> tf.train.Feature:
-    return tf.train.Feature(int64_list=tf.train.Int64List(value=values))
-
-
-def instance_to_example(
-    tokens_a: list[int],
-    tokens_b: list[int],
-    is_random_next: bool,
-    *,
-    cfg: PrepareConfig,
-    consts: dict,
-    rng: np.random.Generator,
-) -> bytes:
-    """Serialized tf.train.Example of one instance (masked here when cfg.masking == "static")."""
-    seq = cfg.max_seq_length
-    ids = [consts["cls_id"], *tokens_a, consts["sep_id"]]
-    segment_ids = [0] * len(ids)
-    if tokens_b:
-        ids += [*tokens_b, consts["sep_id"]]
-        segment_ids += [1] * (len(tokens_b) + 1)
-    n = len(ids)
-    features = {}
-    if cfg.masking == "static":
-        masked = masking.create_masked_lm_predictions(
-            ids,
-            rng,
-            vocab_size=consts["vocab_size"],
-            mask_id=consts["mask_id"],
-            special_ids=consts["special_ids"],
-            masked_lm_prob=cfg.masked_lm_prob,
-            max_predictions_per_seq=cfg.max_predictions_per_seq,
-            word_start=consts["word_start"],
-        )
-        ids = masked.input_ids.tolist()
-        k, pad = len(masked.positions), cfg.max_predictions_per_seq - len(masked.positions)
-        features["masked_lm_positions"] = _int64_feature(masked.positions.tolist() + [0] * pad)
-        features["masked_lm_ids"] = _int64_feature(masked.labels.tolist() + [0] * pad)
-        features["masked_lm_weights"] = tf.train.Feature(
-            float_list=tf.train.FloatList(value=[1.0] * k + [0.0] * pad)
-        )
-    features["input_ids"] = _int64_feature(ids + [consts["pad_id"]] * (seq - n))
-    features["input_mask"] = _int64_feature([1] * n + [0] * (seq - n))
-    features["segment_ids"] = _int64_feature(segment_ids + [0] * (seq - n))
-    features["next_sentence_labels"] = _int64_feature([int(is_random_next)])
-    return tf.train.Example(features=tf.train.Features(feature=features)).SerializeToString(
-        deterministic=True
-    )  # map keys sorted: bytes independent of the process (hash seed)
-
-
-class _DocumentWindow:
-    """Feeds documents through create_instances with a bounded pool of neighbours for random next."""
-
-    def __init__(self, buffer: int, make: Callable[[Sequence, int], None]):
-        self.buffer, self.make = buffer, make
-        self.docs: collections.deque = collections.deque()
-        self.next = 0  # index in self.docs of the next document to turn into instances
-
-    def push(self, doc: list[list[int]]) -> None:
-        self.docs.append(doc)
-        while len(self.docs) - self.next > self.buffer:
-            self._step()
-
-    def finish(self) -> None:
-        while self.next < len(self.docs):
-            self._step()
-
-    def _step(self) -> None:
-        self.make(self.docs, self.next)
-        self.next += 1
-        while self.next > self.buffer:
-            self.docs.popleft()
-            self.next -= 1
 
 
 # Per-process state of a worker: the tokenizer (loaded once) and the shared progress counters.

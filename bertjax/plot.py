@@ -1,0 +1,70 @@
+"""``bertjax plot WORKDIR``: a PNG of a run's curves from WORKDIR/metrics.jsonl."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+PANELS = (
+    ("loss", ("loss", "mlm_loss", "nsp_loss")),
+    ("accuracy", ("mlm_accuracy", "nsp_accuracy", "accuracy")),
+    ("learning rate", ("learning_rate",)),
+    ("throughput (tokens/s)", ("tokens_per_sec",)),
+)
+
+
+def read_records(workdir: str) -> list[dict]:
+    """The records of ``WORKDIR/metrics.jsonl``; a bad line is an error naming file and line."""
+    path = os.path.join(workdir, "metrics.jsonl")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{path}: no metrics file (is {workdir} a bertjax run directory?)")
+    records = []
+    with open(path) as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{path}:{number}: invalid JSON ({err.msg})") from None
+    return records
+
+
+def plot(workdir: str, output: str | None = None) -> str:
+    """Writes the curves (train lines, eval markers) to ``output`` (default WORKDIR/curves.png)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = read_records(workdir)
+    output = output or os.path.join(workdir, "curves.png")
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7))
+    for ax, (title, keys) in zip(axes.flat, PANELS):
+        for split, style in (("train", "-"), ("eval", "o--")):
+            for key in keys:
+                points = [(r["step"], r[key]) for r in records if r.get("split") == split and key in r]
+                if points:
+                    xs, ys = zip(*points)
+                    ax.plot(xs, ys, style, label=f"{split} {key}", markersize=4)
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        if ax.lines:
+            ax.legend(fontsize=8)
+    fig.suptitle(os.path.basename(os.path.abspath(workdir)))
+    fig.tight_layout()
+    tmp = output + ".tmp.png"
+    fig.savefig(tmp, dpi=100)
+    plt.close(fig)
+    os.replace(tmp, output)
+    return output
+
+
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(prog="bertjax plot", description=__doc__)
+    parser.add_argument("workdir")
+    parser.add_argument("--output", default=None, help="PNG path (default WORKDIR/curves.png)")
+    args = parser.parse_args(argv)
+    print(plot(args.workdir, args.output))

@@ -1,0 +1,389 @@
+"""What every fine-tuning task shares: tokenizer, init checkpoint, in-memory data, epochs, evaluation.
+
+A fine-tuning task (GLUE, SQuAD, NER, SWAG) builds its features in memory in ``load_data`` and
+supplies a head, a loss and host-side scoring; this base class turns them into the ``Task`` API:
+
+* the tokenizer is ``config.vocab`` or the init checkpoint's vocabulary, with ``config.do_lower_case``
+  (unset: the checkpoint's tokenizer setting, else True); a vocabulary whose size differs from the
+  checkpoint's embedding table is an error;
+* the model config is the init checkpoint's (``config.model`` may change only numerics: dtype,
+  dropout, attention implementation, remat, scan), else ``config.model`` + the vocabulary size;
+* ``init_params`` replaces the fresh encoder (``bert`` subtree) with the checkpoint's; the head stays
+  freshly initialised (and the pooler, when the checkpoint has none);
+* training runs ``config.train.epochs`` epochs (``train.steps`` > 0 overrides), with a linear warmup
+  over ``optimizer.warmup_proportion`` of the steps (resolved into ``optimizer.warmup_steps``), and
+  evaluates once per epoch (``train.eval_every`` > 0 overrides) with ``main_metric`` kept as best;
+* evaluation predicts every example of each eval set exactly once (padded batches, ``mask``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import traverse_util
+
+from bertjax.data.pipeline import ArrayData
+from bertjax.model_config import BertConfig
+from bertjax.task import Phase, Task
+from bertjax.tasks.pretraining import model_config_from
+
+log = logging.getLogger("bertjax")
+
+# config.model keys that may change a checkpoint's model config (numerics, not architecture).
+NUMERIC_MODEL_KEYS = (
+    "dtype",
+    "hidden_dropout",
+    "attention_dropout",
+    "attention_impl",
+    "remat",
+    "scan_layers",
+)
+INPUT_KEYS = ("input_ids", "input_mask", "segment_ids")
+
+
+@dataclasses.dataclass
+class EvalSet:
+    """Device features of one evaluation split (inputs and labels, leading axis = examples) and
+    whatever host-side data its scoring needs (``meta``)."""
+
+    name: str
+    features: dict[str, np.ndarray]
+    meta: Any = None
+
+    @property
+    def size(self) -> int:
+        return len(next(iter(self.features.values())))
+
+
+def subset(examples: list, limit: int, seed: int | None = 0) -> list:
+    """``limit`` examples (all when <= 0): a seeded random subset kept in file order, or the first
+    ``limit`` when ``seed`` is None."""
+    if limit <= 0 or limit >= len(examples):
+        return list(examples)
+    if seed is None:
+        return list(examples[:limit])
+    keep = np.sort(np.random.default_rng(seed).choice(len(examples), limit, replace=False))
+    return [examples[i] for i in keep]
+
+
+def merge_encoder(fresh: Any, source: Any, source_name: str) -> Any:
+    """The fresh ``bert`` param tree with every tensor taken from ``source`` (a bertjax ``bert`` tree
+    with unrolled ``layer_{i}``), stacked onto a leading axis where ``fresh`` scans its layers.
+
+    A pooler absent from ``source`` stays fresh; any other absent tensor or a shape mismatch is a
+    ValueError naming the parameter.
+    """
+    src = {"/".join(k): v for k, v in traverse_util.flatten_dict(source).items()}
+    out = {}
+    kept_fresh = []
+    for path, leaf in traverse_util.flatten_dict(fresh).items():
+        name = "/".join(path)
+        if path[:2] == ("encoder", "layers"):  # scanned: [layers, ...]
+            rest = "/".join(path[2:])
+            names = [f"encoder/layer_{i}/{rest}" for i in range(leaf.shape[0])]
+            if all(n in src for n in names):
+                value = np.stack([np.asarray(src[n]) for n in names])
+            else:
+                value = None
+        else:
+            value = src.get(name)
+        if value is None:
+            if path[0] == "pooler":
+                kept_fresh.append(name)
+                out[path] = leaf
+                continue
+            raise ValueError(f"init checkpoint {source_name} has no parameter bert/{name}")
+        value = np.asarray(value)
+        if value.shape != tuple(leaf.shape):
+            raise ValueError(
+                f"init checkpoint {source_name}: bert/{name} has shape {value.shape}, the model "
+                f"wants {tuple(leaf.shape)}"
+            )
+        out[path] = value.astype(leaf.dtype)
+    if kept_fresh:
+        log.info("init checkpoint %s has no pooler: it stays freshly initialised", source_name)
+    return traverse_util.unflatten_dict(out)
+
+
+class FinetuneTask(Task):
+    """Base of the fine-tuning tasks; subclasses implement the methods marked "subclass"."""
+
+    name = "finetune"
+    main_metric = "accuracy"  # the dev metric kept as best (maximised)
+
+    def __init__(self, config, workdir):
+        super().__init__(config, workdir)
+        self.tokenizer = None
+        self.pretrained = None  # bertjax.pretrained.Pretrained when config.init_checkpoint is set
+        self.train_features: dict[str, np.ndarray] | None = None
+        self.eval_sets: list[EvalSet] = []
+        self._total_steps = 0
+        self._loaded = False
+
+    # ---- subclass API --------------------------------------------------------------------------
+    def load_data(self) -> None:
+        """Subclass: reads the splits and sets ``train_features`` and ``eval_sets``."""
+        raise NotImplementedError
+
+    def build_model(self, model_config: BertConfig):
+        """Subclass: the head module (submodule ``bert`` = the encoder)."""
+        raise NotImplementedError
+
+    def head_loss(self, outputs: Any, batch, normalizers) -> tuple[jax.Array, dict]:
+        """Subclass: (loss, metrics) from the model outputs, divided by the global normalisers."""
+        raise NotImplementedError
+
+    def predictions(self, outputs: Any, batch) -> dict[str, jax.Array]:
+        """Subclass: device-side eval outputs of a batch (leading axis = examples)."""
+        raise NotImplementedError
+
+    def score(self, eval_set: EvalSet, outputs: dict[str, np.ndarray]) -> dict[str, float]:
+        """Subclass: metrics of one eval set from its outputs (every example once, in order)."""
+        raise NotImplementedError
+
+    def write_outputs(self, run, workdir: str) -> dict:
+        """Subclass hook for finalize: prediction files (process 0 writes); returns extra results."""
+        return {}
+
+    # ---- data and model set-up -----------------------------------------------------------------
+    def data_path(self, *names: str) -> str | None:
+        """The first of ``names`` present in ``config.data_dir`` (None when none is)."""
+        for name in names:
+            path = os.path.join(self.config.data_dir, name)
+            if os.path.isfile(path):
+                return path
+        return None
+
+    def require_data_dir(self, what: str) -> str:
+        if not self.config.data_dir:
+            raise ValueError(
+                f"config key data_dir is empty: task {self.name} reads {what} from a local folder"
+            )
+        return self.config.data_dir
+
+    def _load_tokenizer(self) -> None:
+        from bertjax.tokenization import load_tokenizer
+
+        cfg = self.config
+        lower = cfg.get("do_lower_case")
+        if cfg.init_checkpoint:
+            from bertjax.pretrained import load_pretrained
+
+            self.pretrained = load_pretrained(cfg.init_checkpoint, vocab=cfg.vocab or None)
+            ckpt_tok = self.pretrained.tokenizer
+            if lower is None and ckpt_tok is not None:
+                lower = getattr(ckpt_tok, "do_lower_case", True)
+        lower = True if lower is None else bool(lower)
+        if cfg.vocab:
+            vocab = cfg.vocab
+        elif self.pretrained is not None and self.pretrained.tokenizer is not None:
+            vocab = self.pretrained.tokenizer.vocab_file
+        else:
+            raise ValueError(
+                "config key vocab is empty and no init_checkpoint vocabulary was found: name a "
+                "vocab.txt or .model file"
+            )
+        self.tokenizer = load_tokenizer(vocab, do_lower_case=lower)
+        if self.pretrained is not None:
+            table = self.pretrained.config.vocab_size
+            if self.tokenizer.vocab_size != table:
+                raise ValueError(
+                    f"config key vocab={vocab!r} has {self.tokenizer.vocab_size} tokens but the "
+                    f"init checkpoint {cfg.init_checkpoint} embeds {table}"
+                )
+
+    def after_prepare(self) -> None:
+        """Loads the tokenizer, the init checkpoint and every split; resolves steps and warmup."""
+        if self._loaded:
+            return
+        self._load_tokenizer()
+        self.load_data()
+        if self.train_features is None or not len(self.train_features["input_ids"]):
+            raise ValueError(f"task {self.name}: no training examples")
+        tcfg = self.config.train
+        n = len(self.train_features["input_ids"])
+        per_epoch = max(1, n // tcfg.global_batch_size)
+        if tcfg.steps > 0:
+            self._total_steps = tcfg.steps
+        else:
+            if tcfg.epochs <= 0:
+                raise ValueError(
+                    f"config key train.epochs={tcfg.epochs}: set epochs or train.steps"
+                )
+            self._total_steps = max(1, int(n / tcfg.global_batch_size * tcfg.epochs))
+        self._steps_per_epoch = per_epoch
+        proportion = self.config.optimizer.get("warmup_proportion", 0.0)
+        if proportion > 0:
+            self.config.optimizer.warmup_steps = int(self._total_steps * proportion)
+        log.info(
+            "task %s: %d training examples, %d steps (%d per epoch), eval sets %s",
+            self.name,
+            n,
+            self._total_steps,
+            per_epoch,
+            {e.name: e.size for e in self.eval_sets},
+        )
+        self._loaded = True
+
+    def model_config(self) -> BertConfig:
+        self.after_prepare()
+        if self.pretrained is not None:
+            overrides = {
+                k: self.config.model[k] for k in NUMERIC_MODEL_KEYS if k in self.config.model
+            }
+            cfg = self.pretrained.config.replace(**overrides)
+        else:
+            cfg = model_config_from(self.config, self.tokenizer.vocab_size)
+        seq = self.train_features["input_ids"].shape[-1]
+        if seq > cfg.max_position_embeddings:
+            raise ValueError(
+                f"config key data.max_seq_length={seq} exceeds the model's "
+                f"max_position_embeddings={cfg.max_position_embeddings}"
+            )
+        return cfg
+
+    def init_params(self, model, params):
+        if self.pretrained is None:
+            return params
+        bert = merge_encoder(
+            params["bert"], self.pretrained.bert_params, self.config.init_checkpoint
+        )
+        log.info("encoder initialised from %s", self.config.init_checkpoint)
+        return {**params, "bert": bert}
+
+    def phases(self) -> list[Phase]:
+        self.after_prepare()
+        seq = self.train_features["input_ids"].shape[-1]
+        return [
+            Phase(
+                until_step=self._total_steps,
+                global_batch_size=self.config.train.global_batch_size,
+                options={"max_seq_length": seq},
+            )
+        ]
+
+    def init_batch(self, phase: Phase, batch_size: int):
+        batch = {
+            k: np.zeros((batch_size, *v.shape[1:]), v.dtype) for k, v in self.train_features.items()
+        }
+        batch["input_mask"] = np.ones_like(batch["input_mask"])
+        batch["mask"] = np.ones((batch_size,), np.float32)
+        return batch
+
+    def model_inputs(self, batch):
+        return dict(
+            input_ids=batch["input_ids"],
+            token_type_ids=batch["segment_ids"],
+            attention_mask=batch["input_mask"],
+        )
+
+    def step_shape(self, phase):
+        return phase.options["max_seq_length"], 0
+
+    # ---- training ------------------------------------------------------------------------------
+    def normalizers(self, batch):
+        return {"examples": batch["mask"].astype(jnp.float32).sum()}
+
+    def loss(self, model, params, batch, rng, normalizers, deterministic):
+        outputs = model.apply(
+            {"params": params},
+            **self.model_inputs(batch),
+            deterministic=deterministic,
+            rngs={"dropout": rng},
+        )
+        return self.head_loss(outputs, batch, normalizers)
+
+    def train_data(self, phase, process_index, process_count):
+        return ArrayData(
+            self.train_features,
+            phase.global_batch_size // process_count,
+            seed=self.config.train.seed,
+            process_index=process_index,
+            process_count=process_count,
+            shuffle=True,
+            repeat=True,
+        )
+
+    # ---- evaluation ----------------------------------------------------------------------------
+    def eval_outputs(self, model, params, batch):
+        outputs = model.apply({"params": params}, **self.model_inputs(batch), deterministic=True)
+        return {**self.predictions(outputs, batch), "mask": batch["mask"]}
+
+    def _eval_batch_size(self) -> int:
+        """config.data.eval_batch_size rounded up to a multiple of the batch-sharding devices."""
+        mesh = self.config.mesh
+        devices = (mesh.get("num_devices", 0) or jax.device_count()) // max(1, mesh.tensor)
+        size = max(1, self.config.data.eval_batch_size)
+        return -(-size // devices) * devices
+
+    def predict(self, run: Callable, features: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Every example of ``features`` through ``run`` once: host outputs [n, ...] in order."""
+        count = jax.process_count()
+        size = self._eval_batch_size()
+        size = -(-size // count) * count
+        data = ArrayData(
+            features,
+            size // count,
+            seed=0,
+            process_index=jax.process_index(),
+            process_count=count,
+            shuffle=False,
+            repeat=False,
+        )
+        chunks: dict[str, list[np.ndarray]] = {}
+        for batch in data:
+            out = run(batch)
+            keep = np.asarray(out.pop("mask")) > 0
+            for key, value in out.items():
+                chunks.setdefault(key, []).append(np.asarray(value)[keep])
+        n = len(next(iter(features.values())))
+        result = {k: np.concatenate(v) for k, v in chunks.items()}
+        for key, value in result.items():
+            if len(value) != n:
+                raise RuntimeError(f"eval output {key} has {len(value)} rows for {n} examples")
+        return result
+
+    def evaluate(self, run, phase):
+        metrics: dict[str, float] = {}
+        for eval_set in self.eval_sets:
+            metrics.update(self.score(eval_set, self.predict(run, eval_set.features)))
+        return metrics
+
+    def eval_every(self) -> int:
+        self.after_prepare()
+        return self.config.train.eval_every or self._steps_per_epoch
+
+    def best_metric(self):
+        return (self.main_metric, "max")
+
+    def finalize(self, run, params, workdir):
+        dev = self.evaluate(run, None)
+        result = {
+            "task": self.name,
+            "main_metric": self.main_metric,
+            "dev": dev,
+            "num_train_examples": int(len(self.train_features["input_ids"])),
+            "train_steps": self._total_steps,
+        }
+        result.update(self.write_outputs(run, workdir))
+        return result
+
+    def describe(self) -> str:
+        source = self.config.init_checkpoint or "random init"
+        return f"{self.name} from {source}"
+
+
+def atomic_write_text(path: str, text: str) -> None:
+    """Writes ``text`` to ``path`` through a temporary name in the same folder."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+    os.replace(tmp, path)

@@ -1,0 +1,45 @@
+"""Shared fine-tuning defaults (BERT paper, Appendix A.3): a delta on configs/base.py.
+
+Batch 32, AdamW lr in {5e-5, 3e-5, 2e-5} (2e-5 here), 3 epochs, linear warmup over 10% of the steps,
+dropout 0.1. Each task's config (glue.py, squad.py, ner.py, swag.py) is a small delta on this one.
+``init_checkpoint`` names a HF / Google / bertjax checkpoint directory whose encoder starts training;
+``seeds`` with several entries runs one fine-tuning per seed and reports the median and best dev run.
+"""
+
+import ml_collections
+
+from configs import base
+
+
+def get_config() -> ml_collections.ConfigDict:
+    c = base.get_config()
+    c.task = "glue/sst2"
+    c.init_checkpoint = ""  # HF / Google / bertjax checkpoint dir; empty: random init (tests)
+    c.vocab = ""  # vocab.txt / .model; empty: the init checkpoint's vocabulary
+    c.do_lower_case = ml_collections.config_dict.placeholder(bool)  # unset: the checkpoint's
+    c.data_dir = ""  # folder in the official layout; empty: TFDS by name (GLUE)
+    c.seeds = [0]  # several: one run per seed in WORKDIR/seed_{s}, median + best dev reported
+
+    # The pretraining data keys of base do not apply; fine-tuning data options replace them.
+    c.data = ml_collections.ConfigDict()
+    c.data.max_seq_length = 128
+    c.data.max_train_examples = 0  # > 0: a seeded random subset of the training split
+    c.data.max_eval_examples = 0  # > 0: the first N dev examples (quick checks only)
+    c.data.eval_batch_size = 64
+
+    c.model.hidden_dropout = 0.1
+    c.model.attention_dropout = 0.1
+
+    c.train.epochs = 3.0
+    c.train.steps = 0  # > 0 overrides epochs
+    c.train.global_batch_size = 32
+    c.train.log_every = 50
+    c.train.eval_every = 0  # 0: once per epoch
+    c.train.checkpoint_every = 1000
+    c.train.keep_checkpoints = 1
+
+    c.optimizer.learning_rate = 2e-5
+    c.optimizer.warmup_proportion = 0.1  # resolves optimizer.warmup_steps; 0 keeps warmup_steps
+    c.optimizer.warmup_steps = 0
+    c.optimizer.weight_decay = 0.01
+    return c

@@ -1,0 +1,355 @@
+"""Fine-tuning tasks through the one trainer: GLUE, SQuAD, NER, SWAG, init checkpoints, seeds.
+
+Every run uses a 1-layer H32 model, tiny files in the official formats and 2-3 steps.
+"""
+
+import json
+import os
+import pathlib
+import shutil
+
+import jax
+import numpy as np
+import pytest
+
+from bertjax import finetune, train
+from bertjax.task import get_task
+from configs import glue as glue_config
+from configs import ner as ner_config
+from configs import squad as squad_config
+from configs import swag as swag_config
+
+WORDS = ("the a movie film was is good bad great awful fun dull plot actors it not very and "
+         "who what where when paris france city capital river seine flows through john smith "
+         "works at acme corp in london he she went to store bought milk then left car drove "
+         "home because sky blue red man woman dog cat sat on mat").split()
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ft")
+    vocab = root / "vocab.txt"
+    vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", ".", ",", "?",
+                                *WORDS, "##s"]) + "\n")
+    rng = np.random.default_rng(0)
+
+    def sentence(n=6):
+        return " ".join(rng.choice(WORDS[:18], n))
+
+    glue = root / "glue"
+    (glue / "SST-2").mkdir(parents=True)
+    for split, n in (("train", 24), ("dev", 10)):
+        rows = [f"{sentence()}\t{i % 2}" for i in range(n)]
+        (glue / "SST-2" / f"{split}.tsv").write_text("sentence\tlabel\n" + "\n".join(rows) + "\n")
+    test_rows = [f"{i}\t{sentence()}" for i in range(7)]
+    (glue / "SST-2" / "test.tsv").write_text("index\tsentence\n" + "\n".join(test_rows) + "\n")
+    mnli = glue / "MNLI"
+    mnli.mkdir()
+    header = "index\tpromptID\tpairID\tgenre\tsentence1\tsentence2\tgold_label"
+    labels = ("contradiction", "entailment", "neutral")
+    for split, n in (("train", 12), ("dev_matched", 6), ("dev_mismatched", 5)):
+        rows = [f"{i}\tp\tq\tfiction\t{sentence()}\t{sentence(4)}\t{labels[i % 3]}"
+                for i in range(n)]
+        (mnli / f"{split}.tsv").write_text(header + "\n" + "\n".join(rows) + "\n")
+    (glue / "diagnostic").mkdir()
+    diag = [f"{i}\t{sentence()}\t{sentence(4)}" for i in range(4)]
+    (glue / "diagnostic" / "diagnostic.tsv").write_text(
+        "index\tsentence1\tsentence2\n" + "\n".join(diag) + "\n")
+
+    squad = root / "squad"
+    squad.mkdir()
+    context = "john smith works at acme corp in london . paris is the capital of france ."
+    qas = [("q1", "who works at acme corp ?", "john smith", 0),
+           ("q2", "where is acme corp ?", "london", context.index("london")),
+           ("q3", "what is the capital of france ?", "paris", context.index("paris")),
+           ("q4", "where does john smith work ?", "acme corp", context.index("acme"))]
+
+    def squad_json(version, impossible=()):
+        out = []
+        for qid, q, a, start in qas:
+            entry = {"id": qid, "question": q, "answers": [{"text": a, "answer_start": start}]}
+            if version == "2.0":
+                entry["is_impossible"] = False
+            out.append(entry)
+        for qid in impossible:
+            out.append({"id": qid, "question": "who drove home ?", "answers": [],
+                        "is_impossible": True})
+        return {"version": version, "data": [{"title": "t", "paragraphs": [
+            {"context": context, "qas": out}]}]}
+
+    for version, imp in (("1.1", ()), ("2.0", ("q5",))):
+        for split in ("train", "dev"):
+            (squad / f"{split}-v{version}.json").write_text(json.dumps(squad_json(version, imp)))
+
+    ner = root / "ner"
+    ner.mkdir()
+    sent = [("john", "B-PER"), ("smith", "I-PER"), ("works", "O"), ("at", "O"),
+            ("acme", "B-ORG"), ("corp", "I-ORG"), ("in", "O"), ("london", "B-LOC")]
+    lines = ["-DOCSTART- -X- -X- O", ""]
+    for _ in range(6):
+        lines += [f"{w} NN B-NP {t}" for w, t in sent] + [""]
+    for name in ("train.txt", "valid.txt", "test.txt"):
+        (ner / name).write_text("\n".join(lines))
+
+    swag = root / "swag"
+    swag.mkdir()
+    head = ",video-id,fold-ind,startphrase,sent1,sent2,gold-source,ending0,ending1,ending2,ending3"
+    rows = [f'{i},v{i},{i},x,"{sentence(4)}",{sentence(2)},gold,{sentence(3)},{sentence(3)},'
+            f"{sentence(3)},{sentence(3)},{i % 4}" for i in range(12)]
+    for name in ("train.csv", "val.csv"):
+        (swag / name).write_text(head + ",label\n" + "\n".join(rows) + "\n")
+    (swag / "test.csv").write_text(head + "\n" + "\n".join(r.rsplit(",", 1)[0] for r in rows))
+    return root
+
+
+def _small(c, files, data_dir, **overrides):
+    """A tiny model, short sequences and a 2-step run on one device."""
+    c.vocab = str(files / "vocab.txt")
+    c.do_lower_case = True
+    c.data_dir = str(files / data_dir) if data_dir else ""
+    c.model.preset = "tiny"
+    c.model.num_layers = 1
+    c.model.hidden_size = 32
+    c.model.num_heads = 2
+    c.model.intermediate_size = 64
+    c.model.max_position_embeddings = 64
+    c.data.max_seq_length = 32
+    c.data.eval_batch_size = 8
+    c.train.steps = 2
+    c.train.global_batch_size = 4
+    c.train.log_every = 1
+    c.train.async_checkpoints = False
+    c.optimizer.learning_rate = 1e-3
+    c.mesh.num_devices = 1
+    c.tensorboard = False
+    for key, value in overrides.items():
+        node = c
+        *path, last = key.split(".")
+        for part in path:
+            node = node[part]
+        node[last] = value
+    return c
+
+
+def _results(workdir):
+    return json.loads(pathlib.Path(workdir, "eval_results.json").read_text())
+
+
+def test_glue_classification_trains_and_writes_submission(files, tmp_path):
+    c = _small(glue_config.get_config(), files, "glue", **{"train.steps": 0, "train.epochs": 1.0,
+                                                          "train.global_batch_size": 8})
+    result = train.train_and_evaluate(c, str(tmp_path))
+    final = _results(tmp_path)
+    assert result["step"] == 3  # 24 examples / batch 8 * 1 epoch
+    assert final["task"] == "glue/sst2" and final["best_metric"] == "accuracy"
+    assert set(final["dev"]) == {"accuracy"} and 0.0 <= final["dev"]["accuracy"] <= 1.0
+    assert final["params"] == "best" and final["train_steps"] == 3
+    lines = pathlib.Path(final["predictions"]["sst2:test"]).read_text().splitlines()
+    assert lines[0] == "index\tprediction" and len(lines) == 8
+    assert {line.split("\t")[1] for line in lines[1:]} <= {"0", "1"}
+    assert c.optimizer.warmup_steps == 0  # 10% of 3 steps
+    evals = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in evals if r["split"] == "eval"] == [3]  # once per epoch
+
+
+def test_mnli_evaluates_matched_and_mismatched_and_ax_predicts_diagnostic(files, tmp_path):
+    c = _small(glue_config.get_config(), files, "glue", task="glue/ax")
+    train.train_and_evaluate(c, str(tmp_path))
+    final = _results(tmp_path)
+    assert final["task"] == "glue/ax" and final["best_metric"] == "dev_matched/accuracy"
+    assert set(final["dev"]) == {"dev_matched/accuracy", "dev_mismatched/accuracy"}
+    ax = pathlib.Path(final["predictions"]["ax:test"])
+    assert ax.name == "AX.tsv" and len(ax.read_text().splitlines()) == 5
+    preds = {line.split("\t")[1] for line in ax.read_text().splitlines()[1:]}
+    assert preds <= {"contradiction", "entailment", "neutral"}
+    assert "mnli:test_matched" not in final["predictions"]  # no test files here: skipped
+
+
+@pytest.mark.parametrize("version", ["1.1", "2.0"])
+def test_squad_trains_and_writes_official_predictions(files, tmp_path, version):
+    c = _small(squad_config.get_config(), files, "squad", task=f"squad/v{version}",
+               **{"data.max_query_length": 10, "data.doc_stride": 8})
+    train.train_and_evaluate(c, str(tmp_path))
+    final = _results(tmp_path)
+    assert final["best_metric"] == "f1"
+    preds = json.loads(pathlib.Path(final["predictions"]["predictions"]).read_text())
+    if version == "1.1":
+        assert set(final["dev"]) == {"exact_match", "f1"}
+        assert set(preds) == {"q1", "q2", "q3", "q4"}
+        assert "null_odds" not in final["predictions"]
+    else:
+        assert {"exact", "f1", "HasAns_f1", "NoAns_f1", "best_f1", "best_f1_thresh"} <= set(
+            final["dev"])
+        odds = json.loads(pathlib.Path(final["predictions"]["null_odds"]).read_text())
+        assert set(odds) == set(preds) == {"q1", "q2", "q3", "q4", "q5"}
+        search = json.loads(pathlib.Path(final["predictions"]["best_threshold"]).read_text())
+        assert search["best_f1"] == final["dev"]["best_f1"]
+
+
+def test_ner_reports_entity_f1_on_dev_and_test(files, tmp_path):
+    c = _small(ner_config.get_config(), files, "ner")
+    train.train_and_evaluate(c, str(tmp_path))
+    final = _results(tmp_path)
+    assert final["best_metric"] == "f1"
+    assert set(final["dev"]) == {"precision", "recall", "f1", "accuracy"}
+    assert {"f1", "per_type"} <= set(final["test"]) and final["labels"][0] == "O"
+
+
+def test_swag_trains_and_predicts_test(files, tmp_path):
+    c = _small(swag_config.get_config(), files, "swag")
+    train.train_and_evaluate(c, str(tmp_path))
+    final = _results(tmp_path)
+    assert set(final["dev"]) == {"accuracy"}
+    lines = pathlib.Path(final["predictions"]["test"]).read_text().splitlines()
+    assert lines[0] == "guid,label" and len(lines) == 13
+
+
+def _tiny_hf_checkpoint(files, path, config):
+    """A random BertModel written as a Hugging Face directory (config.json + model.safetensors)."""
+    import flax.linen as nn
+
+    from bertjax.convert import Checkpoint, flatten_params, save_checkpoint
+    from bertjax.modeling import BertModel
+
+    ids = np.zeros((1, 8), np.int32)
+    params = nn.meta.unbox(BertModel(config).init(jax.random.key(42), ids)["params"])
+    tensors = {k: np.asarray(v) for k, v in flatten_params({"bert": params}).items()}
+    save_checkpoint(Checkpoint(config, tensors, str(files / "vocab.txt"), True, "test"),
+                    str(path), "hf")
+    return tensors
+
+
+@pytest.mark.parametrize("scan", [False, True])
+def test_init_checkpoint_replaces_the_encoder(files, tmp_path, scan):
+    from bertjax.model_config import BertConfig
+    from bertjax.pretrained import load_pretrained
+
+    n_vocab = len((files / "vocab.txt").read_text().split())
+    cfg = BertConfig(vocab_size=n_vocab, hidden_size=32, num_layers=2, num_heads=2,
+                     intermediate_size=64, max_position_embeddings=64)
+    _tiny_hf_checkpoint(files, tmp_path / "ckpt", cfg)
+    c = _small(glue_config.get_config(), files, "glue", init_checkpoint=str(tmp_path / "ckpt"),
+               **{"model.scan_layers": scan})
+    task = get_task(c.task, c, str(tmp_path))
+    task.after_prepare()
+    setup = train.build(c, str(tmp_path), task)
+    assert setup.model.config.num_layers == 2  # from the checkpoint, not config.model
+    state = setup.init_state(jax.random.key_data(jax.random.key(0)))
+    fresh = setup.abstract_state.params  # shapes only
+    assert set(state.params) == {"bert", "classifier"} and set(fresh) == set(state.params)
+    batch = task.eval_sets[0].features
+    inputs = dict(input_ids=batch["input_ids"], token_type_ids=batch["segment_ids"],
+                  attention_mask=batch["input_mask"])
+    from bertjax.modeling import BertModel
+
+    ours = BertModel(setup.model.config).apply({"params": state.params["bert"]}, **inputs)
+    ref = load_pretrained(str(tmp_path / "ckpt"))(**inputs)
+    np.testing.assert_allclose(ours.sequence_output, ref.sequence_output, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(ours.pooled_output, ref.pooled_output, rtol=1e-5, atol=1e-5)
+    # Without the checkpoint the same seed gives a different (random) encoder.
+    plain = train.build(_small(glue_config.get_config(), files, "glue", **{
+        "model.num_layers": 2, "model.scan_layers": scan}), str(tmp_path / "plain"))
+    rand = plain.init_state(jax.random.key_data(jax.random.key(0)))
+    other = BertModel(plain.model.config).apply({"params": rand.params["bert"]}, **inputs)
+    assert not np.allclose(other.sequence_output, ref.sequence_output, atol=1e-3)
+
+
+def test_vocabulary_must_match_the_init_checkpoint(files, tmp_path):
+    from bertjax.model_config import BertConfig
+
+    n_vocab = len((files / "vocab.txt").read_text().split())
+    cfg = BertConfig(vocab_size=n_vocab, hidden_size=32, num_layers=1, num_heads=2,
+                     intermediate_size=64, max_position_embeddings=64)
+    _tiny_hf_checkpoint(files, tmp_path / "ckpt", cfg)
+    other = tmp_path / "vocab2.txt"
+    other.write_text((files / "vocab.txt").read_text() + "extra\n")
+    c = _small(glue_config.get_config(), files, "glue", init_checkpoint=str(tmp_path / "ckpt"),
+               vocab=str(other))
+    with pytest.raises(ValueError, match=r"^\S*vocab2\.txt: vocabulary has \d+ tokens"):
+        get_task(c.task, c, str(tmp_path)).after_prepare()
+
+
+def test_resume_continues_exactly(files, tmp_path):
+    c = _small(glue_config.get_config(), files, "glue", **{
+        "train.steps": 3, "train.checkpoint_every": 1, "train.keep_checkpoints": 5})
+    full = tmp_path / "full"
+    train.train_and_evaluate(c, str(full))
+    # Interrupted after step 2: drop the later checkpoint and the outputs of the end of the run.
+    cut = tmp_path / "cut"
+    shutil.copytree(full, cut)
+    shutil.rmtree(cut / "checkpoints" / "3")
+    shutil.rmtree(cut / "best")
+    os.remove(cut / "eval_results.json")
+    c2 = _small(glue_config.get_config(), files, "glue", **{
+        "train.steps": 3, "train.checkpoint_every": 1, "train.keep_checkpoints": 5})
+    train.train_and_evaluate(c2, str(cut))
+
+    def losses(d):
+        rows = [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()]
+        return [(r["step"], r["loss"]) for r in rows if r["split"] == "train"]
+
+    assert [s for s, _ in losses(cut)] == [1, 2, 3]
+    np.testing.assert_allclose([v for _, v in losses(cut)], [v for _, v in losses(full)],
+                               rtol=1e-6)
+    assert _results(cut)["dev"] == _results(full)["dev"]
+
+
+def test_several_seeds_report_median_and_best_dev_run(files, tmp_path):
+    c = _small(glue_config.get_config(), files, "glue", seeds=[0, 1], **{"train.steps": 1})
+    result = finetune.run(c, str(tmp_path))
+    summary = _results(tmp_path)
+    assert set(summary["seeds"]) == {"0", "1"} and summary["main_metric"] == "accuracy"
+    accs = [summary["seeds"][s]["dev"]["accuracy"] for s in ("0", "1")]
+    assert summary["median"]["accuracy"] == pytest.approx(np.median(accs))
+    assert summary["best"]["accuracy"] == max(accs) and "best dev run" in summary["selection"]
+    assert result["eval"] == summary["best"]
+    for seed in (0, 1):
+        assert _results(tmp_path / f"seed_{seed}")["dev"]["accuracy"] in accs
+
+
+def test_bad_inputs_give_one_line_errors(files, tmp_path):
+    c = _small(glue_config.get_config(), files, "glue", task="glue/nope")
+    with pytest.raises(ValueError, match=r"^config key task='glue/nope' is not a known task"):
+        get_task(c.task, c, str(tmp_path))
+    bad = tmp_path / "bad"
+    shutil.copytree(files / "glue" / "SST-2", bad / "SST-2")
+    text = (bad / "SST-2" / "train.tsv").read_text().splitlines()
+    text[3] = text[3].rsplit("\t", 1)[0] + "\t2"
+    (bad / "SST-2" / "train.tsv").write_text("\n".join(text) + "\n")
+    c = _small(glue_config.get_config(), files, "", data_dir=str(bad))
+    with pytest.raises(ValueError) as err:
+        get_task(c.task, c, str(tmp_path)).after_prepare()
+    assert str(err.value) == f"{bad}/SST-2/train.tsv:4: label '2' not in ['0', '1']"
+    c = _small(squad_config.get_config(), files, "")
+    with pytest.raises(ValueError, match="^config key data_dir is empty"):
+        get_task(c.task, c, str(tmp_path)).after_prepare()
+    bad_ner = tmp_path / "ner"
+    shutil.copytree(files / "ner", bad_ner)
+    (bad_ner / "valid.txt").write_text("john NN B-NP B-PER\nsmith NN B-NP B-XYZ\n")
+    c = _small(ner_config.get_config(), files, "", data_dir=str(bad_ner))
+    with pytest.raises(ValueError, match=r"valid\.txt: sentence 0 word 1: tag 'B-XYZ' not in"):
+        get_task(c.task, c, str(tmp_path)).after_prepare()
+
+
+@pytest.mark.shared_data
+def test_real_glue_dev_files_build_features(shared_data, uncased_vocab, tmp_path):
+    sizes = {"sst2": (872, 1821), "mrpc": (408, 1725), "stsb": (1500, 1379)}
+    for name, (dev_size, test_size) in sizes.items():
+        c = glue_config.get_config()
+        c.task, c.vocab, c.do_lower_case = f"glue/{name}", str(uncased_vocab), True
+        c.data_dir = str(shared_data / "glue")
+        c.data.max_train_examples = 16
+        task = get_task(c.task, c, str(tmp_path))
+        task.after_prepare()
+        dev = task.eval_sets[0].features
+        assert len(dev["input_ids"]) == dev_size and dev["input_ids"].shape[1] == 128
+        assert (dev["input_ids"][:, 0] == task.tokenizer.cls_id).all()
+        assert len(task.test_sets[0].features["input_ids"]) == test_size
+        assert len(task.train_features["input_ids"]) == 16
+        if name == "stsb":
+            assert dev["label"].dtype == np.float32 and 0 <= dev["label"].min() <= 5
+            assert dev["label"].max() <= 5 and task.main_metric == "spearman"
+        else:
+            assert set(np.unique(dev["label"])) == {0, 1}
+        if name == "mrpc":  # pairs: segment 1 present, 68% positive as in the official dev set
+            assert dev["segment_ids"].max() == 1 and round(dev["label"].mean(), 2) == 0.68

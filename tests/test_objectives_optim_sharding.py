@@ -1,0 +1,161 @@
+"""Losses against NumPy references, the optimizer's schedule/decay mask, and mesh/sharding helpers."""
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+import pytest
+from jax.sharding import PartitionSpec
+
+from bertjax import losses, optim, sharding
+
+
+def _np_xent(logits, labels):
+    logits = logits - logits.max(-1, keepdims=True)
+    logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    return -np.take_along_axis(logp, labels[..., None], -1)[..., 0]
+
+
+def test_masked_lm_loss_matches_numpy_and_ignores_padding_predictions():
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(3, 4, 11)).astype(np.float32)
+    labels = rng.integers(0, 11, (3, 4))
+    weights = np.array([[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]], np.float32)
+    loss, acc = losses.masked_lm_loss(jnp.asarray(logits), jnp.asarray(labels), jnp.asarray(weights))
+    nll = _np_xent(logits, labels)
+    np.testing.assert_allclose(loss, (nll * weights).sum() / weights.sum(), rtol=1e-6)
+    correct = (logits.argmax(-1) == labels) * weights
+    np.testing.assert_allclose(acc, correct.sum() / weights.sum(), rtol=1e-6)
+    # Padding predictions do not matter, whatever their labels/logits.
+    labels2, logits2 = labels.copy(), logits.copy()
+    labels2[weights == 0] = 0
+    logits2[weights == 0] = 100.0
+    loss2, _ = losses.masked_lm_loss(jnp.asarray(logits2), jnp.asarray(labels2), jnp.asarray(weights))
+    np.testing.assert_allclose(loss2, loss, rtol=1e-6)
+
+
+def test_split_batches_add_up_to_the_global_loss():
+    rng = np.random.default_rng(1)
+    logits = jnp.asarray(rng.normal(size=(8, 3, 7)), jnp.float32)
+    labels = jnp.asarray(rng.integers(0, 7, (8, 3)))
+    weights = jnp.asarray(rng.integers(0, 2, (8, 3)), jnp.float32)
+    whole, _ = losses.masked_lm_loss(logits, labels, weights)
+    norm = weights.sum()
+    parts = sum(losses.masked_lm_loss(logits[i::4], labels[i::4], weights[i::4], norm)[0]
+                for i in range(4))
+    np.testing.assert_allclose(parts, whole, rtol=1e-6)
+
+
+def test_nsp_classification_and_regression_losses():
+    logits = jnp.asarray([[2.0, 0.0], [0.0, 3.0], [1.0, 1.5]])
+    labels = jnp.asarray([0, 1, 0])
+    loss, acc = losses.nsp_loss(logits, labels)
+    np.testing.assert_allclose(loss, _np_xent(np.asarray(logits), np.asarray(labels)).mean(), rtol=1e-6)
+    np.testing.assert_allclose(acc, 2 / 3, rtol=1e-6)
+    w = jnp.asarray([1.0, 1.0, 0.0])
+    loss_w, acc_w = losses.classification_loss(logits, labels, w)
+    np.testing.assert_allclose(acc_w, 1.0)
+    np.testing.assert_allclose(
+        loss_w, _np_xent(np.asarray(logits[:2]), np.asarray(labels[:2])).mean(), rtol=1e-6)
+    mse = losses.regression_loss(jnp.asarray([[1.0], [2.0]]), jnp.asarray([0.0, 4.0]))
+    np.testing.assert_allclose(mse, 2.5)
+
+
+def test_schedule_is_linear_warmup_then_linear_decay():
+    sched = optim.learning_rate_schedule(1e-4, warmup_steps=10, total_steps=100)
+    np.testing.assert_allclose(
+        [float(sched(s)) for s in (0, 5, 10, 55, 100, 120)],
+        [0.0, 5e-5, 9e-5, 4.5e-5, 0.0, 0.0], atol=1e-12)
+
+
+def test_weight_decay_skips_layernorm_and_biases():
+    params = {
+        "dense": {"kernel": jnp.ones((2, 2)), "bias": jnp.ones(2)},
+        "LayerNorm": {"scale": jnp.ones(2), "bias": jnp.ones(2)},
+        "attention_norm": {"scale": jnp.ones(2)},
+        "word_embeddings": {"embedding": jnp.ones((3, 2))},
+        "output_bias": jnp.ones(3),
+    }
+    mask = optim.weight_decay_mask(params)
+    assert mask["dense"]["kernel"] and mask["word_embeddings"]["embedding"]
+    assert not mask["dense"]["bias"] and not mask["LayerNorm"]["scale"]
+    assert not mask["attention_norm"]["scale"] and not mask["output_bias"]
+
+
+def _opt_config(**kw):
+    c = ml_collections.ConfigDict(dict(name="adamw", learning_rate=0.1, warmup_steps=0, b1=0.9,
+                                       b2=0.999, eps=1e-6, weight_decay=0.01, grad_clip_norm=1.0,
+                                       end_lr_factor=0.0))
+    c.update(kw)
+    return ml_collections.ConfigDict({"optimizer": c})
+
+
+def test_adamw_first_step_matches_hand_computation():
+    tx, _ = optim.create_optimizer(_opt_config(), total_steps=10)
+    params = {"dense": {"kernel": jnp.asarray([[1.0, -2.0]]), "bias": jnp.asarray([0.5])}}
+    grads = {"dense": {"kernel": jnp.asarray([[3.0, 4.0]]), "bias": jnp.asarray([0.0])}}
+    state = tx.init(params)
+    updates, _ = tx.update(grads, state, params)
+    # Clip to global norm 1 (norm 5), Adam's first bias-corrected step is sign(g), decay 0.01*w.
+    lr = 0.1
+    expected_kernel = -lr * (np.sign([[3.0, 4.0]]) * (np.abs([[0.6, 0.8]]) / (np.abs([[0.6, 0.8]]) + 1e-6))
+                             + 0.01 * np.array([[1.0, -2.0]]))
+    np.testing.assert_allclose(updates["dense"]["kernel"], expected_kernel, rtol=1e-5)
+    np.testing.assert_allclose(updates["dense"]["bias"], [0.0], atol=1e-7)  # no decay on biases
+
+
+def test_unknown_optimizer_is_a_config_error():
+    with pytest.raises(ValueError, match="optimizer.name='sgd'"):
+        optim.create_optimizer(_opt_config(name="sgd"), total_steps=10)
+
+
+def test_lamb_is_available():
+    tx, _ = optim.create_optimizer(_opt_config(name="lamb"), total_steps=10)
+    params = {"w": {"kernel": jnp.ones((2, 2))}}
+    updates, _ = tx.update({"w": {"kernel": jnp.ones((2, 2))}}, tx.init(params), params)
+    assert np.isfinite(np.asarray(optax.global_norm(updates)))
+
+
+def test_mesh_shape_fills_minus_one_and_rejects_bad_sizes():
+    assert sharding.mesh_shape(-1, 2, 2, 8) == (2, 2, 2)
+    assert sharding.mesh_shape(1, -1, 1, 8) == (1, 8, 1)
+    with pytest.raises(ValueError, match="data\\*fsdp\\*tensor = 4 but there are 8 devices"):
+        sharding.mesh_shape(2, 2, 1, 8)
+    with pytest.raises(ValueError, match="at most one"):
+        sharding.mesh_shape(-1, -1, 1, 8)
+    with pytest.raises(ValueError, match="unknown mesh axis 'model'"):
+        sharding.rules_from_config([["heads", "model"]])
+
+
+def test_specs_drop_axes_that_do_not_divide_a_dimension():
+    mesh = sharding.create_mesh(2, 2, 2)
+    assert sharding._fit_spec(PartitionSpec("tensor", "fsdp"), (1001, 64), mesh) == PartitionSpec(
+        None, "fsdp")
+    assert sharding._fit_spec(PartitionSpec(("data", "fsdp")), (6,), mesh) == PartitionSpec("data")
+
+
+def test_fsdp_shards_parameters_and_optimizer_state():
+    import flax.linen as nn
+
+    from bertjax.model_config import get_preset
+    from bertjax.modeling import BertForPreTraining
+
+    cfg = get_preset("tiny", vocab_size=1024)
+    model = BertForPreTraining(cfg)
+    ids = jnp.zeros((2, 8), jnp.int32)
+    tx = optax.adamw(1e-3)
+
+    def init():
+        params = model.init(jax.random.key(0), ids)["params"]
+        return {"params": params, "opt": tx.init(params)}
+
+    abstract = jax.eval_shape(init)
+    totals = {}
+    for name, shape in (("data", (8, 1, 1)), ("fsdp", (1, 8, 1))):
+        mesh = sharding.create_mesh(*shape)
+        shardings = sharding.logical_shardings(abstract, mesh, sharding.RULES)
+        state = jax.jit(lambda: nn.meta.unbox(init()), out_shardings=shardings)()
+        totals[name] = sharding.per_device_bytes(state)
+    ratio = totals["fsdp"] / totals["data"]
+    assert ratio < 0.2, ratio  # ~1/8, plus a few small replicated vectors
