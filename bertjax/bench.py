@@ -148,8 +148,9 @@ def _synthetic_task_class():
     return SyntheticPretrainingTask
 
 
-def matmul_peak_tflops(n: int, reps: int = 7) -> float:
-    """Median TFLOP/s of a jitted fp32 [n, n] x [n, n] matmul on the first device."""
+def matmul_peak_tflops(n: int, reps: int = 7) -> tuple[float, float]:
+    """A jitted fp32 [n, n] x [n, n] matmul on the first device: median TFLOP/s of wall time, and
+    TFLOP per CPU-second of this process (all threads; robust to other processes' load)."""
     import jax
     import jax.numpy as jnp
 
@@ -157,12 +158,14 @@ def matmul_peak_tflops(n: int, reps: int = 7) -> float:
     b = jax.random.normal(jax.random.key(1), (n, n), jnp.float32)
     f = jax.jit(jnp.matmul)
     f(a, b).block_until_ready()
-    times = []
+    times, cpu_times = [], []
     for _ in range(reps):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         f(a, b).block_until_ready()
         times.append(time.perf_counter() - t0)
-    return 2.0 * n**3 / statistics.median(times) / 1e12
+        cpu_times.append(time.process_time() - c0)
+    flop = 2.0 * n**3 / 1e12
+    return flop / statistics.median(times), flop / statistics.median(cpu_times)
 
 
 def peak_memory(device) -> dict[str, Any]:
@@ -243,12 +246,13 @@ def measure_step(args: argparse.Namespace) -> dict[str, Any]:
             for _ in range(args.warmup):
                 state, metrics = compiled(state, batch)
             jax.block_until_ready((state, metrics))
-            times = []
+            times, cpu_times = [], []
             for _ in range(args.steps):  # each step synchronised: a per-step median
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 state, metrics = compiled(state, batch)
                 jax.block_until_ready((state, metrics))
                 times.append(time.perf_counter() - t0)
+                cpu_times.append(time.process_time() - c0)
             t0 = time.perf_counter()
             for _ in range(args.steps):  # pipelined: no host sync inside the loop
                 state, metrics = compiled(state, batch)
@@ -272,9 +276,10 @@ def measure_step(args: argparse.Namespace) -> dict[str, Any]:
     tflops = step_flops / step_s / len(devices) / 1e12
     peak = flops.device_peak_tflops(devices[0], args.peak_tflops)
     source = "override" if args.peak_tflops > 0 else "table"
-    matmul = None
+    matmul = matmul_cpu = mfu_cpu = None
     if devices[0].platform == "cpu":
-        matmul = matmul_peak_tflops(args.matmul_size)
+        matmul, matmul_cpu = matmul_peak_tflops(args.matmul_size)
+        mfu_cpu = step_flops / statistics.median(cpu_times) / 1e12 / matmul_cpu
         if not args.peak_tflops:
             peak, source = matmul, f"measured fp32 {args.matmul_size}^3 matmul"
     return {
@@ -291,6 +296,7 @@ def measure_step(args: argparse.Namespace) -> dict[str, Any]:
         "step_time_s_min": min(times),
         "step_times_s": times,
         "step_time_s_pipelined": pipelined,
+        "step_cpu_s": statistics.median(cpu_times),  # CPU seconds of all threads: robust to load
         "sequences_per_sec": args.batch / step_s,
         "tokens_per_sec": args.batch * args.seq / step_s,
         "train_flops_per_step": step_flops,
@@ -299,6 +305,8 @@ def measure_step(args: argparse.Namespace) -> dict[str, Any]:
         "peak_tflops": peak or None,
         "peak_source": source if peak else "unknown device kind",
         "matmul_peak_tflops": matmul,
+        "matmul_tflop_per_cpu_s": matmul_cpu,
+        "mfu_cpu_time": mfu_cpu,  # FLOP per CPU-second of the step / of the matmul
         "mfu": tflops / peak if peak else None,
         "memory": memory,
         "final_loss": loss,
@@ -450,6 +458,7 @@ def measure_peers(args, result: dict) -> dict[str, Any]:
     for framework in bench_peers.PEER_FRAMEWORKS:
         peer = bench_peers.run_peer(python, framework, shape)
         peer["bertjax_speedup"] = result["tokens_per_sec"] / peer["tokens_per_sec"]
+        peer["bertjax_speedup_cpu_time"] = peer["step_cpu_s"] / result["step_cpu_s"]
         peers[framework] = peer
     return peers
 
@@ -483,6 +492,11 @@ def to_markdown(r: dict) -> str:
         ("achieved TFLOP/s per device", _num(r["tflops_per_sec_per_device"])),
         ("peak TFLOP/s per device", f"{_num(r['peak_tflops'])} ({r['peak_source']})"),
         ("MFU", "-" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"),
+        ("CPU-seconds per step (all threads)", _num(r["step_cpu_s"])),
+        (
+            "MFU in CPU time (CPU only)",
+            "-" if r["mfu_cpu_time"] is None else f"{100 * r['mfu_cpu_time']:.1f}%",
+        ),
         ("peak memory (MB)", f"{mem.get('peak_bytes', 0) / 1e6:,.0f} ({mem.get('source')})"),
     ]
     out = ["| metric | value |", "|---|---|", *[f"| {k} | {v} |" for k, v in rows]]
@@ -515,13 +529,15 @@ def to_markdown(r: dict) -> str:
     if peers:
         out += [
             "",
-            "| implementation | step s (median) | tokens/s | bertjax speed-up |",
-            "|---|---|---|---|",
-            f"| bertjax | {_num(r['step_time_s'])} | {_num(r['tokens_per_sec'])} | 1.00x |",
+            "| implementation | step s (median) | CPU s/step | tokens/s | speed-up (wall, CPU) |",
+            "|---|---|---|---|---|",
+            f"| bertjax | {_num(r['step_time_s'])} | {_num(r['step_cpu_s'])} | "
+            f"{_num(r['tokens_per_sec'])} | 1.00x, 1.00x |",
         ]
         out += [
-            f"| {p['framework']} | {_num(p['step_time_s'])} | {_num(p['tokens_per_sec'])} | "
-            f"{p['bertjax_speedup']:.2f}x |"
+            f"| {p['framework']} | {_num(p['step_time_s'])} | {_num(p['step_cpu_s'])} | "
+            f"{_num(p['tokens_per_sec'])} | {p['bertjax_speedup']:.2f}x, "
+            f"{p['bertjax_speedup_cpu_time']:.2f}x |"
             for p in peers.values()
         ]
     return "\n".join(out) + "\n"

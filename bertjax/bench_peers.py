@@ -98,19 +98,20 @@ def _hf_config(a):
     )
 
 
-def _time_steps(run_step, steps: int, warmup: int) -> tuple[list[float], float]:
-    """Calls ``run_step()`` (which must block until done); returns per-step times and first-call s."""
+def _time_steps(run_step, steps: int, warmup: int) -> tuple[list[float], list[float], float]:
+    """Calls ``run_step()`` (which must block until done): per-step wall and CPU s, first call s."""
     t0 = time.perf_counter()
     run_step()
     first = time.perf_counter() - t0
     for _ in range(max(warmup - 1, 0)):
         run_step()
-    times = []
+    times, cpu_times = [], []
     for _ in range(steps):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         run_step()
         times.append(time.perf_counter() - t0)
-    return times, first
+        cpu_times.append(time.process_time() - c0)
+    return times, cpu_times, first
 
 
 def bench_flax(a) -> dict:
@@ -171,10 +172,11 @@ def bench_flax(a) -> dict:
         holder["state"], loss = step(holder["state"], batch)
         loss.block_until_ready()
 
-    times, first = _time_steps(run, a.steps, a.warmup)
+    times, cpu_times, first = _time_steps(run, a.steps, a.warmup)
     return {
         "framework": "transformers-flax",
         "times": times,
+        "cpu_times": cpu_times,
         "first_step_s": first,
         "versions": {
             "jax": jax.__version__,
@@ -210,10 +212,11 @@ def bench_torch(a) -> dict:
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    times, first = _time_steps(run, a.steps, a.warmup)
+    times, cpu_times, first = _time_steps(run, a.steps, a.warmup)
     return {
         "framework": "transformers-torch",
         "times": times,
+        "cpu_times": cpu_times,
         "first_step_s": first,
         "attn_implementation": model.config._attn_implementation,
         "threads": torch.get_num_threads(),
@@ -246,6 +249,7 @@ def main(argv: list[str] | None = None) -> None:
     a = p.parse_args(argv)
     result = bench_flax(a) if a.framework == "flax" else bench_torch(a)
     result["step_time_s"] = statistics.median(result["times"])
+    result["step_cpu_s"] = statistics.median(result["cpu_times"])
     result["tokens_per_sec"] = a.batch * a.seq / result["step_time_s"]
     result["sequences_per_sec"] = a.batch / result["step_time_s"]
     print(json.dumps(result))

@@ -178,9 +178,19 @@ def jit_train_step(setup: Setup, accum_steps: int):
     )
 
 
-def compile_train_step(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
-    """Lowers and compiles the first phase's step ahead of time; returns XLA's memory analysis."""
-    setup = build(config, workdir)
+def compile_train_step(
+    config: ml_collections.ConfigDict, workdir: str, task: Task | None = None
+) -> dict[str, Any]:
+    """Lowers and compiles the first phase's step ahead of time; returns XLA's memory analysis.
+
+    Catches out-of-memory and sharding errors before a job pays for hardware.
+    """
+    if task is None:
+        task = get_task(config.task, config, workdir)
+        if jax.process_index() == 0:
+            task.prepare()
+        task.after_prepare()
+    setup = build(config, workdir, task)
     phase = setup.phases[0]
     batch = setup.task.init_batch(phase, phase.global_batch_size)
     batch_sharding = sharding.batch_sharding(setup.mesh, setup.rules)
@@ -292,6 +302,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
                                 writer, ckpt, stop, config_json, t_start, start, peak, best)
             state, step = result.pop("_state"), result.pop("_step")
             data_state = {}
+            if result.pop("_halted", False):
+                ckpt.wait()
+                result["step"] = step
+                return result
         ckpt.wait()
         final = _finalize(setup, state, best, workdir, config_json)
         if final:
@@ -363,8 +377,9 @@ def _run_phase(setup, config, phase, phase_index, state, step, data_state, write
                 writer.write(step, last_eval, "eval")
                 best.update(step, last_eval, state.params, config_json)
             meter.reset()
+        halting = bool(tcfg.get("stop_at_step", 0)) and step >= tcfg.stop_at_step and not is_last
         stopping = stop.should_stop(step)
-        if step % tcfg.checkpoint_every == 0 or is_last or stopping:
+        if step % tcfg.checkpoint_every == 0 or is_last or stopping or halting:
             data_pos = {"phase": phase_index, "iterator": data.state()}
             if is_last and phase_index + 1 < len(setup.phases):
                 data_pos = {"phase": phase_index + 1, "iterator": {}}
@@ -372,6 +387,10 @@ def _run_phase(setup, config, phase, phase_index, state, step, data_state, write
         if stopping:
             ckpt.wait()
             raise PreemptionRequested(f"stopped at step {step} after saving a checkpoint")
+        if halting:
+            log.info("train.stop_at_step=%d reached: checkpoint saved, stopping", step)
+            return {"_state": state, "_step": step, "train": last_train, "eval": last_eval,
+                    "_halted": True}
     return {"_state": state, "_step": step, "train": last_train, "eval": last_eval}
 
 

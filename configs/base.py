@@ -42,6 +42,9 @@ def get_config() -> ml_collections.ConfigDict:
     c.data.eval_fraction = 0.01
     c.data.num_shards = 8
     c.data.shuffle_buffer = 10_000
+    # Fixed number of input streams (0: one per process). With N > 0 the global batch is the same
+    # for any process count dividing N, and resuming on another host count is exact.
+    c.data.streams = 0
     c.data.seed = 12345
     # Sequence-length phases (the paper: 128 for 90% of the steps, then 512). Empty: one phase.
     c.data.phases = ()
@@ -56,6 +59,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.train.eval_steps = 50
     c.train.checkpoint_every = 10_000
     c.train.keep_checkpoints = 3
+    c.train.stop_at_step = 0  # >0: checkpoint and exit at this step (time-sliced jobs); 0: run to the end
     c.train.async_checkpoints = True
     c.train.transfer_guard = True  # jax_transfer_guard=disallow inside the loop
     c.train.peak_tflops = 0.0  # per-device peak for MFU on unknown devices (e.g. CPU)

@@ -89,9 +89,8 @@ def test_output_dir_holds_json_and_markdown(tiny_run):
 
 
 def test_markdown_writer_formats_every_table(tiny_run):
-    result = dict(
-        json.loads(tiny_run[1][0]), tokens_per_sec=12345.6, mfu=0.4567, sequences_per_sec=100.0
-    )
+    result = dict(json.loads(tiny_run[1][0]), tokens_per_sec=12345.6, mfu=0.4567)
+    result.update(sequences_per_sec=100.0, step_time_s=1.0, step_cpu_s=1.9)
     result["prepare"] = [
         dict(
             scale=4,
@@ -110,8 +109,10 @@ def test_markdown_writer_formats_every_table(tiny_run):
         "torch": dict(
             framework="transformers-torch",
             step_time_s=2.0,
+            step_cpu_s=3.8,
             tokens_per_sec=6172.8,
             bertjax_speedup=2.0,
+            bertjax_speedup_cpu_time=2.0,
         )
     }
     lines = bench.to_markdown(result).splitlines()
@@ -119,7 +120,8 @@ def test_markdown_writer_formats_every_table(tiny_run):
     assert "| MFU | 45.7% |" in lines
     assert "| x4 | 76.7 | 6,048 | 200 | 30.2 | 0.384 | 1.9 | 812 |" in lines
     assert "tf.data input: 2,500 examples/s = 25x the model's 100 seq/s" in lines
-    assert "| transformers-torch | 2 | 6,173 | 2.00x |" in lines
+    assert "| transformers-torch | 2 | 3.8 | 6,173 | 2.00x, 2.00x |" in lines
+    assert "| bertjax | 1 | 1.9 | 12,346 | 1.00x, 1.00x |" in lines
     headers = [line for line in lines if line.startswith("|---")]
     assert len(headers) == 3  # results, prepare, peers
 

@@ -24,7 +24,8 @@ def _losses(workdir, key="loss"):
 
 
 def test_smoke_run_logs_evaluates_and_checkpoints(tmp_path):
-    config = tiny_config(tmp_path, steps=4, **{"train.eval_every": 2, "tensorboard": True})
+    config = tiny_config(tmp_path, steps=4, **{"train.eval_every": 2, "train.eval_steps": 1,
+                                              "tensorboard": True})
     result = train.train_and_evaluate(config, str(tmp_path / "run"))
     records = read_metrics(tmp_path / "run")
     assert [r["step"] for r in records] == [1, 2, 3, 4]

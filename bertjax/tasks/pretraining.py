@@ -11,12 +11,12 @@ import glob
 import logging
 import os
 
-
 import jax.numpy as jnp
 import numpy as np
 
 from bertjax import flops, losses
 from bertjax.data import pipeline
+from bertjax.data.streams import StreamedData
 from bertjax.model_config import BertConfig, get_preset
 from bertjax.modeling import BertForPreTraining
 from bertjax.task import Phase, Task, register
@@ -233,12 +233,17 @@ class PretrainingTask(Task):
                     whole_word=d.whole_word_mask)
 
     def _data(self, phase, split, process_index, process_count, *, shuffle):
+        """Per-host batches; with ``data.streams`` the global batch is independent of host count."""
+        data_dir = self.data_dir(phase.options["max_seq_length"])
+        common = dict(seed=self.config.train.seed, dynamic_masking=self._dynamic_masking(phase),
+                      shuffle=shuffle, shuffle_buffer=self.config.data.shuffle_buffer)
+        streams = self.config.data.get("streams", 0)
+        if streams and split == "train":
+            return StreamedData(data_dir, split, phase.global_batch_size, num_streams=streams,
+                                process_index=process_index, process_count=process_count, **common)
         per_host = phase.global_batch_size // process_count
-        return pipeline.PretrainingData(
-            self.data_dir(phase.options["max_seq_length"]), split, per_host,
-            seed=self.config.train.seed, process_index=process_index,
-            process_count=process_count, dynamic_masking=self._dynamic_masking(phase),
-            shuffle=shuffle, shuffle_buffer=self.config.data.shuffle_buffer)
+        return pipeline.PretrainingData(data_dir, split, per_host, process_index=process_index,
+                                        process_count=process_count, **common)
 
     def train_data(self, phase, process_index, process_count):
         return self._data(phase, "train", process_index, process_count, shuffle=True)
