@@ -63,7 +63,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--attention_impl", default="xla", choices=("xla", "dot_product", "cudnn"))
     p.add_argument("--remat", default="none", choices=("none", "dots", "full"))
     p.add_argument("--scan_layers", action="store_true")
-    p.add_argument("--dropout", type=float, default=0.1, help="hidden and attention dropout")
+    p.add_argument("--dropout", type=float, default=0.1, help="hidden (and attention) dropout")
+    p.add_argument("--attention_dropout", type=float, default=None, help="default: --dropout")
     p.add_argument("--devices", type=int, default=0, help="use the first N devices (0: all)")
     p.add_argument("--peak_tflops", type=float, default=0.0, help="override the per-device peak")
     p.add_argument("--matmul_size", type=int, default=2048, help="n of the CPU n*n matmul peak")
@@ -97,7 +98,8 @@ def bench_config(args: argparse.Namespace):
 
     switches = {k: getattr(args, k) for k in ("dtype", "attention_impl", "remat", "scan_layers")}
     model = dict(preset=args.preset, max_position_embeddings=max(512, args.seq), **switches)
-    model.update(hidden_dropout=args.dropout, attention_dropout=args.dropout)
+    attention_dropout = args.dropout if args.attention_dropout is None else args.attention_dropout
+    model.update(hidden_dropout=args.dropout, attention_dropout=attention_dropout)
     data = dict(max_seq_length=args.seq, max_predictions_per_seq=args.masked, nsp=True, phases=())
     optimizer = dict(name="adamw", learning_rate=1e-4, warmup_steps=10_000, grad_clip_norm=1.0)
     optimizer.update(b1=0.9, b2=0.999, eps=1e-6, weight_decay=0.01, end_lr_factor=0.0)
@@ -554,6 +556,7 @@ def write_outputs(result: dict, output_dir: str) -> None:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Every measurement the flags ask for, as one JSON-able dict."""
     keys = "preset batch seq masked steps warmup dtype attention_impl remat scan_layers dropout"
+    keys += " attention_dropout"
     result: dict[str, Any] = {"config": {k: getattr(args, k) for k in keys.split()}}
     result["host"] = {"cpu_count": os.cpu_count(), "loadavg_before": os.getloadavg()}
     result.update(measure_step(args))

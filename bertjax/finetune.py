@@ -77,10 +77,16 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     per_seed: dict[int, dict] = {}
     main_metric = None
     for seed in seeds:
-        log.info("fine-tuning %s with seed %d (%d of %d)", config.task, seed, len(per_seed) + 1,
-                 len(seeds))
-        result = train.train_and_evaluate(_with_seed(config, seed),
-                                          os.path.join(workdir, f"seed_{seed}"))
+        log.info(
+            "fine-tuning %s with seed %d (%d of %d)",
+            config.task,
+            seed,
+            len(per_seed) + 1,
+            len(seeds),
+        )
+        result = train.train_and_evaluate(
+            _with_seed(config, seed), os.path.join(workdir, f"seed_{seed}")
+        )
         final = result.get("final") or {}
         if not final:
             raise ValueError(f"task {config.task} returned no final metrics for seed {seed}")
@@ -90,7 +96,13 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     summary["task"] = config.task
     if jax.process_index() == 0:
         _write_json(os.path.join(workdir, "eval_results.json"), summary)
-    log.info("%s over seeds %s: median %s=%.4f, best (seed %d) %.4f", config.task, seeds,
-             main_metric, summary["median"][main_metric], summary["best_seed"],
-             summary["best"][main_metric])
+    log.info(
+        "%s over seeds %s: median %s=%.4f, best (seed %d) %.4f",
+        config.task,
+        seeds,
+        main_metric,
+        summary["median"][main_metric],
+        summary["best_seed"],
+        summary["best"][main_metric],
+    )
     return {"final": summary, "eval": summary["best"], "step": None}

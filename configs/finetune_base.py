@@ -18,7 +18,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.vocab = ""  # vocab.txt / .model; empty: the init checkpoint's vocabulary
     c.do_lower_case = ml_collections.config_dict.placeholder(bool)  # unset: the checkpoint's
     c.data_dir = ""  # folder in the official layout; empty: TFDS by name (GLUE)
-    c.seeds = [0]  # several: one run per seed in WORKDIR/seed_{s}, median + best dev reported
+    c.seeds = ()  # empty: train.seed; several (--config.seeds="(1,2,3)"): one run per seed
 
     # The pretraining data keys of base do not apply; fine-tuning data options replace them.
     c.data = ml_collections.ConfigDict()

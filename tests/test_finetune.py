@@ -19,10 +19,12 @@ from configs import ner as ner_config
 from configs import squad as squad_config
 from configs import swag as swag_config
 
-WORDS = ("the a movie film was is good bad great awful fun dull plot actors it not very and "
-         "who what where when paris france city capital river seine flows through john smith "
-         "works at acme corp in london he she went to store bought milk then left car drove "
-         "home because sky blue red man woman dog cat sat on mat").split()
+WORDS = (
+    "the a movie film was is good bad great awful fun dull plot actors it not very and "
+    "who what where when paris france city capital river seine flows through john smith "
+    "works at acme corp in london he she went to store bought milk then left car drove "
+    "home because sky blue red man woman dog cat sat on mat"
+).split()
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -30,8 +32,11 @@ def compilation_cache(tmp_path_factory):
     """A persistent XLA cache for this module: the runs below share most programs (restored after)."""
     from jax._src import compilation_cache as cc
 
-    keys = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
-            "jax_persistent_cache_min_entry_size_bytes")
+    keys = (
+        "jax_compilation_cache_dir",
+        "jax_persistent_cache_min_compile_time_secs",
+        "jax_persistent_cache_min_entry_size_bytes",
+    )
     old = {k: getattr(jax.config, k) for k in keys}
     cc.reset_cache()
     jax.config.update(keys[0], str(tmp_path_factory.mktemp("xla_cache")))
@@ -47,8 +52,10 @@ def compilation_cache(tmp_path_factory):
 def files(tmp_path_factory):
     root = tmp_path_factory.mktemp("ft")
     vocab = root / "vocab.txt"
-    vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", ".", ",", "?",
-                                *WORDS, "##s"]) + "\n")
+    vocab.write_text(
+        "\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", ".", ",", "?", *WORDS, "##s"])
+        + "\n"
+    )
     rng = np.random.default_rng(0)
 
     def sentence(n=6):
@@ -66,21 +73,25 @@ def files(tmp_path_factory):
     header = "index\tpromptID\tpairID\tgenre\tsentence1\tsentence2\tgold_label"
     labels = ("contradiction", "entailment", "neutral")
     for split, n in (("train", 12), ("dev_matched", 6), ("dev_mismatched", 5)):
-        rows = [f"{i}\tp\tq\tfiction\t{sentence()}\t{sentence(4)}\t{labels[i % 3]}"
-                for i in range(n)]
+        rows = [
+            f"{i}\tp\tq\tfiction\t{sentence()}\t{sentence(4)}\t{labels[i % 3]}" for i in range(n)
+        ]
         (mnli / f"{split}.tsv").write_text(header + "\n" + "\n".join(rows) + "\n")
     (glue / "diagnostic").mkdir()
     diag = [f"{i}\t{sentence()}\t{sentence(4)}" for i in range(4)]
     (glue / "diagnostic" / "diagnostic.tsv").write_text(
-        "index\tsentence1\tsentence2\n" + "\n".join(diag) + "\n")
+        "index\tsentence1\tsentence2\n" + "\n".join(diag) + "\n"
+    )
 
     squad = root / "squad"
     squad.mkdir()
     context = "john smith works at acme corp in london . paris is the capital of france ."
-    qas = [("q1", "who works at acme corp ?", "john smith", 0),
-           ("q2", "where is acme corp ?", "london", context.index("london")),
-           ("q3", "what is the capital of france ?", "paris", context.index("paris")),
-           ("q4", "where does john smith work ?", "acme corp", context.index("acme"))]
+    qas = [
+        ("q1", "who works at acme corp ?", "john smith", 0),
+        ("q2", "where is acme corp ?", "london", context.index("london")),
+        ("q3", "what is the capital of france ?", "paris", context.index("paris")),
+        ("q4", "where does john smith work ?", "acme corp", context.index("acme")),
+    ]
 
     def squad_json(version, impossible=()):
         out = []
@@ -90,10 +101,13 @@ def files(tmp_path_factory):
                 entry["is_impossible"] = False
             out.append(entry)
         for qid in impossible:
-            out.append({"id": qid, "question": "who drove home ?", "answers": [],
-                        "is_impossible": True})
-        return {"version": version, "data": [{"title": "t", "paragraphs": [
-            {"context": context, "qas": out}]}]}
+            out.append(
+                {"id": qid, "question": "who drove home ?", "answers": [], "is_impossible": True}
+            )
+        return {
+            "version": version,
+            "data": [{"title": "t", "paragraphs": [{"context": context, "qas": out}]}],
+        }
 
     for version, imp in (("1.1", ()), ("2.0", ("q5",))):
         for split in ("train", "dev"):
@@ -101,8 +115,16 @@ def files(tmp_path_factory):
 
     ner = root / "ner"
     ner.mkdir()
-    sent = [("john", "B-PER"), ("smith", "I-PER"), ("works", "O"), ("at", "O"),
-            ("acme", "B-ORG"), ("corp", "I-ORG"), ("in", "O"), ("london", "B-LOC")]
+    sent = [
+        ("john", "B-PER"),
+        ("smith", "I-PER"),
+        ("works", "O"),
+        ("at", "O"),
+        ("acme", "B-ORG"),
+        ("corp", "I-ORG"),
+        ("in", "O"),
+        ("london", "B-LOC"),
+    ]
     lines = ["-DOCSTART- -X- -X- O", ""]
     for _ in range(6):
         lines += [f"{w} NN B-NP {t}" for w, t in sent] + [""]
@@ -112,8 +134,11 @@ def files(tmp_path_factory):
     swag = root / "swag"
     swag.mkdir()
     head = ",video-id,fold-ind,startphrase,sent1,sent2,gold-source,ending0,ending1,ending2,ending3"
-    rows = [f'{i},v{i},{i},x,"{sentence(4)}",{sentence(2)},gold,{sentence(3)},{sentence(3)},'
-            f"{sentence(3)},{sentence(3)},{i % 4}" for i in range(12)]
+    rows = [
+        f'{i},v{i},{i},x,"{sentence(4)}",{sentence(2)},gold,{sentence(3)},{sentence(3)},'
+        f"{sentence(3)},{sentence(3)},{i % 4}"
+        for i in range(12)
+    ]
     for name in ("train.csv", "val.csv"):
         (swag / name).write_text(head + ",label\n" + "\n".join(rows) + "\n")
     (swag / "test.csv").write_text(head + "\n" + "\n".join(r.rsplit(",", 1)[0] for r in rows))
@@ -184,12 +209,19 @@ def test_mnli_evaluates_matched_and_mismatched_and_ax_predicts_diagnostic(files,
 
 
 def test_squad_v2_trains_and_writes_official_predictions(files, tmp_path):
-    c = _small(squad_config.get_config(), files, "squad", task="squad/v2.0",
-               **{"data.max_query_length": 10, "data.doc_stride": 8})
+    c = _small(
+        squad_config.get_config(),
+        files,
+        "squad",
+        task="squad/v2.0",
+        **{"data.max_query_length": 10, "data.doc_stride": 8},
+    )
     train.train_and_evaluate(c, str(tmp_path))
     final = _results(tmp_path)
     assert final["best_metric"] == "f1"
-    assert {"exact", "f1", "HasAns_f1", "NoAns_f1", "best_f1", "best_f1_thresh"} <= set(final["dev"])
+    assert {"exact", "f1", "HasAns_f1", "NoAns_f1", "best_f1", "best_f1_thresh"} <= set(
+        final["dev"]
+    )
     preds = json.loads(pathlib.Path(final["predictions"]["predictions"]).read_text())
     odds = json.loads(pathlib.Path(final["predictions"]["null_odds"]).read_text())
     assert set(odds) == set(preds) == {"q1", "q2", "q3", "q4", "q5"}
@@ -204,7 +236,7 @@ def _oracle(rows):
 
     def run(batch):
         n = len(batch["mask"])
-        take = {k: v[state["pos"]: state["pos"] + n] for k, v in rows.items()}
+        take = {k: v[state["pos"] : state["pos"] + n] for k, v in rows.items()}
         real = int(batch["mask"].sum())
         state["pos"] += real
         pad = {k: np.concatenate([v, np.repeat(v[:1], n - len(v), 0)]) for k, v in take.items()}
@@ -215,16 +247,22 @@ def _oracle(rows):
 
 @pytest.mark.parametrize("version", ["1.1", "2.0"])
 def test_squad_scoring_of_a_perfect_model_is_100(files, tmp_path, version):
-    c = _small(squad_config.get_config(), files, "squad", task=f"squad/v{version}",
-               **{"data.max_query_length": 10, "data.doc_stride": 8, "data.max_seq_length": 24})
+    c = _small(
+        squad_config.get_config(),
+        files,
+        "squad",
+        task=f"squad/v{version}",
+        **{"data.max_query_length": 10, "data.doc_stride": 8, "data.max_seq_length": 24},
+    )
     task = get_task(c.task, c, str(tmp_path))
     task.after_prepare()
     feats = task.eval_sets[0].meta[1]
     assert len(feats) > 5  # the short window splits each context into several features
     one_hot = lambda pos: np.eye(24, dtype=np.float32)[pos] * 10.0  # [features, seq]
     # Features whose window misses the answer point at [CLS] (as in training); v1.1 ignores them.
-    run = _oracle({"start_logits": one_hot(feats.start_positions),
-                   "end_logits": one_hot(feats.end_positions)})
+    run = _oracle(
+        {"start_logits": one_hot(feats.start_positions), "end_logits": one_hot(feats.end_positions)}
+    )
     final = task.finalize(run, None, str(tmp_path))
     preds = json.loads(pathlib.Path(final["predictions"]["predictions"]).read_text())
     assert preds["q1"] == "john smith" and preds["q4"] == "acme corp"
@@ -282,8 +320,9 @@ def _tiny_hf_checkpoint(files, path, config):
     ids = np.zeros((1, 8), np.int32)
     params = nn.meta.unbox(BertModel(config).init(jax.random.key(42), ids)["params"])
     tensors = {k: np.asarray(v) for k, v in flatten_params({"bert": params}).items()}
-    save_checkpoint(Checkpoint(config, tensors, str(files / "vocab.txt"), True, "test"),
-                    str(path), "hf")
+    save_checkpoint(
+        Checkpoint(config, tensors, str(files / "vocab.txt"), True, "test"), str(path), "hf"
+    )
     return tensors
 
 
@@ -293,11 +332,22 @@ def test_init_checkpoint_replaces_the_encoder(files, tmp_path, scan):
     from bertjax.pretrained import load_pretrained
 
     n_vocab = len((files / "vocab.txt").read_text().split())
-    cfg = BertConfig(vocab_size=n_vocab, hidden_size=32, num_layers=2, num_heads=2,
-                     intermediate_size=64, max_position_embeddings=64)
+    cfg = BertConfig(
+        vocab_size=n_vocab,
+        hidden_size=32,
+        num_layers=2,
+        num_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=64,
+    )
     _tiny_hf_checkpoint(files, tmp_path / "ckpt", cfg)
-    c = _small(glue_config.get_config(), files, "glue", init_checkpoint=str(tmp_path / "ckpt"),
-               **{"model.scan_layers": scan})
+    c = _small(
+        glue_config.get_config(),
+        files,
+        "glue",
+        init_checkpoint=str(tmp_path / "ckpt"),
+        **{"model.scan_layers": scan},
+    )
     task = get_task(c.task, c, str(tmp_path))
     task.after_prepare()
     setup = train.build(c, str(tmp_path), task)
@@ -306,40 +356,60 @@ def test_init_checkpoint_replaces_the_encoder(files, tmp_path, scan):
     fresh = setup.abstract_state.params  # shapes only
     assert set(state.params) == {"bert", "classifier"} and set(fresh) == set(state.params)
     batch = task.eval_sets[0].features
-    inputs = dict(input_ids=batch["input_ids"], token_type_ids=batch["segment_ids"],
-                  attention_mask=batch["input_mask"])
+    inputs = dict(
+        input_ids=batch["input_ids"],
+        token_type_ids=batch["segment_ids"],
+        attention_mask=batch["input_mask"],
+    )
     from bertjax.modeling import BertModel
 
     ours = BertModel(setup.model.config).apply({"params": state.params["bert"]}, **inputs)
     ref = load_pretrained(str(tmp_path / "ckpt"))(**inputs)
     np.testing.assert_allclose(ours.sequence_output, ref.sequence_output, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(ours.pooled_output, ref.pooled_output, rtol=1e-5, atol=1e-5)
-    # Without the checkpoint the same seed gives a different (random) encoder.
-    plain = train.build(_small(glue_config.get_config(), files, "glue", **{
-        "model.num_layers": 2, "model.scan_layers": scan}), str(tmp_path / "plain"))
-    rand = plain.init_state(jax.random.key_data(jax.random.key(0)))
-    other = BertModel(plain.model.config).apply({"params": rand.params["bert"]}, **inputs)
+    # Without the checkpoint the same seed gives a different (random) encoder; the head is fresh.
+    task.pretrained = None
+    rand = setup.init_state(jax.random.key_data(jax.random.key(0)))
+    other = BertModel(setup.model.config).apply({"params": rand.params["bert"]}, **inputs)
     assert not np.allclose(other.sequence_output, ref.sequence_output, atol=1e-3)
+    np.testing.assert_array_equal(
+        rand.params["classifier"]["kernel"], state.params["classifier"]["kernel"]
+    )
 
 
 def test_vocabulary_must_match_the_init_checkpoint(files, tmp_path):
     from bertjax.model_config import BertConfig
 
     n_vocab = len((files / "vocab.txt").read_text().split())
-    cfg = BertConfig(vocab_size=n_vocab, hidden_size=32, num_layers=1, num_heads=2,
-                     intermediate_size=64, max_position_embeddings=64)
+    cfg = BertConfig(
+        vocab_size=n_vocab,
+        hidden_size=32,
+        num_layers=1,
+        num_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=64,
+    )
     _tiny_hf_checkpoint(files, tmp_path / "ckpt", cfg)
     other = tmp_path / "vocab2.txt"
     other.write_text((files / "vocab.txt").read_text() + "extra\n")
-    c = _small(glue_config.get_config(), files, "glue", init_checkpoint=str(tmp_path / "ckpt"),
-               vocab=str(other))
+    c = _small(
+        glue_config.get_config(),
+        files,
+        "glue",
+        init_checkpoint=str(tmp_path / "ckpt"),
+        vocab=str(other),
+    )
     with pytest.raises(ValueError, match=r"^\S*vocab2\.txt: vocabulary has \d+ tokens"):
         get_task(c.task, c, str(tmp_path)).after_prepare()
 
 
 def test_resume_continues_exactly(files, tmp_path):
-    c = _small(glue_config.get_config(), files, "glue", **{
-        "train.checkpoint_every": 1, "train.keep_checkpoints": 5})
+    c = _small(
+        glue_config.get_config(),
+        files,
+        "glue",
+        **{"train.checkpoint_every": 1, "train.keep_checkpoints": 5},
+    )
     full = tmp_path / "full"
     train.train_and_evaluate(c, str(full))
     # Interrupted after step 2: drop the later checkpoint and the outputs of the end of the run.
@@ -348,8 +418,12 @@ def test_resume_continues_exactly(files, tmp_path):
     shutil.rmtree(cut / "checkpoints" / "3")
     shutil.rmtree(cut / "best")
     os.remove(cut / "eval_results.json")
-    c2 = _small(glue_config.get_config(), files, "glue", **{
-        "train.checkpoint_every": 1, "train.keep_checkpoints": 5})
+    c2 = _small(
+        glue_config.get_config(),
+        files,
+        "glue",
+        **{"train.checkpoint_every": 1, "train.keep_checkpoints": 5},
+    )
     train.train_and_evaluate(c2, str(cut))
 
     def losses(d):
@@ -357,13 +431,12 @@ def test_resume_continues_exactly(files, tmp_path):
         return [(r["step"], r["loss"]) for r in rows if r["split"] == "train"]
 
     assert [s for s, _ in losses(cut)] == [1, 2, 3]
-    np.testing.assert_allclose([v for _, v in losses(cut)], [v for _, v in losses(full)],
-                               rtol=1e-6)
+    np.testing.assert_allclose([v for _, v in losses(cut)], [v for _, v in losses(full)], rtol=1e-6)
     assert _results(cut)["dev"] == _results(full)["dev"]
 
 
 def test_several_seeds_report_median_and_best_dev_run(files, tmp_path):
-    c = _small(glue_config.get_config(), files, "glue", seeds=[0, 1])
+    c = _small(glue_config.get_config(), files, "glue", seeds=(0, 1))
     result = finetune.run(c, str(tmp_path))
     summary = _results(tmp_path)
     assert set(summary["seeds"]) == {"0", "1"} and summary["main_metric"] == "accuracy"
@@ -384,7 +457,8 @@ def test_bad_inputs_give_one_line_errors(files, tmp_path):
     text = (bad / "SST-2" / "train.tsv").read_text().splitlines()
     text[3] = text[3].rsplit("\t", 1)[0] + "\t2"
     (bad / "SST-2" / "train.tsv").write_text("\n".join(text) + "\n")
-    c = _small(glue_config.get_config(), files, "", data_dir=str(bad))
+    c = _small(glue_config.get_config(), files, "")
+    c.data_dir = str(bad)
     with pytest.raises(ValueError) as err:
         get_task(c.task, c, str(tmp_path)).after_prepare()
     assert str(err.value) == f"{bad}/SST-2/train.tsv:4: label '2' not in ['0', '1']"
@@ -394,7 +468,8 @@ def test_bad_inputs_give_one_line_errors(files, tmp_path):
     bad_ner = tmp_path / "ner"
     shutil.copytree(files / "ner", bad_ner)
     (bad_ner / "valid.txt").write_text("john NN B-NP B-PER\nsmith NN B-NP B-XYZ\n")
-    c = _small(ner_config.get_config(), files, "", data_dir=str(bad_ner))
+    c = _small(ner_config.get_config(), files, "")
+    c.data_dir = str(bad_ner)
     with pytest.raises(ValueError, match=r"valid\.txt: sentence 0 word 1: tag 'B-XYZ' not in"):
         get_task(c.task, c, str(tmp_path)).after_prepare()
 

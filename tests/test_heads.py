@@ -11,8 +11,16 @@ from bertjax.heads import MultipleChoice, SequenceClassifier, SpanClassifier, To
 from bertjax.model_config import BertConfig
 from bertjax.modeling import BertModel
 
-CFG = BertConfig(vocab_size=40, hidden_size=32, num_layers=2, num_heads=4, intermediate_size=64,
-                 max_position_embeddings=16, hidden_dropout=0.1, attention_dropout=0.0)
+CFG = BertConfig(
+    vocab_size=40,
+    hidden_size=32,
+    num_layers=2,
+    num_heads=4,
+    intermediate_size=64,
+    max_position_embeddings=16,
+    hidden_dropout=0.1,
+    attention_dropout=0.0,
+)
 B, S = 3, 8
 
 
@@ -33,7 +41,8 @@ def _init(model, inputs):
 def _leaves_with_names(boxed):
     """(path, value, logical names) for every param leaf."""
     flat = jax.tree_util.tree_flatten_with_path(
-        boxed, is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned))[0]
+        boxed, is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned)
+    )[0]
     return [("/".join(str(k.key) for k in path), leaf) for path, leaf in flat]
 
 
@@ -76,8 +85,9 @@ def test_heads_compute_what_the_paper_says():
     params = nn.meta.unbox(_init(model, inputs))
     enc = BertModel(CFG).apply({"params": params["bert"]}, **inputs, deterministic=True)
     k, b = params["classifier"]["kernel"], params["classifier"]["bias"]
-    np.testing.assert_allclose(model.apply({"params": params}, **inputs),
-                               enc.pooled_output @ k + b, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        model.apply({"params": params}, **inputs), enc.pooled_output @ k + b, rtol=1e-5, atol=1e-6
+    )
     span = SpanClassifier(CFG)
     sp = nn.meta.unbox(_init(span, inputs))
     assert "pooler" not in sp["bert"]  # the span head never reads the pooler
@@ -96,8 +106,9 @@ def test_multiple_choice_scores_each_choice_alone():
     # Permuting the choices permutes the scores: no choice sees another.
     perm = np.array([2, 0, 3, 1])
     permuted = {k: v[:, perm] for k, v in inputs.items()}
-    np.testing.assert_allclose(model.apply({"params": params}, **permuted), scores[:, perm],
-                               rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        model.apply({"params": params}, **permuted), scores[:, perm], rtol=1e-5, atol=1e-6
+    )
     # A choice's score is the Dense-1 of its own pooled output.
     one = {k: v[:, 1] for k, v in inputs.items()}
     pooled = BertModel(CFG).apply({"params": params["bert"]}, **one).pooled_output
@@ -113,6 +124,10 @@ def test_dropout_applies_only_in_training():
     params = nn.meta.unbox(_init(model, inputs))
     det = [model.apply({"params": params}, **inputs, deterministic=True) for _ in range(2)]
     np.testing.assert_array_equal(det[0], det[1])
-    train = [model.apply({"params": params}, **inputs, deterministic=False,
-                         rngs={"dropout": jax.random.key(i)}) for i in range(2)]
+    train = [
+        model.apply(
+            {"params": params}, **inputs, deterministic=False, rngs={"dropout": jax.random.key(i)}
+        )
+        for i in range(2)
+    ]
     assert not np.allclose(train[0], train[1])

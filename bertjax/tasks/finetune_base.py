@@ -59,6 +59,7 @@ class EvalSet:
 
     @property
     def size(self) -> int:
+        """Number of examples (rows of every feature)."""
         return len(next(iter(self.features.values())))
 
 
@@ -162,6 +163,7 @@ class FinetuneTask(Task):
         return None
 
     def require_data_dir(self, what: str) -> str:
+        """``config.data_dir``; a one-line error naming ``what`` the task reads when it is empty."""
         if not self.config.data_dir:
             raise ValueError(
                 f"config key data_dir is empty: task {self.name} reads {what} from a local folder"

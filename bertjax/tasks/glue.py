@@ -66,6 +66,7 @@ class GlueFinetune(FinetuneTask):
             return None
 
     def encode(self, task: str, examples) -> dict[str, np.ndarray]:
+        """[n, max_seq_length] inputs and [n] labels of ``task``'s examples (``encode_examples``)."""
         spec = glue_data.get_task(task)
         return glue_data.encode_examples(
             self.tokenizer, examples, spec.labels, self.config.data.max_seq_length
