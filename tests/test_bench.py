@@ -33,7 +33,7 @@ def test_forward_flops_agree_with_xla_count():
     cfg = BertConfig(
         vocab_size=512,
         hidden_size=128,
-        num_layers=2,
+        num_layers=1,
         num_heads=2,
         intermediate_size=512,
         max_position_embeddings=64,

@@ -363,14 +363,15 @@ def test_init_checkpoint_replaces_the_encoder(files, tmp_path, scan):
     )
     from bertjax.modeling import BertModel
 
-    ours = BertModel(setup.model.config).apply({"params": state.params["bert"]}, **inputs)
-    ref = load_pretrained(str(tmp_path / "ckpt"))(**inputs)
+    encoder = jax.jit(BertModel(setup.model.config).apply)
+    ours = encoder({"params": state.params["bert"]}, **inputs)
+    ref = load_pretrained(str(tmp_path / "ckpt"))(**inputs)  # the checkpoint's own encoder
     np.testing.assert_allclose(ours.sequence_output, ref.sequence_output, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(ours.pooled_output, ref.pooled_output, rtol=1e-5, atol=1e-5)
     # Without the checkpoint the same seed gives a different (random) encoder; the head is fresh.
     task.pretrained = None
     rand = setup.init_state(jax.random.key_data(jax.random.key(0)))
-    other = BertModel(setup.model.config).apply({"params": rand.params["bert"]}, **inputs)
+    other = encoder({"params": rand.params["bert"]}, **inputs)
     assert not np.allclose(other.sequence_output, ref.sequence_output, atol=1e-3)
     np.testing.assert_array_equal(
         rand.params["classifier"]["kernel"], state.params["classifier"]["kernel"]
