@@ -163,6 +163,6 @@ def test_input_bench_reads_prepared_records(tmp_path):
 def test_corpus_copies_scale_the_file_list(tmp_path):
     for name in ("a.txt", "b.txt"):
         (tmp_path / name).write_text("text\n")
-    assert bench._corpus_copies(str(tmp_path / "*.txt"), 1, "").count(",") == 1
-    glob = bench._corpus_copies(str(tmp_path / "*.txt"), 3, str(tmp_path / "x3"))
+    assert bench_data._corpus_copies(str(tmp_path / "*.txt"), 1, "").count(",") == 1
+    glob = bench_data._corpus_copies(str(tmp_path / "*.txt"), 3, str(tmp_path / "x3"))
     assert len(list(pathlib.Path(tmp_path / "x3").iterdir())) == 6 and glob.endswith("*")
