@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from train_fixtures import write_prepared
 
-from bertjax import bench, bench_peers, flops
+from bertjax import bench, bench_data, bench_peers, flops
 from bertjax.model_config import BertConfig
 from bertjax.modeling import BertForPreTraining
 
