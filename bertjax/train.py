@@ -346,6 +346,10 @@ def _run_phase(setup, config, phase, phase_index, state, step, data_state, write
     def run_eval(params):
         return task.evaluate(_runner(setup, eval_fn, params), phase)
 
+    if step == 0 and eval_every:  # the starting point of the eval curve
+        last_eval = run_eval(state.params)
+        if last_eval:
+            writer.write(0, last_eval, "eval")
     while step < phase.until_step:
         batch = sharding.global_batch(next(data), setup.mesh, setup.rules)
         with jax.set_mesh(setup.mesh), nn.logical_axis_rules(setup.rules), jax.transfer_guard(guard):

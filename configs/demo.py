@@ -21,12 +21,12 @@ def get_config():
     c.data.dupe_factor = 2
     c.data.eval_fraction = 0.02
     c.data.num_shards = 4
-    c.train.steps = 600
+    c.train.steps = 500
     c.train.global_batch_size = 32
     c.train.log_every = 25
-    c.train.eval_every = 200
+    c.train.eval_every = 100
     c.train.eval_steps = 10
-    c.train.checkpoint_every = 200
+    c.train.checkpoint_every = 100
     c.optimizer.learning_rate = 1e-3
-    c.optimizer.warmup_steps = 60
+    c.optimizer.warmup_steps = 50
     return c

@@ -33,7 +33,7 @@ def test_smoke_run_logs_evaluates_and_checkpoints(tmp_path):
                 "grad_norm", "seq_per_sec", "tokens_per_sec", "tflops_per_device"):
         assert all(np.isfinite(r[key]) for r in records), key
     evals = read_metrics(tmp_path / "run", "eval")
-    assert [r["step"] for r in evals] == [2, 4] and "mlm_accuracy" in evals[0]
+    assert [r["step"] for r in evals] == [0, 2, 4] and "mlm_accuracy" in evals[0]
     assert sorted(os.listdir(tmp_path / "run" / "checkpoints")) == ["2", "4"]
     assert os.listdir(tmp_path / "run" / "tensorboard")
     assert result["step"] == 4
