@@ -2,7 +2,8 @@
 
 Only process 0 writes. ``metrics.jsonl`` holds one JSON object per record (``"split"`` is ``train``
 or ``eval``); on resume, records after the restored step are dropped so that the file reads as one
-uninterrupted run.
+uninterrupted run. Files go through ``tf.io.gfile``, so WORKDIR may be ``gs://...``: a local file is
+appended to, a remote one (no append on object stores) is rewritten whole, atomically, at each record.
 """
 
 from __future__ import annotations
@@ -40,10 +41,18 @@ class MetricsWriter:
 
     def __init__(self, workdir: str, *, tensorboard: bool = True):
         self.enabled = jax.process_index() == 0
+        import tensorflow as tf
+
+        self._gfile = tf.io.gfile
         self.path = os.path.join(workdir, "metrics.jsonl")
+        self.remote = "://" in workdir
+        self._lines: list[str] = []
         self._tb = None
         if self.enabled:
-            os.makedirs(workdir, exist_ok=True)
+            self._gfile.makedirs(workdir)
+            if self.remote and self._gfile.exists(self.path):
+                with self._gfile.GFile(self.path) as f:
+                    self._lines = f.read().splitlines(keepends=True)
             if tensorboard:
                 import tensorflow as tf
 
@@ -51,21 +60,25 @@ class MetricsWriter:
 
     def truncate_after(self, step: int) -> None:
         """Drops records with a step beyond ``step`` (resume after a crash), atomically."""
-        if not self.enabled or not os.path.exists(self.path):
+        if not self.enabled or not self._gfile.exists(self.path):
             return
         kept = []
-        with open(self.path) as f:
-            for line in f:
+        with self._gfile.GFile(self.path) as f:
+            for line in f.read().splitlines(keepends=True):
                 try:
                     record = json.loads(line)
                 except json.JSONDecodeError:
                     continue  # a line cut by a kill
                 if record.get("step", 0) <= step:
                     kept.append(line if line.endswith("\n") else line + "\n")
+        self._lines = kept
+        self._rewrite(kept)
+
+    def _rewrite(self, lines: list[str]) -> None:
         tmp = self.path + ".tmp"
-        with open(tmp, "w") as f:
-            f.writelines(kept)
-        os.replace(tmp, self.path)
+        with self._gfile.GFile(tmp, "w") as f:
+            f.write("".join(lines))
+        self._gfile.rename(tmp, self.path, overwrite=True)
 
     def write(self, step: int, metrics: dict[str, Any], split: str = "train", total_steps=None,
               elapsed=None) -> None:
@@ -73,8 +86,13 @@ class MetricsWriter:
             return
         record = {"step": int(step), "split": split}
         record.update({k: (float(v) if hasattr(v, "__float__") else v) for k, v in metrics.items()})
-        with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        line = json.dumps(record) + "\n"
+        if self.remote:
+            self._lines.append(line)
+            self._rewrite(self._lines)
+        else:
+            with open(self.path, "a") as f:
+                f.write(line)
         if self._tb is not None:
             import tensorflow as tf
 

@@ -258,7 +258,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
 
     Returns the last train and eval metrics.
     """
-    os.makedirs(workdir, exist_ok=True) if "://" not in workdir else None
+    import tensorflow as tf
+
+    tf.io.gfile.makedirs(workdir)
     task = get_task(config.task, config, workdir)
     if jax.process_index() == 0:
         task.prepare()
@@ -425,7 +427,7 @@ class _BestKeeper:
         self.metric = task.best_metric()
         self.directory = os.path.join(workdir, "best")
         self.value = None
-        if self.metric and os.path.isdir(self.directory):
+        if self.metric and _isdir(self.directory):
             ckpt = checkpointing.Checkpointer(self.directory, keep=1, async_save=False)
             step = ckpt.latest_step()
             if step is not None:
@@ -455,7 +457,7 @@ class _BestKeeper:
                  self.directory)
 
     def params(self, abstract_params, shardings) -> Any | None:
-        if not self.metric or not os.path.isdir(self.directory):
+        if not self.metric or not _isdir(self.directory):
             return None
         ckpt = checkpointing.Checkpointer(self.directory, keep=1, async_save=False)
         try:
@@ -483,8 +485,16 @@ def _finalize(setup: Setup, state: TrainState, best: _BestKeeper, workdir: str, 
     if jax.process_index() == 0:
         import json
 
+        import tensorflow as tf
+
         path = os.path.join(workdir, "eval_results.json")
-        with open(path + ".tmp", "w") as f:
-            json.dump(final, f, indent=2, sort_keys=True, default=float)
-        os.replace(path + ".tmp", path)
+        with tf.io.gfile.GFile(path + ".tmp", "w") as f:
+            f.write(json.dumps(final, indent=2, sort_keys=True, default=float))
+        tf.io.gfile.rename(path + ".tmp", path, overwrite=True)
     return final
+
+
+def _isdir(path: str) -> bool:
+    import tensorflow as tf
+
+    return tf.io.gfile.isdir(path)

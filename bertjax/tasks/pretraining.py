@@ -13,6 +13,7 @@ import os
 
 import jax.numpy as jnp
 import numpy as np
+import tensorflow as tf
 
 from bertjax import flops, losses
 from bertjax.data import pipeline
@@ -105,16 +106,16 @@ class PretrainingTask(Task):
     def prepare(self) -> None:
         d = self.config.data
         missing = [s for s in self._phase_specs()
-                   if not os.path.exists(os.path.join(self.data_dir(s["max_seq_length"]),
+                   if not tf.io.gfile.exists(os.path.join(self.data_dir(s["max_seq_length"]),
                                                       pipeline.METADATA_FILE))]
-        if not missing and (d.vocab or os.path.exists(self._vocab_path())):
+        if not missing and (d.vocab or tf.io.gfile.exists(self._vocab_path())):
             return
         from bertjax.data.prepare import prepare
         from bertjax.tokenization import load_tokenizer
 
         corpus, fmt = None, None
         vocab = self._vocab_path()
-        if not d.vocab and not os.path.exists(vocab):
+        if not d.vocab and not tf.io.gfile.exists(vocab):
             from bertjax.vocab import train_vocab
 
             corpus, fmt = self._corpus_files()
@@ -123,14 +124,14 @@ class PretrainingTask(Task):
             files = sorted(f for pattern in corpus.split(",") for f in glob.glob(pattern)) or [corpus]
             log.info("training a %s vocabulary of %d tokens on %d files", d.vocab_kind,
                      d.vocab_size, len(files))
-            os.makedirs(self.prepared_root, exist_ok=True)
+            tf.io.gfile.makedirs(self.prepared_root)
             train_vocab(files, os.path.splitext(vocab)[0] if d.vocab_kind == "sentencepiece"
                         else vocab, d.vocab_size, kind=d.vocab_kind, do_lower_case=d.do_lower_case,
                         seed=self.config.data.seed)
         tokenizer = load_tokenizer(vocab, do_lower_case=d.do_lower_case)
         for spec in self._phase_specs():
             out = self.data_dir(spec["max_seq_length"])
-            if os.path.exists(os.path.join(out, pipeline.METADATA_FILE)):
+            if tf.io.gfile.exists(os.path.join(out, pipeline.METADATA_FILE)):
                 continue
             if corpus is None:
                 corpus, fmt = self._corpus_files()

@@ -1,7 +1,7 @@
 """SQuAD v1.1 / v2.0 fine-tuning (``squad/v1.1``, ``squad/v2.0``): start/end span prediction.
 
 Data: the official JSON files in ``config.data_dir`` (``train-v1.1.json`` / ``dev-v1.1.json``, or the
-v2.0 names), turned into sliding-window features exactly as the original ``run_squad.py``
+v2.0 names), or TFDS ``squad/v1.1`` / ``squad/v2.0`` when ``data_dir`` is empty, turned into sliding-window features exactly as the original ``run_squad.py``
 (``squad_data``). Loss: mean of the start and end cross-entropies per feature (v2.0 impossible
 questions point at [CLS]). Evaluation runs the official post-processing (``squad_postprocess``) and
 the official scoring (``metrics.evaluate_squad_v1/v2``: percent). ``finalize`` writes
@@ -49,23 +49,30 @@ class SquadFinetune(FinetuneTask):
             first_unique_id=first_unique_id,
         )
 
-    def load_data(self):
-        self.require_data_dir(f"train-v{self.version}.json and dev-v{self.version}.json")
-        d = self.config.data
+    def _read(self):
+        """(train examples, dev examples, dev "data" list) from data_dir JSON files or TFDS."""
+        if not self.config.data_dir:
+            train, _, _ = squad_data.load_squad_tfds(self.version, "train", is_training=True)
+            dev, _, dataset = squad_data.load_squad_tfds(self.version, "dev", is_training=False)
+            return train, dev, dataset
         names = {split: f"{split}-v{self.version}.json" for split in ("train", "dev")}
         paths = {}
         for split, name in names.items():
             paths[split] = self.data_path(name)
             if paths[split] is None:
                 raise ValueError(f"config key data_dir={self.config.data_dir!r}: no {name}")
-        train, skipped = squad_data.read_squad_examples(paths["train"], is_training=True)
+        train, _ = squad_data.read_squad_examples(paths["train"], is_training=True)
+        dev, _ = squad_data.read_squad_examples(paths["dev"], is_training=False)
+        return train, dev, squad_data.load_squad_json(paths["dev"])
+
+    def load_data(self):
+        d = self.config.data
+        train, dev, dataset = self._read()
         train = subset(train, d.max_train_examples)
         feats = self._features(train, 1_000_000_000)
         self.train_features = {k: v for k, v in feats.arrays().items() if k in SPAN_KEYS}
-        dev, _ = squad_data.read_squad_examples(paths["dev"], is_training=False)
         dev = subset(dev, d.max_eval_examples, seed=None)
         dev_feats = self._features(dev, 2_000_000_000)
-        dataset = squad_data.load_squad_json(paths["dev"])
         ids = {e.qas_id for e in dev}
         dataset = _restrict(dataset, ids)
         inputs = {k: v for k, v in dev_feats.arrays().items() if k in SPAN_KEYS[:3]}

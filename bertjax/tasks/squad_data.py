@@ -124,9 +124,17 @@ def read_squad_examples(
     answer text is not found at its offsets is skipped (logged with its id and returned).
     """
     path = pathlib.Path(path)
+    return squad_examples_from_data(load_squad_json(path), is_training, str(path))
+
+
+def squad_examples_from_data(
+    data: Sequence[dict], is_training: bool, source: str
+) -> tuple[list[SquadExample], list[str]]:
+    """`read_squad_examples` on an already-loaded SQuAD "data" list; `source` names it in errors."""
+    path = source
     examples: list[SquadExample] = []
     skipped: list[str] = []
-    for article in load_squad_json(path):
+    for article in data:
         for paragraph in article["paragraphs"]:
             doc_tokens, char_to_word = split_doc_tokens(paragraph["context"])
             for qa in paragraph["qas"]:
@@ -174,6 +182,74 @@ def read_squad_examples(
     if skipped:
         logger.warning("%s: skipped %d questions whose answers were not found", path, len(skipped))
     return examples, skipped
+
+
+_TFDS_SPLITS = {"train": "train", "dev": "validation"}
+
+
+def squad_data_from_tfds_records(records, version_2: bool) -> list[dict]:
+    """Regroup flat TFDS `squad` records (numpy, bytes strings) into the SQuAD JSON "data" list.
+
+    Articles are grouped by title and paragraphs by context, in first-seen order, so the result is
+    what `load_squad_json` returns for the official file (v2.0 keeps `is_impossible` and
+    `plausible_answers`): `squad_examples_from_data` and the official metrics read it unchanged.
+    """
+
+    def text(value) -> str:
+        return value.decode("utf-8") if isinstance(value, bytes) else str(value)
+
+    def answers(field) -> list[dict]:
+        return [
+            {"text": text(t), "answer_start": int(s)}
+            for t, s in zip(field["text"], field["answer_start"], strict=True)
+        ]
+
+    articles: dict[str, dict] = {}
+    paragraphs: dict[tuple[str, str], dict] = {}
+    for record in records:
+        title, context = text(record["title"]), text(record["context"])
+        article = articles.setdefault(title, {"title": title, "paragraphs": []})
+        paragraph = paragraphs.get((title, context))
+        if paragraph is None:
+            paragraph = paragraphs[(title, context)] = {"context": context, "qas": []}
+            article["paragraphs"].append(paragraph)
+        qa = {
+            "id": text(record["id"]),
+            "question": text(record["question"]),
+            "answers": answers(record["answers"]),
+        }
+        if version_2:
+            qa["is_impossible"] = bool(record["is_impossible"])
+            qa["plausible_answers"] = answers(record["plausible_answers"])
+        paragraph["qas"].append(qa)
+    return list(articles.values())
+
+
+def load_squad_tfds(
+    version: str, split: str, is_training: bool, data_dir: str | os.PathLike | None = None
+) -> tuple[list[SquadExample], list[str], list[dict]]:
+    """Read `squad/v<version>` ("1.1" or "2.0") from TensorFlow Datasets; `split` "train" or "dev".
+
+    Returns (examples, ids of skipped questions, the SQuAD "data" list), exactly as
+    `read_squad_examples` and `load_squad_json` give for the official JSON file of that split.
+    """
+    import tensorflow_datasets as tfds
+
+    if version not in ("1.1", "2.0"):
+        raise ValueError(f"SQuAD version {version!r} is not 1.1 or 2.0")
+    if split not in _TFDS_SPLITS:
+        raise ValueError(f"SQuAD split {split!r} is not one of {list(_TFDS_SPLITS)}")
+    name = f"squad/v{version}"
+    ds = tfds.load(
+        name,
+        split=_TFDS_SPLITS[split],
+        data_dir=None if data_dir is None else str(data_dir),
+        shuffle_files=False,
+    )
+    data = squad_data_from_tfds_records(tfds.as_numpy(ds), version_2=version == "2.0")
+    source = f"tfds:{name}/{_TFDS_SPLITS[split]}"
+    examples, skipped = squad_examples_from_data(data, is_training, source)
+    return examples, skipped, data
 
 
 def improve_answer_span(
