@@ -463,7 +463,7 @@ def test_bad_inputs_give_one_line_errors(files, tmp_path):
     with pytest.raises(ValueError) as err:
         get_task(c.task, c, str(tmp_path)).after_prepare()
     assert str(err.value) == f"{bad}/SST-2/train.tsv:4: label '2' not in ['0', '1']"
-    c = _small(squad_config.get_config(), files, "")
+    c = _small(swag_config.get_config(), files, "")  # TFDS has no SWAG: local files are required
     with pytest.raises(ValueError, match="^config key data_dir is empty"):
         get_task(c.task, c, str(tmp_path)).after_prepare()
     bad_ner = tmp_path / "ner"

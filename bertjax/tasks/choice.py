@@ -44,7 +44,8 @@ class Swag(FinetuneTask):
         )
 
     def load_data(self):
-        self.require_data_dir("train.csv and val.csv")
+        if not self.config.data_dir:
+            choice_data.load_swag_tfds("train")  # raises: TFDS has no SWAG
         d = self.config.data
         for name in ("train.csv", "val.csv"):
             if self.data_path(name) is None:

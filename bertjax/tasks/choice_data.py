@@ -13,6 +13,7 @@ import dataclasses
 import os
 import pathlib
 from collections.abc import Sequence
+from typing import NoReturn
 
 import numpy as np
 
@@ -73,6 +74,22 @@ def read_swag(path: str | os.PathLike) -> list[ChoiceExample]:
     if not examples:
         raise ValueError(f"{path}: no examples")
     return examples
+
+
+def load_swag_tfds(split: str, data_dir: str | os.PathLike | None = None) -> NoReturn:
+    """SWAG through TensorFlow Datasets: the installed TFDS has no `swag` builder, so this raises.
+
+    (TFDS has `hellaswag`, a different data set.) The error tells the user to set data_dir.
+    """
+    import tensorflow_datasets as tfds
+
+    del split, data_dir
+    found = "swag" in tfds.list_builders(with_community_datasets=False)
+    raise ValueError(
+        "config key data_dir is empty and "
+        + ("TFDS 'swag' is not supported" if found else "TFDS has no SWAG data set")
+        + ": set data_dir to the folder with the SWAG train.csv and val.csv files"
+    )
 
 
 def encode_choices(

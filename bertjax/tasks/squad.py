@@ -1,10 +1,11 @@
 """SQuAD v1.1 / v2.0 fine-tuning (``squad/v1.1``, ``squad/v2.0``): start/end span prediction.
 
 Data: the official JSON files in ``config.data_dir`` (``train-v1.1.json`` / ``dev-v1.1.json``, or the
-v2.0 names), or TFDS ``squad/v1.1`` / ``squad/v2.0`` when ``data_dir`` is empty, turned into sliding-window features exactly as the original ``run_squad.py``
-(``squad_data``). Loss: mean of the start and end cross-entropies per feature (v2.0 impossible
-questions point at [CLS]). Evaluation runs the official post-processing (``squad_postprocess``) and
-the official scoring (``metrics.evaluate_squad_v1/v2``: percent). ``finalize`` writes
+v2.0 names), or TFDS ``squad/v1.1`` / ``squad/v2.0`` when ``data_dir`` is empty, turned into
+sliding-window features exactly as the original ``run_squad.py`` (``squad_data``). Loss: mean of
+the start and end cross-entropies per feature (v2.0 impossible questions point at [CLS]).
+Evaluation runs the official post-processing (``squad_postprocess``) and the official scoring
+(``metrics.evaluate_squad_v1/v2``: percent). ``finalize`` writes
 ``WORKDIR/squad/predictions.json`` and ``nbest_predictions.json``; for v2.0 also ``null_odds.json``,
 the best-threshold search (``best_f1_thresh`` ...) and ``predictions_best_thresh.json`` re-thresholded
 at ``best_f1_thresh``.

@@ -1,7 +1,8 @@
 """Named-entity recognition (``ner/conll2003``): per-token classification on CoNLL column files.
 
 Data: ``config.data_dir`` holds the train / dev / test column files (``train.txt``, ``valid.txt`` or
-``dev.txt``, ``test.txt``; or the original ``eng.train``, ``eng.testa``, ``eng.testb``). IOB1 tags
+``dev.txt``, ``test.txt``; or the original ``eng.train``, ``eng.testa``, ``eng.testb``), or TFDS
+``conll2003`` (train / dev / test) when ``data_dir`` is empty. IOB1 tags
 (the original release) are converted to BIO; the label list is CoNLL-2003's when the training tags
 fit it, else built from the training tags. Every word is labelled at its first word piece (the
 BERT paper's feature-based/fine-tuning setup); the loss averages over labelled pieces of the global
@@ -43,6 +44,8 @@ class ConllNer(FinetuneTask):
         self.test_sets: list[EvalSet] = []
 
     def _read(self, split: str, required: bool):
+        if not self.config.data_dir:
+            return f"tfds:conll2003/{split}", tagging_data.load_conll2003_tfds(split)
         path = self.data_path(*FILES[split])
         if path is None:
             if required:
@@ -73,7 +76,6 @@ class ConllNer(FinetuneTask):
         return EvalSet(split, inputs, (gold, feats["word_ids"]))
 
     def load_data(self):
-        self.require_data_dir("CoNLL column files")
         d = self.config.data
         path, train = self._read("train", required=True)
         tags = {t for s in train for t in s.tags}

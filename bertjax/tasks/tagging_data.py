@@ -85,6 +85,42 @@ def iob1_to_bio(tags: Sequence[str]) -> list[str]:
     return out
 
 
+def load_conll2003_tfds(
+    split: str, data_dir: str | os.PathLike | None = None
+) -> list[TaggedSentence]:
+    """Read TFDS `conll2003` ("train", "dev" or "test") as `read_conll` reads the column files.
+
+    Words come from the `tokens` feature and tags from the `ner` ClassLabel (names O, B-PER, I-PER,
+    ..., converted to strings through the feature itself), in BIO (`iob1_to_bio`, a no-op on BIO).
+    """
+    import tensorflow_datasets as tfds
+
+    if split not in ("train", "dev", "test"):
+        raise ValueError(f"CoNLL-2003 split {split!r} is not one of ['train', 'dev', 'test']")
+    builder = tfds.builder("conll2003", data_dir=None if data_dir is None else str(data_dir))
+    ner = builder.info.features["ner"].feature
+    ds = tfds.load(
+        "conll2003",
+        split=split,
+        data_dir=None if data_dir is None else str(data_dir),
+        shuffle_files=False,
+    )
+    sentences = []
+    for record in tfds.as_numpy(ds):
+        words = tuple(w.decode("utf-8") for w in record["tokens"])
+        tags = [ner.int2str(int(t)) for t in record["ner"]]
+        if len(tags) != len(words):
+            raise ValueError(
+                f"tfds:conll2003/{split}: sentence {len(sentences)} has {len(words)} tokens "
+                f"and {len(tags)} ner tags"
+            )
+        if words:
+            sentences.append(TaggedSentence(words, tuple(iob1_to_bio(tags))))
+    if not sentences:
+        raise ValueError(f"tfds:conll2003/{split}: no sentences")
+    return sentences
+
+
 def build_label_list(sentences: Sequence[TaggedSentence]) -> list[str]:
     """Label list with "O" first, then the other tags sorted by entity type and prefix (B before I)."""
     tags = {t for s in sentences for t in s.tags}
