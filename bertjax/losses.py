@@ -66,7 +66,10 @@ def classification_loss(
 
 
 def regression_loss(
-    predictions: Array, targets: Array, weights: Array | None = None, normalizer: Array | None = None
+    predictions: Array,
+    targets: Array,
+    weights: Array | None = None,
+    normalizer: Array | None = None,
 ) -> Array:
     """Mean squared error (STS-B): predictions [batch] or [batch, 1], targets [batch]."""
     predictions = predictions.reshape(targets.shape).astype(jnp.float32)

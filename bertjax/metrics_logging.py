@@ -80,8 +80,14 @@ class MetricsWriter:
             f.write("".join(lines))
         self._gfile.rename(tmp, self.path, overwrite=True)
 
-    def write(self, step: int, metrics: dict[str, Any], split: str = "train", total_steps=None,
-              elapsed=None) -> None:
+    def write(
+        self,
+        step: int,
+        metrics: dict[str, Any],
+        split: str = "train",
+        total_steps=None,
+        elapsed=None,
+    ) -> None:
         if not self.enabled:
             return
         record = {"step": int(step), "split": split}

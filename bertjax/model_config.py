@@ -34,7 +34,9 @@ class BertConfig:
     type_vocab_size: int = 2
     initializer_range: float = 0.02
     layer_norm_eps: float = 1e-12
-    dtype: str = "float32"  # compute dtype (bfloat16 on TPU/GPU); softmax and LayerNorm stats stay fp32
+    dtype: str = (
+        "float32"  # compute dtype (bfloat16 on TPU/GPU); softmax and LayerNorm stats stay fp32
+    )
     param_dtype: str = "float32"
     attention_impl: str = "xla"  # xla: explicit einsums; dot_product: jax.nn.dot_product_attention
     remat: str = "none"  # rematerialisation per layer: none | dots (save matmuls) | full

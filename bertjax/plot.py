@@ -44,7 +44,9 @@ def plot(workdir: str, output: str | None = None) -> str:
     for ax, (title, keys) in zip(axes.flat, PANELS):
         for split, style in (("train", "-"), ("eval", "o--")):
             for key in keys:
-                points = [(r["step"], r[key]) for r in records if r.get("split") == split and key in r]
+                points = [
+                    (r["step"], r[key]) for r in records if r.get("split") == split and key in r
+                ]
                 if points:
                     xs, ys = zip(*points)
                     ax.plot(xs, ys, style, label=f"{split} {key}", markersize=4)

@@ -42,7 +42,9 @@ def mesh_shape(data: int, fsdp: int, tensor: int, num_devices: int) -> tuple[int
         raise ValueError(f"mesh: at most one of data/fsdp/tensor may be -1, got {sizes}")
     known = int(np.prod([s for s in sizes if s != -1]))
     if any(s == 0 or s < -1 for s in sizes):
-        raise ValueError(f"mesh: sizes must be positive or -1, got data={data} fsdp={fsdp} tensor={tensor}")
+        raise ValueError(
+            f"mesh: sizes must be positive or -1, got data={data} fsdp={fsdp} tensor={tensor}"
+        )
     if -1 in sizes:
         if num_devices % known:
             raise ValueError(f"mesh: {num_devices} devices are not divisible by {known} ({sizes})")
@@ -55,7 +57,9 @@ def mesh_shape(data: int, fsdp: int, tensor: int, num_devices: int) -> tuple[int
     return tuple(sizes)  # type: ignore[return-value]
 
 
-def create_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1, devices: Sequence | None = None) -> Mesh:
+def create_mesh(
+    data: int = -1, fsdp: int = 1, tensor: int = 1, devices: Sequence | None = None
+) -> Mesh:
     """A (data, fsdp, tensor) mesh over ``devices`` (default: all global devices)."""
     devices = list(jax.devices() if devices is None else devices)
     shape = mesh_shape(data, fsdp, tensor, len(devices))

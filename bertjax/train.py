@@ -141,16 +141,15 @@ def make_train_step(setup: Setup, accum_steps: int) -> Callable:
                 )
                 return jax.tree.map(jnp.add, carry, (loss_i, metrics_i, grads_i)), None
 
-            zero_metrics = jax.eval_shape(lambda: grad_fn(state.params, jax.tree.map(
-                lambda x: x[0], micro), step_rng))[0][1]
+            zero_metrics = jax.eval_shape(
+                lambda: grad_fn(state.params, jax.tree.map(lambda x: x[0], micro), step_rng)
+            )[0][1]
             init = (
                 jnp.zeros((), jnp.float32),
                 jax.tree.map(lambda m: jnp.zeros(m.shape, m.dtype), zero_metrics),
                 jax.tree.map(jnp.zeros_like, state.params),
             )
-            (loss, metrics, grads), _ = jax.lax.scan(
-                body, init, (jnp.arange(accum_steps), micro)
-            )
+            (loss, metrics, grads), _ = jax.lax.scan(body, init, (jnp.arange(accum_steps), micro))
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         metrics = dict(metrics)
@@ -215,8 +214,13 @@ def compile_train_step(
         "mesh": dict(setup.mesh.shape),
         "state_bytes_per_device": state_bytes,
     }
-    for key in ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes",
-                "alias_size_in_bytes", "generated_code_size_in_bytes"):
+    for key in (
+        "argument_size_in_bytes",
+        "output_size_in_bytes",
+        "temp_size_in_bytes",
+        "alias_size_in_bytes",
+        "generated_code_size_in_bytes",
+    ):
         report[key] = int(getattr(mem, key, 0) or 0) if mem is not None else None
     return report
 
@@ -287,8 +291,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
         state = setup.init_state(jax.random.key_data(jax.random.key(tcfg.seed)))
         start = 0
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(setup.abstract_state.params))
-    log.info("task %s: %s parameters, mesh %s, %d steps", task.describe(), f"{n_params:,}",
-             dict(setup.mesh.shape), total_steps)
+    log.info(
+        "task %s: %s parameters, mesh %s, %d steps",
+        task.describe(),
+        f"{n_params:,}",
+        dict(setup.mesh.shape),
+        total_steps,
+    )
     best = _BestKeeper(task, workdir)
     stop = _StopFlag()
     stop.install()
@@ -300,8 +309,23 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
         for phase_index, phase in enumerate(setup.phases):
             if step >= phase.until_step:
                 continue
-            result = _run_phase(setup, config, phase, phase_index, state, step, data_state,
-                                writer, ckpt, stop, config_json, t_start, start, peak, best)
+            result = _run_phase(
+                setup,
+                config,
+                phase,
+                phase_index,
+                state,
+                step,
+                data_state,
+                writer,
+                ckpt,
+                stop,
+                config_json,
+                t_start,
+                start,
+                peak,
+                best,
+            )
             state, step = result.pop("_state"), result.pop("_step")
             data_state = {}
             if result.pop("_halted", False):
@@ -320,8 +344,23 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     return result
 
 
-def _run_phase(setup, config, phase, phase_index, state, step, data_state, writer, ckpt, stop,
-               config_json, t_start, first_step, peak, best) -> dict:
+def _run_phase(
+    setup,
+    config,
+    phase,
+    phase_index,
+    state,
+    step,
+    data_state,
+    writer,
+    ckpt,
+    stop,
+    config_json,
+    t_start,
+    first_step,
+    peak,
+    best,
+) -> dict:
     """Runs one phase (fixed shapes) from ``step`` to ``phase.until_step``."""
     task, tcfg = setup.task, config.train
     pcount, pindex = jax.process_count(), jax.process_index()
@@ -354,7 +393,11 @@ def _run_phase(setup, config, phase, phase_index, state, step, data_state, write
             writer.write(0, last_eval, "eval")
     while step < phase.until_step:
         batch = sharding.global_batch(next(data), setup.mesh, setup.rules)
-        with jax.set_mesh(setup.mesh), nn.logical_axis_rules(setup.rules), jax.transfer_guard(guard):
+        with (
+            jax.set_mesh(setup.mesh),
+            nn.logical_axis_rules(setup.rules),
+            jax.transfer_guard(guard),
+        ):
             state, metrics = p_step(state, batch)
         step += 1
         meter.tick()
@@ -373,8 +416,13 @@ def _run_phase(setup, config, phase, phase_index, state, step, data_state, write
             last_train.update(rates, tflops_per_device=achieved)
             if peak:
                 last_train["mfu"] = achieved / peak
-            writer.write(step, last_train, "train", setup.phases[-1].until_step,
-                         time.perf_counter() - t_start if step > first_step else None)
+            writer.write(
+                step,
+                last_train,
+                "train",
+                setup.phases[-1].until_step,
+                time.perf_counter() - t_start if step > first_step else None,
+            )
             sums, count = None, 0
             meter.reset()
         if (eval_every and step % eval_every == 0) or is_last:
@@ -395,8 +443,13 @@ def _run_phase(setup, config, phase, phase_index, state, step, data_state, write
             raise PreemptionRequested(f"stopped at step {step} after saving a checkpoint")
         if halting:
             log.info("train.stop_at_step=%d reached: checkpoint saved, stopping", step)
-            return {"_state": state, "_step": step, "train": last_train, "eval": last_eval,
-                    "_halted": True}
+            return {
+                "_state": state,
+                "_step": step,
+                "train": last_train,
+                "eval": last_eval,
+                "_halted": True,
+            }
     return {"_state": state, "_step": step, "train": last_train, "eval": last_eval}
 
 
@@ -404,7 +457,10 @@ def _eval_fn(setup: Setup):
     task = setup.task
     return jax.jit(
         lambda params, batch: task.eval_outputs(setup.model, params, batch),
-        in_shardings=(setup.state_shardings.params, sharding.batch_sharding(setup.mesh, setup.rules)),
+        in_shardings=(
+            setup.state_shardings.params,
+            sharding.batch_sharding(setup.mesh, setup.rules),
+        ),
         out_shardings=sharding.replicated(setup.mesh),
     )
 
@@ -431,8 +487,12 @@ class _BestKeeper:
             ckpt = checkpointing.Checkpointer(self.directory, keep=1, async_save=False)
             step = ckpt.latest_step()
             if step is not None:
-                info = ckpt.manager.restore(step, args=checkpointing.ocp.args.Composite(
-                    data=checkpointing.ocp.args.JsonRestore()))["data"]
+                info = ckpt.manager.restore(
+                    step,
+                    args=checkpointing.ocp.args.Composite(
+                        data=checkpointing.ocp.args.JsonRestore()
+                    ),
+                )["data"]
                 self.value = info.get("value")
             ckpt.close()
 
@@ -449,12 +509,17 @@ class _BestKeeper:
             return
         self.value = value
         ckpt = checkpointing.Checkpointer(self.directory, keep=1, async_save=False)
-        ckpt.save(step, {"params": params}, {"metric": self.metric[0], "value": value,
-                                             "step": step, "eval": metrics}, config_json,
-                  force=True)
+        ckpt.save(
+            step,
+            {"params": params},
+            {"metric": self.metric[0], "value": value, "step": step, "eval": metrics},
+            config_json,
+            force=True,
+        )
         ckpt.close()
-        log.info("new best %s=%.4f at step %d (kept in %s)", self.metric[0], value, step,
-                 self.directory)
+        log.info(
+            "new best %s=%.4f at step %d (kept in %s)", self.metric[0], value, step, self.directory
+        )
 
     def params(self, abstract_params, shardings) -> Any | None:
         if not self.metric or not _isdir(self.directory):
@@ -465,8 +530,12 @@ class _BestKeeper:
             if step is None:
                 return None
             target = {"params": checkpointing.abstract_like(abstract_params, shardings)}
-            restored = ckpt.manager.restore(step, args=checkpointing.ocp.args.Composite(
-                state=checkpointing.ocp.args.StandardRestore(target)))
+            restored = ckpt.manager.restore(
+                step,
+                args=checkpointing.ocp.args.Composite(
+                    state=checkpointing.ocp.args.StandardRestore(target)
+                ),
+            )
             return restored["state"]["params"]
         finally:
             ckpt.close()
@@ -480,8 +549,12 @@ def _finalize(setup: Setup, state: TrainState, best: _BestKeeper, workdir: str, 
     final = setup.task.finalize(_runner(setup, _eval_fn(setup), params), params, workdir)
     if not final:
         return {}
-    final = {"params": chosen, "best_metric": best.metric and best.metric[0],
-             "best_value": best.value, **final}
+    final = {
+        "params": chosen,
+        "best_metric": best.metric and best.metric[0],
+        "best_value": best.value,
+        **final,
+    }
     if jax.process_index() == 0:
         import json
 

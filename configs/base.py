@@ -59,7 +59,9 @@ def get_config() -> ml_collections.ConfigDict:
     c.train.eval_steps = 50
     c.train.checkpoint_every = 10_000
     c.train.keep_checkpoints = 3
-    c.train.stop_at_step = 0  # >0: checkpoint and exit at this step (time-sliced jobs); 0: run to the end
+    c.train.stop_at_step = (
+        0  # >0: checkpoint and exit at this step (time-sliced jobs); 0: run to the end
+    )
     c.train.async_checkpoints = True
     c.train.transfer_guard = True  # jax_transfer_guard=disallow inside the loop
     c.train.peak_tflops = 0.0  # per-device peak for MFU on unknown devices (e.g. CPU)

@@ -15,7 +15,7 @@ def get_config():
     c.model.max_position_embeddings = 128
     c.model.hidden_dropout = 0.0
     c.model.attention_dropout = 0.0
-    c.data.corpus = f"{SHARED}/corpus/gutenberg/*.txt"
+    c.data.corpus = f"{SHARED}/corpus/gutenberg/*_*__*.txt"  # the novels, not PG_LICENSE.txt
     c.data.corpus_format = "text"
     c.data.vocab = f"{SHARED}/vocab/bert-base-uncased/vocab.txt"
     c.data.max_seq_length = 128

@@ -11,14 +11,18 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import pytest  # noqa: E402
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
-SHARED_DATA = pathlib.Path(os.environ.get("BERTJAX_SHARED_DATA", REPO_ROOT.parent / "shared" / "data"))
+SHARED_DATA = pathlib.Path(
+    os.environ.get("BERTJAX_SHARED_DATA", REPO_ROOT.parent / "shared" / "data")
+)
 
 
 @pytest.fixture(scope="session")
 def shared_data() -> pathlib.Path:
     """The real-data folder ../shared/data; the test is skipped when it is missing."""
     if not SHARED_DATA.is_dir():
-        pytest.skip(f"real data folder {SHARED_DATA} is missing (only present on developer machines and CI)")
+        pytest.skip(
+            f"real data folder {SHARED_DATA} is missing (only present on developer machines and CI)"
+        )
     return SHARED_DATA
 
 

@@ -28,7 +28,14 @@ def _load(path):
 def test_config_parses_and_builds_a_model_config(path):
     config = _load(path)
     assert config.task
-    for key in ("steps", "seed", "global_batch_size", "log_every", "eval_every", "checkpoint_every"):
+    for key in (
+        "steps",
+        "seed",
+        "global_batch_size",
+        "log_every",
+        "eval_every",
+        "checkpoint_every",
+    ):
         assert key in config.train, key
     for key in ("data", "fsdp", "tensor"):
         assert key in config.mesh, key
@@ -41,24 +48,45 @@ def test_paper_recipe_in_bert_base_config():
     assert config.train.global_batch_size == 256 and config.train.steps == 1_000_000
     assert config.optimizer.learning_rate == 1e-4 and config.optimizer.warmup_steps == 10_000
     phases = [dict(p) for p in config.data.phases]
-    assert [(p["until_step"], p["max_seq_length"]) for p in phases] == [(900_000, 128),
-                                                                         (1_000_000, 512)]
+    assert [(p["until_step"], p["max_seq_length"]) for p in phases] == [
+        (900_000, 128),
+        (1_000_000, 512),
+    ]
 
 
 def test_cli_lists_commands_and_rejects_unknown_ones():
-    ok = subprocess.run([sys.executable, "-m", "bertjax.cli", "--help"], capture_output=True,
-                        text=True, cwd=REPO, timeout=60)
+    ok = subprocess.run(
+        [sys.executable, "-m", "bertjax.cli", "--help"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=60,
+    )
     assert ok.returncode == 0
     for command in ("pretrain", "finetune", "prepare", "vocab", "convert", "bench", "plot"):
         assert command in ok.stdout
-    bad = subprocess.run([sys.executable, "-m", "bertjax.cli", "pretrian"], capture_output=True,
-                         text=True, cwd=REPO, timeout=60)
+    bad = subprocess.run(
+        [sys.executable, "-m", "bertjax.cli", "pretrian"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=60,
+    )
     assert bad.returncode == 2 and "unknown command 'pretrian'" in bad.stderr
 
 
 def test_plot_writes_a_png(tmp_path):
-    records = [{"step": s, "split": "train", "loss": 5.0 - s / 10, "mlm_accuracy": s / 100,
-                "learning_rate": 1e-4, "tokens_per_sec": 1000.0} for s in range(1, 11)]
+    records = [
+        {
+            "step": s,
+            "split": "train",
+            "loss": 5.0 - s / 10,
+            "mlm_accuracy": s / 100,
+            "learning_rate": 1e-4,
+            "tokens_per_sec": 1000.0,
+        }
+        for s in range(1, 11)
+    ]
     records.append({"step": 10, "split": "eval", "loss": 4.2, "mlm_accuracy": 0.11})
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     out = plot.plot(str(tmp_path))

@@ -89,9 +89,9 @@ def test_mlm_decoder_is_tied_to_word_embeddings():
     model, params, _ = _init(cfg)
     assert "kernel" not in params["predictions"]  # no separate decoder matrix
     ids, types, mask = _inputs()
-    grads = jax.grad(
-        lambda p: model.apply({"params": p}, ids, types, mask)["mlm_logits"][0, 0, 5]
-    )(params)
+    grads = jax.grad(lambda p: model.apply({"params": p}, ids, types, mask)["mlm_logits"][0, 0, 5])(
+        params
+    )
     emb_grad = grads["bert"]["embeddings"]["word_embeddings"]["embedding"]
     assert float(jnp.abs(emb_grad[5]).sum()) > 0  # the decoder row of token 5 is the embedding row
 
@@ -169,7 +169,11 @@ def test_dropout_is_active_only_when_not_deterministic():
     det = model.apply({"params": params}, ids, types, mask)
     det2 = model.apply({"params": params}, ids, types, mask)
     drop = model.apply(
-        {"params": params}, ids, types, mask, deterministic=False,
+        {"params": params},
+        ids,
+        types,
+        mask,
+        deterministic=False,
         rngs={"dropout": jax.random.key(1)},
     )
     np.testing.assert_array_equal(det["mlm_logits"], det2["mlm_logits"])

@@ -20,21 +20,40 @@ def _losses(workdir):
 
 
 def _local(tmp_path, nproc, devices, workdir, *extra, timeout=420):
-    env = dict(os.environ, BERTJAX_CMD=f"{sys.executable} -m bertjax.cli", STOP_GRACE_S="2",
-               LOG_DIR=str(workdir) + "_logs", PYTHONUNBUFFERED="1")
+    env = dict(
+        os.environ,
+        BERTJAX_CMD=f"{sys.executable} -m bertjax.cli",
+        STOP_GRACE_S="2",
+        LOG_DIR=str(workdir) + "_logs",
+        PYTHONUNBUFFERED="1",
+    )
     env.pop("XLA_FLAGS", None)
-    cmd = ["bash", str(REPO / "launch" / "local.sh"), str(nproc), "--devices_per_process",
-           str(devices), "--", "pretrain", f"--config={REPO}/tests/tiny_pretrain_config.py:{tmp_path}",
-           f"--workdir={workdir}", "--config.data.streams=2", "--config.train.steps=6",
-           "--config.train.checkpoint_every=3", *extra]
+    cmd = [
+        "bash",
+        str(REPO / "launch" / "local.sh"),
+        str(nproc),
+        "--devices_per_process",
+        str(devices),
+        "--",
+        "pretrain",
+        f"--config={REPO}/tests/tiny_pretrain_config.py:{tmp_path}",
+        f"--workdir={workdir}",
+        "--config.data.streams=2",
+        "--config.train.steps=6",
+        "--config.train.checkpoint_every=3",
+        *extra,
+    ]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     return proc
 
 
 def _reference(tmp_path, name="reference", **overrides):
-    config = tiny_config(tmp_path, steps=6, **{"data.streams": 2, "mesh.num_devices": 4,
-                                              "train.checkpoint_every": 3, **overrides})
+    config = tiny_config(
+        tmp_path,
+        steps=6,
+        **{"data.streams": 2, "mesh.num_devices": 4, "train.checkpoint_every": 3, **overrides},
+    )
     train.train_and_evaluate(config, str(tmp_path / name))
     return _losses(tmp_path / name)
 
@@ -56,32 +75,46 @@ def test_checkpoint_of_two_processes_resumes_on_one(tmp_path):
     workdir = tmp_path / "moved"
     _local(tmp_path, 2, 2, workdir, "--config.train.stop_at_step=3")
     assert max(s for s, _ in _losses(workdir)) == 3
-    config = tiny_config(tmp_path, steps=6, **{"data.streams": 2, "mesh.num_devices": 2,
-                                              "train.checkpoint_every": 3})
+    config = tiny_config(
+        tmp_path, steps=6, **{"data.streams": 2, "mesh.num_devices": 2, "train.checkpoint_every": 3}
+    )
     train.train_and_evaluate(config, str(workdir))  # 1 process, 2 devices, resumes at step 3
-    np.testing.assert_allclose([v for _, v in _losses(workdir)], [v for _, v in reference],
-                               rtol=1e-5)
+    np.testing.assert_allclose(
+        [v for _, v in _losses(workdir)], [v for _, v in reference], rtol=1e-5
+    )
 
 
 def test_checkpoint_restores_onto_another_mesh(tmp_path):
     reference = _reference(tmp_path, **{"mesh.data": 1, "mesh.fsdp": 4})
-    first = tiny_config(tmp_path, steps=6, **{"data.streams": 2, "mesh.num_devices": 4,
-                                             "mesh.data": 1, "mesh.fsdp": 4,
-                                             "train.checkpoint_every": 3,
-                                             "train.stop_at_step": 3})
+    first = tiny_config(
+        tmp_path,
+        steps=6,
+        **{
+            "data.streams": 2,
+            "mesh.num_devices": 4,
+            "mesh.data": 1,
+            "mesh.fsdp": 4,
+            "train.checkpoint_every": 3,
+            "train.stop_at_step": 3,
+        },
+    )
     workdir = tmp_path / "resharded"
     train.train_and_evaluate(first, str(workdir))
     assert sorted(os.listdir(workdir / "checkpoints")) == ["3"]
     # fsdp=4 on 4 devices -> data=2 x tensor=1 on 2 devices, and -> data=8 on 8 devices.
-    for name, overrides in (("two", {"mesh.num_devices": 2, "mesh.data": 2}),
-                            ("eight", {"mesh.num_devices": 0, "mesh.data": -1})):
+    for name, overrides in (
+        ("two", {"mesh.num_devices": 2, "mesh.data": 2}),
+        ("eight", {"mesh.num_devices": 0, "mesh.data": -1}),
+    ):
         target = tmp_path / f"resharded_{name}"
         shutil.copytree(workdir, target)
-        config = tiny_config(tmp_path, steps=6, **{"data.streams": 2, "train.checkpoint_every": 3,
-                                                  **overrides})
+        config = tiny_config(
+            tmp_path, steps=6, **{"data.streams": 2, "train.checkpoint_every": 3, **overrides}
+        )
         train.train_and_evaluate(config, str(target))
-        np.testing.assert_allclose([v for _, v in _losses(target)], [v for _, v in reference],
-                                   rtol=1e-5, err_msg=name)
+        np.testing.assert_allclose(
+            [v for _, v in _losses(target)], [v for _, v in reference], rtol=1e-5, err_msg=name
+        )
 
 
 def test_compile_reports_fsdp_memory_an_eighth_of_data_parallel(tmp_path):

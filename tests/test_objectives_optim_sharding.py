@@ -22,7 +22,9 @@ def test_masked_lm_loss_matches_numpy_and_ignores_padding_predictions():
     logits = rng.normal(size=(3, 4, 11)).astype(np.float32)
     labels = rng.integers(0, 11, (3, 4))
     weights = np.array([[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]], np.float32)
-    loss, acc = losses.masked_lm_loss(jnp.asarray(logits), jnp.asarray(labels), jnp.asarray(weights))
+    loss, acc = losses.masked_lm_loss(
+        jnp.asarray(logits), jnp.asarray(labels), jnp.asarray(weights)
+    )
     nll = _np_xent(logits, labels)
     np.testing.assert_allclose(loss, (nll * weights).sum() / weights.sum(), rtol=1e-6)
     correct = (logits.argmax(-1) == labels) * weights
@@ -31,7 +33,9 @@ def test_masked_lm_loss_matches_numpy_and_ignores_padding_predictions():
     labels2, logits2 = labels.copy(), logits.copy()
     labels2[weights == 0] = 0
     logits2[weights == 0] = 100.0
-    loss2, _ = losses.masked_lm_loss(jnp.asarray(logits2), jnp.asarray(labels2), jnp.asarray(weights))
+    loss2, _ = losses.masked_lm_loss(
+        jnp.asarray(logits2), jnp.asarray(labels2), jnp.asarray(weights)
+    )
     np.testing.assert_allclose(loss2, loss, rtol=1e-6)
 
 
@@ -42,8 +46,9 @@ def test_split_batches_add_up_to_the_global_loss():
     weights = jnp.asarray(rng.integers(0, 2, (8, 3)), jnp.float32)
     whole, _ = losses.masked_lm_loss(logits, labels, weights)
     norm = weights.sum()
-    parts = sum(losses.masked_lm_loss(logits[i::4], labels[i::4], weights[i::4], norm)[0]
-                for i in range(4))
+    parts = sum(
+        losses.masked_lm_loss(logits[i::4], labels[i::4], weights[i::4], norm)[0] for i in range(4)
+    )
     np.testing.assert_allclose(parts, whole, rtol=1e-6)
 
 
@@ -51,13 +56,16 @@ def test_nsp_classification_and_regression_losses():
     logits = jnp.asarray([[2.0, 0.0], [0.0, 3.0], [1.0, 1.5]])
     labels = jnp.asarray([0, 1, 0])
     loss, acc = losses.nsp_loss(logits, labels)
-    np.testing.assert_allclose(loss, _np_xent(np.asarray(logits), np.asarray(labels)).mean(), rtol=1e-6)
+    np.testing.assert_allclose(
+        loss, _np_xent(np.asarray(logits), np.asarray(labels)).mean(), rtol=1e-6
+    )
     np.testing.assert_allclose(acc, 2 / 3, rtol=1e-6)
     w = jnp.asarray([1.0, 1.0, 0.0])
     loss_w, acc_w = losses.classification_loss(logits, labels, w)
     np.testing.assert_allclose(acc_w, 1.0)
     np.testing.assert_allclose(
-        loss_w, _np_xent(np.asarray(logits[:2]), np.asarray(labels[:2])).mean(), rtol=1e-6)
+        loss_w, _np_xent(np.asarray(logits[:2]), np.asarray(labels[:2])).mean(), rtol=1e-6
+    )
     mse = losses.regression_loss(jnp.asarray([[1.0], [2.0]]), jnp.asarray([0.0, 4.0]))
     np.testing.assert_allclose(mse, 2.5)
 
@@ -66,7 +74,9 @@ def test_schedule_is_linear_warmup_then_linear_decay():
     sched = optim.learning_rate_schedule(1e-4, warmup_steps=10, total_steps=100)
     np.testing.assert_allclose(
         [float(sched(s)) for s in (0, 5, 10, 55, 100, 120)],
-        [0.0, 5e-5, 9e-5, 4.5e-5, 0.0, 0.0], atol=1e-12)
+        [0.0, 5e-5, 9e-5, 4.5e-5, 0.0, 0.0],
+        atol=1e-12,
+    )
 
 
 def test_weight_decay_skips_layernorm_and_biases():
@@ -84,9 +94,19 @@ def test_weight_decay_skips_layernorm_and_biases():
 
 
 def _opt_config(**kw):
-    c = ml_collections.ConfigDict(dict(name="adamw", learning_rate=0.1, warmup_steps=0, b1=0.9,
-                                       b2=0.999, eps=1e-6, weight_decay=0.01, grad_clip_norm=1.0,
-                                       end_lr_factor=0.0))
+    c = ml_collections.ConfigDict(
+        dict(
+            name="adamw",
+            learning_rate=0.1,
+            warmup_steps=0,
+            b1=0.9,
+            b2=0.999,
+            eps=1e-6,
+            weight_decay=0.01,
+            grad_clip_norm=1.0,
+            end_lr_factor=0.0,
+        )
+    )
     c.update(kw)
     return ml_collections.ConfigDict({"optimizer": c})
 
@@ -99,8 +119,10 @@ def test_adamw_first_step_matches_hand_computation():
     updates, _ = tx.update(grads, state, params)
     # Clip to global norm 1 (norm 5), Adam's first bias-corrected step is sign(g), decay 0.01*w.
     lr = 0.1
-    expected_kernel = -lr * (np.sign([[3.0, 4.0]]) * (np.abs([[0.6, 0.8]]) / (np.abs([[0.6, 0.8]]) + 1e-6))
-                             + 0.01 * np.array([[1.0, -2.0]]))
+    expected_kernel = -lr * (
+        np.sign([[3.0, 4.0]]) * (np.abs([[0.6, 0.8]]) / (np.abs([[0.6, 0.8]]) + 1e-6))
+        + 0.01 * np.array([[1.0, -2.0]])
+    )
     np.testing.assert_allclose(updates["dense"]["kernel"], expected_kernel, rtol=1e-5)
     np.testing.assert_allclose(updates["dense"]["bias"], [0.0], atol=1e-7)  # no decay on biases
 
@@ -131,7 +153,8 @@ def test_mesh_shape_fills_minus_one_and_rejects_bad_sizes():
 def test_specs_drop_axes_that_do_not_divide_a_dimension():
     mesh = sharding.create_mesh(2, 2, 2)
     assert sharding._fit_spec(PartitionSpec("tensor", "fsdp"), (1001, 64), mesh) == PartitionSpec(
-        None, "fsdp")
+        None, "fsdp"
+    )
     assert sharding._fit_spec(PartitionSpec(("data", "fsdp")), (6,), mesh) == PartitionSpec("data")
 
 

@@ -24,13 +24,24 @@ def _losses(workdir, key="loss"):
 
 
 def test_smoke_run_logs_evaluates_and_checkpoints(tmp_path):
-    config = tiny_config(tmp_path, steps=4, **{"train.eval_every": 2, "train.eval_steps": 1,
-                                              "tensorboard": True})
+    config = tiny_config(
+        tmp_path, steps=4, **{"train.eval_every": 2, "train.eval_steps": 1, "tensorboard": True}
+    )
     result = train.train_and_evaluate(config, str(tmp_path / "run"))
     records = read_metrics(tmp_path / "run")
     assert [r["step"] for r in records] == [1, 2, 3, 4]
-    for key in ("loss", "mlm_loss", "nsp_loss", "mlm_accuracy", "nsp_accuracy", "learning_rate",
-                "grad_norm", "seq_per_sec", "tokens_per_sec", "tflops_per_device"):
+    for key in (
+        "loss",
+        "mlm_loss",
+        "nsp_loss",
+        "mlm_accuracy",
+        "nsp_accuracy",
+        "learning_rate",
+        "grad_norm",
+        "seq_per_sec",
+        "tokens_per_sec",
+        "tflops_per_device",
+    ):
         assert all(np.isfinite(r[key]) for r in records), key
     evals = read_metrics(tmp_path / "run", "eval")
     assert [r["step"] for r in evals] == [0, 2, 4] and "mlm_accuracy" in evals[0]
@@ -70,8 +81,11 @@ def test_gradient_accumulation_equals_the_whole_batch(tmp_path):
     train.train_and_evaluate(accum, str(tmp_path / "accum"))
     for key in ("loss", "mlm_accuracy", "grad_norm", "param_norm"):
         np.testing.assert_allclose(
-            _losses(tmp_path / "accum", key), _losses(tmp_path / "whole", key), rtol=2e-5,
-            err_msg=key)
+            _losses(tmp_path / "accum", key),
+            _losses(tmp_path / "whole", key),
+            rtol=2e-5,
+            err_msg=key,
+        )
 
 
 def test_lamb_optimizer_trains(tmp_path):
@@ -111,11 +125,20 @@ def test_vocab_size_disagreeing_with_model_config_is_an_error(tmp_path):
 
 def _cli(tmp_path, workdir, *extra):
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    cmd = [sys.executable, "-m", "bertjax.cli", "pretrain",
-           f"--config={REPO}/tests/tiny_pretrain_config.py:{tmp_path}", f"--workdir={workdir}",
-           "--config.train.checkpoint_every=3", "--config.train.async_checkpoints=true", *extra]
-    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "bertjax.cli",
+        "pretrain",
+        f"--config={REPO}/tests/tiny_pretrain_config.py:{tmp_path}",
+        f"--workdir={workdir}",
+        "--config.train.checkpoint_every=3",
+        "--config.train.async_checkpoints=true",
+        *extra,
+    ]
+    return subprocess.Popen(
+        cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
 
 
 def _wait_for(predicate, proc, timeout=240):
@@ -149,8 +172,12 @@ def test_sigkill_then_rerun_reproduces_the_uninterrupted_run(tmp_path):
     train.train_and_evaluate(tiny_config(tmp_path, steps=10), str(reference))
     workdir = tmp_path / "killed"
     proc = _cli(tmp_path, workdir)
-    _wait_for(lambda: (workdir / "checkpoints" / "3").exists() and max(_logged_steps(workdir),
-                                                                       default=0) >= 5, proc)
+    _wait_for(
+        lambda: (
+            (workdir / "checkpoints" / "3").exists() and max(_logged_steps(workdir), default=0) >= 5
+        ),
+        proc,
+    )
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     killed_at = max(_logged_steps(workdir))
@@ -184,8 +211,19 @@ def test_sigterm_saves_a_checkpoint_and_exits_then_resumes(tmp_path):
 
 def test_unknown_config_key_fails_in_one_line(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "bertjax.cli", "pretrain", "--config=configs/demo.py",
-         f"--workdir={tmp_path}", "--config.train.stepz=3"],
-        cwd=REPO, capture_output=True, text=True, timeout=120)
+        [
+            sys.executable,
+            "-m",
+            "bertjax.cli",
+            "pretrain",
+            "--config=configs/demo.py",
+            f"--workdir={tmp_path}",
+            "--config.train.stepz=3",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode != 0
     assert "stepz" in proc.stderr

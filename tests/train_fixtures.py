@@ -27,8 +27,9 @@ def _feature(values, kind=int):
     return tf.train.Feature(int64_list=tf.train.Int64List(value=[int(v) for v in values]))
 
 
-def write_prepared(root: pathlib.Path, seq=16, pred=3, shards=4, per_shard=24, seed=0,
-                   eval_examples=16) -> pathlib.Path:
+def write_prepared(
+    root: pathlib.Path, seq=16, pred=3, shards=4, per_shard=24, seed=0, eval_examples=16
+) -> pathlib.Path:
     """Records with a learnable pattern: token t+1 follows token t, masked tokens predictable."""
     rng = np.random.default_rng(seed)
     if (root / "metadata.json").exists():
@@ -63,9 +64,17 @@ def write_prepared(root: pathlib.Path, seq=16, pred=3, shards=4, per_shard=24, s
     for i in range(shards):
         write(f"train-{i:05d}-of-{shards:05d}.tfrecord", per_shard)
     write("eval-00000-of-00001.tfrecord", eval_examples)
-    meta = dict(max_seq_length=seq, max_predictions_per_seq=pred, masked_lm_prob=0.15,
-                masking="static", whole_word_mask=False, nsp=True, vocab_file="vocab.txt",
-                vocab_size=VOCAB_SIZE, shards=counts)
+    meta = dict(
+        max_seq_length=seq,
+        max_predictions_per_seq=pred,
+        masked_lm_prob=0.15,
+        masking="static",
+        whole_word_mask=False,
+        nsp=True,
+        vocab_file="vocab.txt",
+        vocab_size=VOCAB_SIZE,
+        shards=counts,
+    )
     (root / "metadata.json").write_text(json.dumps(meta))
     return root
 

@@ -21,20 +21,39 @@ from bertjax.data.pipeline import PretrainingData
 class StreamedData:
     """The host's share of ``num_streams`` streams, with the iterator/state/restore interface."""
 
-    def __init__(self, data_dir: str, split: str, global_batch_size: int, *, num_streams: int,
-                 seed: int, process_index: int, process_count: int, **kwargs: Any):
+    def __init__(
+        self,
+        data_dir: str,
+        split: str,
+        global_batch_size: int,
+        *,
+        num_streams: int,
+        seed: int,
+        process_index: int,
+        process_count: int,
+        **kwargs: Any,
+    ):
         if num_streams % process_count:
             raise ValueError(
                 f"config key data.streams={num_streams} is not a multiple of the "
-                f"{process_count} processes")
+                f"{process_count} processes"
+            )
         if global_batch_size % num_streams:
             raise ValueError(
-                f"global batch {global_batch_size} is not divisible by data.streams={num_streams}")
+                f"global batch {global_batch_size} is not divisible by data.streams={num_streams}"
+            )
         self.num_streams = num_streams
         self.owned = [s for s in range(num_streams) if s % process_count == process_index]
         self.streams = [
-            PretrainingData(data_dir, split, global_batch_size // num_streams, seed=seed,
-                            process_index=s, process_count=num_streams, **kwargs)
+            PretrainingData(
+                data_dir,
+                split,
+                global_batch_size // num_streams,
+                seed=seed,
+                process_index=s,
+                process_count=num_streams,
+                **kwargs,
+            )
             for s in self.owned
         ]
 
@@ -54,5 +73,8 @@ class StreamedData:
         if "stream" not in state:
             raise ValueError("data iterator state: missing key 'stream' (saved by another reader?)")
         for stream in self.streams:
-            stream.restore({**state["stream"], "process_count": self.num_streams}
-                           if state.get("num_streams") == self.num_streams else state["stream"])
+            stream.restore(
+                {**state["stream"], "process_count": self.num_streams}
+                if state.get("num_streams") == self.num_streams
+                else state["stream"]
+            )

@@ -24,8 +24,16 @@ from bertjax.task import Phase, Task, register
 
 log = logging.getLogger("bertjax")
 
-MODEL_KEYS = ("dtype", "hidden_dropout", "attention_dropout", "max_position_embeddings",
-              "type_vocab_size", "attention_impl", "remat", "scan_layers")
+MODEL_KEYS = (
+    "dtype",
+    "hidden_dropout",
+    "attention_dropout",
+    "max_position_embeddings",
+    "type_vocab_size",
+    "attention_impl",
+    "remat",
+    "scan_layers",
+)
 
 
 def model_config_from(config, vocab_size: int) -> BertConfig:
@@ -65,8 +73,13 @@ class PretrainingTask(Task):
     def _phase_specs(self) -> list[dict]:
         d = self.config.data
         if not d.phases:
-            return [dict(until_step=self.config.train.steps, max_seq_length=d.max_seq_length,
-                         max_predictions_per_seq=d.max_predictions_per_seq)]
+            return [
+                dict(
+                    until_step=self.config.train.steps,
+                    max_seq_length=d.max_seq_length,
+                    max_predictions_per_seq=d.max_predictions_per_seq,
+                )
+            ]
         specs = [dict(p) for p in d.phases]
         for i, spec in enumerate(specs):
             for key in ("until_step", "max_seq_length", "max_predictions_per_seq"):
@@ -93,7 +106,9 @@ class PretrainingTask(Task):
             files = build_demo_corpus(corpus_dir)
             return ",".join(files), "bert"
         if not d.corpus:
-            raise ValueError("config key data.corpus is empty: name a corpus (files, glob, tfds:...)")
+            raise ValueError(
+                "config key data.corpus is empty: name a corpus (files, glob, tfds:...)"
+            )
         return d.corpus, d.corpus_format
 
     def _vocab_path(self) -> str:
@@ -105,9 +120,13 @@ class PretrainingTask(Task):
 
     def prepare(self) -> None:
         d = self.config.data
-        missing = [s for s in self._phase_specs()
-                   if not tf.io.gfile.exists(os.path.join(self.data_dir(s["max_seq_length"]),
-                                                      pipeline.METADATA_FILE))]
+        missing = [
+            s
+            for s in self._phase_specs()
+            if not tf.io.gfile.exists(
+                os.path.join(self.data_dir(s["max_seq_length"]), pipeline.METADATA_FILE)
+            )
+        ]
         if not missing and (d.vocab or tf.io.gfile.exists(self._vocab_path())):
             return
         from bertjax.data.prepare import prepare
@@ -121,13 +140,24 @@ class PretrainingTask(Task):
             corpus, fmt = self._corpus_files()
             if corpus.startswith("tfds:"):
                 raise ValueError("data.vocab must be set when data.corpus is a TFDS dataset")
-            files = sorted(f for pattern in corpus.split(",") for f in glob.glob(pattern)) or [corpus]
-            log.info("training a %s vocabulary of %d tokens on %d files", d.vocab_kind,
-                     d.vocab_size, len(files))
+            files = sorted(f for pattern in corpus.split(",") for f in glob.glob(pattern)) or [
+                corpus
+            ]
+            log.info(
+                "training a %s vocabulary of %d tokens on %d files",
+                d.vocab_kind,
+                d.vocab_size,
+                len(files),
+            )
             tf.io.gfile.makedirs(self.prepared_root)
-            train_vocab(files, os.path.splitext(vocab)[0] if d.vocab_kind == "sentencepiece"
-                        else vocab, d.vocab_size, kind=d.vocab_kind, do_lower_case=d.do_lower_case,
-                        seed=self.config.data.seed)
+            train_vocab(
+                files,
+                os.path.splitext(vocab)[0] if d.vocab_kind == "sentencepiece" else vocab,
+                d.vocab_size,
+                kind=d.vocab_kind,
+                do_lower_case=d.do_lower_case,
+                seed=self.config.data.seed,
+            )
         tokenizer = load_tokenizer(vocab, do_lower_case=d.do_lower_case)
         for spec in self._phase_specs():
             out = self.data_dir(spec["max_seq_length"])
@@ -136,18 +166,30 @@ class PretrainingTask(Task):
             if corpus is None:
                 corpus, fmt = self._corpus_files()
             log.info("preparing pretraining data (seq %d) in %s", spec["max_seq_length"], out)
-            prepare(corpus, out, tokenizer, corpus_format=fmt,
-                    max_seq_length=spec["max_seq_length"],
-                    max_predictions_per_seq=spec["max_predictions_per_seq"],
-                    masked_lm_prob=d.masked_lm_prob, short_seq_prob=d.short_seq_prob,
-                    dupe_factor=d.dupe_factor, nsp=d.nsp, masking=d.masking,
-                    whole_word_mask=d.whole_word_mask, seed=d.seed, num_shards=d.num_shards,
-                    eval_fraction=d.eval_fraction)
+            prepare(
+                corpus,
+                out,
+                tokenizer,
+                corpus_format=fmt,
+                max_seq_length=spec["max_seq_length"],
+                max_predictions_per_seq=spec["max_predictions_per_seq"],
+                masked_lm_prob=d.masked_lm_prob,
+                short_seq_prob=d.short_seq_prob,
+                dupe_factor=d.dupe_factor,
+                nsp=d.nsp,
+                masking=d.masking,
+                whole_word_mask=d.whole_word_mask,
+                seed=d.seed,
+                num_shards=d.num_shards,
+                eval_fraction=d.eval_fraction,
+            )
 
     def after_prepare(self) -> None:
         from bertjax.tokenization import load_tokenizer
 
-        self.tokenizer = load_tokenizer(self._vocab_path(), do_lower_case=self.config.data.do_lower_case)
+        self.tokenizer = load_tokenizer(
+            self._vocab_path(), do_lower_case=self.config.data.do_lower_case
+        )
         for spec in self._phase_specs():
             meta = pipeline.read_metadata(self.data_dir(spec["max_seq_length"]))
             if meta.get("vocab_size") not in (None, self.tokenizer.vocab_size):
@@ -157,26 +199,35 @@ class PretrainingTask(Task):
                     f"{self.tokenizer.vocab_size} tokens; delete the prepared data or fix data.vocab"
                 )
             if meta["max_seq_length"] != spec["max_seq_length"]:
-                raise ValueError(f"{self.data_dir(spec['max_seq_length'])}/metadata.json: "
-                                 f"max_seq_length={meta['max_seq_length']}, config wants "
-                                 f"{spec['max_seq_length']}")
+                raise ValueError(
+                    f"{self.data_dir(spec['max_seq_length'])}/metadata.json: "
+                    f"max_seq_length={meta['max_seq_length']}, config wants "
+                    f"{spec['max_seq_length']}"
+                )
 
     # ---- model ---------------------------------------------------------------------------------
     def model_config(self) -> BertConfig:
         cfg = model_config_from(self.config, self.tokenizer.vocab_size)
         longest = max(s["max_seq_length"] for s in self._phase_specs())
         if longest > cfg.max_position_embeddings:
-            raise ValueError(f"config key data.max_seq_length={longest} exceeds "
-                             f"model.max_position_embeddings={cfg.max_position_embeddings}")
+            raise ValueError(
+                f"config key data.max_seq_length={longest} exceeds "
+                f"model.max_position_embeddings={cfg.max_position_embeddings}"
+            )
         return cfg
 
     def build_model(self, model_config):
         return BertForPreTraining(model_config, nsp=self.config.data.nsp)
 
     def phases(self) -> list[Phase]:
-        return [Phase(until_step=s["until_step"],
-                      global_batch_size=s.get("global_batch_size", self.config.train.global_batch_size),
-                      options=s) for s in self._phase_specs()]
+        return [
+            Phase(
+                until_step=s["until_step"],
+                global_batch_size=s.get("global_batch_size", self.config.train.global_batch_size),
+                options=s,
+            )
+            for s in self._phase_specs()
+        ]
 
     def init_batch(self, phase, batch_size):
         seq, pred = phase.options["max_seq_length"], phase.options["max_predictions_per_seq"]
@@ -206,16 +257,24 @@ class PretrainingTask(Task):
         }
 
     def loss(self, model, params, batch, rng, normalizers, deterministic):
-        out = model.apply({"params": params}, **self.model_inputs(batch),
-                          deterministic=deterministic, rngs={"dropout": rng})
+        out = model.apply(
+            {"params": params},
+            **self.model_inputs(batch),
+            deterministic=deterministic,
+            rngs={"dropout": rng},
+        )
         mlm_loss, mlm_acc = losses.masked_lm_loss(
-            out["mlm_logits"], batch["masked_lm_ids"], batch["masked_lm_weights"],
-            normalizers["mlm_weight"])
+            out["mlm_logits"],
+            batch["masked_lm_ids"],
+            batch["masked_lm_weights"],
+            normalizers["mlm_weight"],
+        )
         metrics = {"mlm_loss": mlm_loss, "mlm_accuracy": mlm_acc}
         total = mlm_loss
         if self.config.data.nsp:
             nsp_loss, nsp_acc = losses.nsp_loss(
-                out["nsp_logits"], batch["next_sentence_labels"], normalizers["examples"])
+                out["nsp_logits"], batch["next_sentence_labels"], normalizers["examples"]
+            )
             metrics.update(nsp_loss=nsp_loss, nsp_accuracy=nsp_acc)
             total = total + nsp_loss
         return total, metrics
@@ -227,24 +286,45 @@ class PretrainingTask(Task):
         if meta["masking"] != "dynamic":
             return None
         tok = self.tokenizer
-        return dict(vocab_size=tok.vocab_size, mask_id=tok.mask_id,
-                    special_ids=[tok.pad_id, tok.cls_id, tok.sep_id],
-                    word_start=tok.word_start_table(), masked_lm_prob=d.masked_lm_prob,
-                    max_predictions_per_seq=phase.options["max_predictions_per_seq"],
-                    whole_word=d.whole_word_mask)
+        return dict(
+            vocab_size=tok.vocab_size,
+            mask_id=tok.mask_id,
+            special_ids=[tok.pad_id, tok.cls_id, tok.sep_id],
+            word_start=tok.word_start_table(),
+            masked_lm_prob=d.masked_lm_prob,
+            max_predictions_per_seq=phase.options["max_predictions_per_seq"],
+            whole_word=d.whole_word_mask,
+        )
 
     def _data(self, phase, split, process_index, process_count, *, shuffle):
         """Per-host batches; with ``data.streams`` the global batch is independent of host count."""
         data_dir = self.data_dir(phase.options["max_seq_length"])
-        common = dict(seed=self.config.train.seed, dynamic_masking=self._dynamic_masking(phase),
-                      shuffle=shuffle, shuffle_buffer=self.config.data.shuffle_buffer)
+        common = dict(
+            seed=self.config.train.seed,
+            dynamic_masking=self._dynamic_masking(phase),
+            shuffle=shuffle,
+            shuffle_buffer=self.config.data.shuffle_buffer,
+        )
         streams = self.config.data.get("streams", 0)
         if streams and split == "train":
-            return StreamedData(data_dir, split, phase.global_batch_size, num_streams=streams,
-                                process_index=process_index, process_count=process_count, **common)
+            return StreamedData(
+                data_dir,
+                split,
+                phase.global_batch_size,
+                num_streams=streams,
+                process_index=process_index,
+                process_count=process_count,
+                **common,
+            )
         per_host = phase.global_batch_size // process_count
-        return pipeline.PretrainingData(data_dir, split, per_host, process_index=process_index,
-                                        process_count=process_count, **common)
+        return pipeline.PretrainingData(
+            data_dir,
+            split,
+            per_host,
+            process_index=process_index,
+            process_count=process_count,
+            **common,
+        )
 
     def train_data(self, phase, process_index, process_count):
         return self._data(phase, "train", process_index, process_count, shuffle=True)
@@ -269,5 +349,3 @@ class PretrainingTask(Task):
     def flops_per_step(self, model_config, phase):
         seq, pred = self.step_shape(phase)
         return flops.train_flops_per_step(model_config, phase.global_batch_size, seq, pred)
-
-
