@@ -137,6 +137,9 @@ class Task:
             if name in totals
         }
 
+    # Evaluate before the first step too (the start of the pretraining curve; fine-tuning skips it).
+    eval_at_start = False
+
     def eval_every(self) -> int:
         """Steps between evaluations (fine-tuning tasks: once per epoch)."""
         return self.config.train.eval_every

@@ -305,27 +305,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     step = start
     t_start = time.perf_counter()
     peak = flops.device_peak_tflops(override=tcfg.get("peak_tflops", 0.0))
+    run = _Run(setup, config, writer, ckpt, stop, config_json, t_start, start, peak, best)
     try:
         for phase_index, phase in enumerate(setup.phases):
             if step >= phase.until_step:
                 continue
-            result = _run_phase(
-                setup,
-                config,
-                phase,
-                phase_index,
-                state,
-                step,
-                data_state,
-                writer,
-                ckpt,
-                stop,
-                config_json,
-                t_start,
-                start,
-                peak,
-                best,
-            )
+            result = _run_phase(run, phase, phase_index, state, step, data_state)
             state, step = result.pop("_state"), result.pop("_step")
             data_state = {}
             if result.pop("_halted", False):
@@ -344,24 +329,32 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     return result
 
 
-def _run_phase(
-    setup,
-    config,
-    phase,
-    phase_index,
-    state,
-    step,
-    data_state,
-    writer,
-    ckpt,
-    stop,
-    config_json,
-    t_start,
-    first_step,
-    peak,
-    best,
-) -> dict:
+@dataclasses.dataclass
+class _Run:
+    """What every phase of one ``train_and_evaluate`` call shares."""
+
+    setup: Setup
+    config: ml_collections.ConfigDict
+    writer: MetricsWriter
+    ckpt: checkpointing.Checkpointer
+    stop: _StopFlag
+    config_json: str
+    t_start: float
+    first_step: int
+    peak: float
+    best: Any
+
+
+def _run_phase(run: _Run, phase, phase_index, state, step, data_state) -> dict:
     """Runs one phase (fixed shapes) from ``step`` to ``phase.until_step``."""
+    setup, config, writer, ckpt, stop = run.setup, run.config, run.writer, run.ckpt, run.stop
+    config_json, t_start, first_step, peak, best = (
+        run.config_json,
+        run.t_start,
+        run.first_step,
+        run.peak,
+        run.best,
+    )
     task, tcfg = setup.task, config.train
     pcount, pindex = jax.process_count(), jax.process_index()
     if phase.global_batch_size % (pcount * tcfg.grad_accum_steps):
@@ -387,7 +380,7 @@ def _run_phase(
     def run_eval(params):
         return task.evaluate(_runner(setup, eval_fn, params), phase)
 
-    if step == 0 and eval_every:  # the starting point of the eval curve
+    if step == 0 and eval_every and task.eval_at_start:  # the start of the eval curve
         last_eval = run_eval(state.params)
         if last_eval:
             writer.write(0, last_eval, "eval")

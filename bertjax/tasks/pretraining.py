@@ -56,6 +56,7 @@ class PretrainingTask(Task):
     """BERT pretraining: weighted MLM cross-entropy (+ NSP cross-entropy when ``data.nsp``)."""
 
     name = "pretrain"
+    eval_at_start = True
     metric_normalizers = {
         "mlm_loss": "mlm_weight",
         "mlm_accuracy": "mlm_weight",
