@@ -19,21 +19,9 @@ import jax
 import jax.numpy as jnp
 
 from bertjax.model_config import BertConfig
-from bertjax.modeling import BertModel, _init, _zeros
+from bertjax.modeling import BertModel, output_dense
 
 Array = jax.Array
-
-
-def _dense(config: BertConfig, features: int, name: str) -> nn.Dense:
-    """A float32 Dense [embed] -> [features] with logical names ("embed", "classes")."""
-    return nn.Dense(
-        features,
-        dtype=jnp.float32,
-        param_dtype=jnp.dtype(config.param_dtype),
-        kernel_init=_init(config, ("embed", "classes")),
-        bias_init=_zeros(("classes",)),
-        name=name,
-    )
 
 
 class SequenceClassifier(nn.Module):
@@ -57,7 +45,7 @@ class SequenceClassifier(nn.Module):
         )
         pooled = out.pooled_output.astype(jnp.float32)  # [batch, hidden]
         pooled = nn.Dropout(self.config.hidden_dropout)(pooled, deterministic=deterministic)
-        return _dense(self.config, self.num_labels, "classifier")(pooled)  # [batch, labels]
+        return output_dense(self.config, self.num_labels, "classifier")(pooled)  # [batch, labels]
 
 
 class SpanClassifier(nn.Module):
@@ -79,7 +67,7 @@ class SpanClassifier(nn.Module):
             input_ids, token_type_ids, attention_mask, deterministic=deterministic
         )
         seq = out.sequence_output.astype(jnp.float32)  # [batch, seq, hidden]
-        logits = _dense(self.config, 2, "qa_outputs")(seq)  # [batch, seq, 2]
+        logits = output_dense(self.config, 2, "qa_outputs")(seq)  # [batch, seq, 2]
         return logits[..., 0], logits[..., 1]
 
 
@@ -104,7 +92,7 @@ class TokenClassifier(nn.Module):
         )
         seq = out.sequence_output.astype(jnp.float32)  # [batch, seq, hidden]
         seq = nn.Dropout(self.config.hidden_dropout)(seq, deterministic=deterministic)
-        return _dense(self.config, self.num_labels, "classifier")(seq)  # [batch, seq, labels]
+        return output_dense(self.config, self.num_labels, "classifier")(seq)  # [batch, seq, labels]
 
 
 class MultipleChoice(nn.Module):
@@ -136,7 +124,7 @@ class MultipleChoice(nn.Module):
         )
         pooled = out.pooled_output.astype(jnp.float32)  # [batch * choices, hidden]
         pooled = nn.Dropout(self.config.hidden_dropout)(pooled, deterministic=deterministic)
-        scores = _dense(self.config, 1, "classifier")(pooled)  # [batch * choices, 1]
+        scores = output_dense(self.config, 1, "classifier")(pooled)  # [batch * choices, 1]
         return scores.reshape(b, c)
 
 

@@ -319,6 +319,18 @@ class BertModel(nn.Module):
         return BertOutput(sequence_output=x, pooled_output=pooled, hidden_states=hidden)
 
 
+def output_dense(config: BertConfig, features: int, name: str) -> nn.Dense:
+    """A float32 output layer [embed] -> [features] (NSP and task heads), logically named."""
+    return nn.Dense(
+        features,
+        dtype=jnp.float32,
+        param_dtype=_dtype(config.param_dtype),
+        kernel_init=_init(config, ("embed", "classes")),
+        bias_init=_zeros(("classes",)),
+        name=name,
+    )
+
+
 def gather_positions(sequence: Array, positions: Array) -> Array:
     """[batch, seq, hidden] gathered at positions [batch, k] -> [batch, k, hidden]."""
     return jnp.take_along_axis(sequence, positions[..., None].astype(jnp.int32), axis=1)
@@ -384,12 +396,7 @@ class BertForPreTraining(nn.Module):
             "mlm_logits": transform(seq, word_embeddings),
         }
         if self.nsp:
-            result["nsp_logits"] = nn.Dense(
-                2,
-                dtype=jnp.float32,
-                param_dtype=_dtype(cfg.param_dtype),
-                kernel_init=_init(cfg, ("embed", None)),
-                bias_init=_zeros((None,)),
-                name="seq_relationship",
-            )(out.pooled_output.astype(jnp.float32))
+            result["nsp_logits"] = output_dense(cfg, 2, "seq_relationship")(
+                out.pooled_output.astype(jnp.float32)
+            )
         return result

@@ -24,7 +24,7 @@ import numpy as np
 
 from bertjax.convert import Checkpoint, layout, unflatten_params
 from bertjax.model_config import BertConfig
-from bertjax.modeling import BertModel, MaskedLMHead
+from bertjax.modeling import BertModel, MaskedLMHead, output_dense
 
 log = logging.getLogger("bertjax")
 
@@ -68,14 +68,10 @@ class PretrainedBert(nn.Module):
             head = MaskedLMHead(cfg, name="predictions")
             result["mlm_logits"] = head(out.sequence_output, words["embedding"])  # [b, seq, vocab]
         pooled = None if out.pooled_output is None else out.pooled_output.astype(jnp.float32)
-        init = nn.initializers.truncated_normal(stddev=cfg.initializer_range)
         if self.nsp:
-            nsp = nn.Dense(2, dtype=jnp.float32, kernel_init=init, name="seq_relationship")
-            result["nsp_logits"] = nsp(pooled)  # [batch, 2]
+            result["nsp_logits"] = output_dense(cfg, 2, "seq_relationship")(pooled)  # [b, 2]
         if self.num_labels:
-            classifier = nn.Dense(
-                self.num_labels, dtype=jnp.float32, kernel_init=init, name="classifier"
-            )
+            classifier = output_dense(cfg, self.num_labels, "classifier")
             result["logits"] = classifier(pooled)  # [batch, num_labels]
         return result
 

@@ -62,6 +62,7 @@ class Setup:
     abstract_state: Any  # unboxed ShapeDtypeStructs
     state_shardings: Any
     init_state: Callable[[jax.Array], TrainState]
+    eval_fn: Callable  # jitted task.eval_outputs(params, batch); shared by evaluation and finalize
 
 
 def build(config: ml_collections.ConfigDict, workdir: str, task: Task | None = None) -> Setup:
@@ -105,8 +106,23 @@ def build(config: ml_collections.ConfigDict, workdir: str, task: Task | None = N
             state = jax.device_put(state, state_shardings)
         return state
 
+    eval_fn = jax.jit(
+        lambda params, batch: task.eval_outputs(model, params, batch),
+        in_shardings=(state_shardings.params, sharding.batch_sharding(mesh, rules)),
+        out_shardings=sharding.replicated(mesh),
+    )
     return Setup(
-        task, model, mesh, rules, tx, schedule, phases, abstract, state_shardings, init_state
+        task,
+        model,
+        mesh,
+        rules,
+        tx,
+        schedule,
+        phases,
+        abstract,
+        state_shardings,
+        init_state,
+        eval_fn,
     )
 
 
@@ -177,6 +193,17 @@ def jit_train_step(setup: Setup, accum_steps: int):
     )
 
 
+def prepared_task(config: ml_collections.ConfigDict, workdir: str) -> Task:
+    """The config's task with its data built (by process 0, the others wait) and loaded."""
+    task = get_task(config.task, config, workdir)
+    if jax.process_index() == 0:
+        task.prepare()
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices("bertjax: data prepared")
+    task.after_prepare()
+    return task
+
+
 def compile_train_step(
     config: ml_collections.ConfigDict, workdir: str, task: Task | None = None
 ) -> dict[str, Any]:
@@ -184,12 +211,7 @@ def compile_train_step(
 
     Catches out-of-memory and sharding errors before a job pays for hardware.
     """
-    if task is None:
-        task = get_task(config.task, config, workdir)
-        if jax.process_index() == 0:
-            task.prepare()
-        task.after_prepare()
-    setup = build(config, workdir, task)
+    setup = build(config, workdir, task or prepared_task(config, workdir))
     phase = setup.phases[0]
     batch = setup.task.init_batch(phase, phase.global_batch_size)
     batch_sharding = sharding.batch_sharding(setup.mesh, setup.rules)
@@ -265,12 +287,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     import tensorflow as tf
 
     tf.io.gfile.makedirs(workdir)
-    task = get_task(config.task, config, workdir)
-    if jax.process_index() == 0:
-        task.prepare()
-    if jax.process_count() > 1:
-        multihost_utils.sync_global_devices("bertjax: data prepared")
-    task.after_prepare()
+    task = prepared_task(config, workdir)
     setup = build(config, workdir, task)
     tcfg = config.train
     writer = MetricsWriter(workdir, tensorboard=config.get("tensorboard", True))
@@ -366,7 +383,6 @@ def _run_phase(run: _Run, phase, phase_index, state, step, data_state) -> dict:
     if data_state.get("phase") == phase_index and data_state.get("iterator"):
         data.restore(data_state["iterator"])
     p_step = jit_train_step(setup, tcfg.grad_accum_steps)
-    eval_fn = _eval_fn(setup)
     eval_every = task.eval_every()
     seq_len, masked = task.step_shape(phase)
     step_flops = task.flops_per_step(setup.model.config, phase)
@@ -378,7 +394,7 @@ def _run_phase(run: _Run, phase, phase_index, state, step, data_state) -> dict:
     guard = "disallow" if tcfg.get("transfer_guard", True) else "allow"
 
     def run_eval(params):
-        return task.evaluate(_runner(setup, eval_fn, params), phase)
+        return task.evaluate(_runner(setup, params), phase)
 
     if step == 0 and eval_every and task.eval_at_start:  # the start of the eval curve
         last_eval = run_eval(state.params)
@@ -446,25 +462,13 @@ def _run_phase(run: _Run, phase, phase_index, state, step, data_state) -> dict:
     return {"_state": state, "_step": step, "train": last_train, "eval": last_eval}
 
 
-def _eval_fn(setup: Setup):
-    task = setup.task
-    return jax.jit(
-        lambda params, batch: task.eval_outputs(setup.model, params, batch),
-        in_shardings=(
-            setup.state_shardings.params,
-            sharding.batch_sharding(setup.mesh, setup.rules),
-        ),
-        out_shardings=sharding.replicated(setup.mesh),
-    )
-
-
-def _runner(setup: Setup, eval_fn, params):
+def _runner(setup: Setup, params):
     """host batch -> host NumPy outputs of ``task.eval_outputs`` (what tasks' evaluate() calls)."""
 
     def run(batch):
         gb = sharding.global_batch(batch, setup.mesh, setup.rules)
         with jax.set_mesh(setup.mesh), nn.logical_axis_rules(setup.rules):
-            return jax.device_get(eval_fn(params, gb))
+            return jax.device_get(setup.eval_fn(params, gb))
 
     return run
 
@@ -539,7 +543,7 @@ def _finalize(setup: Setup, state: TrainState, best: _BestKeeper, workdir: str, 
     params = best.params(setup.abstract_state.params, setup.state_shardings.params)
     chosen = "best" if params is not None else "last"
     params = state.params if params is None else params
-    final = setup.task.finalize(_runner(setup, _eval_fn(setup), params), params, workdir)
+    final = setup.task.finalize(_runner(setup, params), params, workdir)
     if not final:
         return {}
     final = {
