@@ -60,6 +60,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     p.add_argument("--attention_impl", default="xla", choices=("xla", "dot_product", "cudnn"))
     p.add_argument("--remat", default="none", choices=("none", "dots", "full"))
+    p.add_argument("--dropout_impl", default="bits16", choices=("bits16", "flax"))
     p.add_argument("--scan_layers", action="store_true")
     p.add_argument("--dropout", type=float, default=0.1, help="hidden (and attention) dropout")
     p.add_argument("--attention_dropout", type=float, default=None, help="default: --dropout")
@@ -94,7 +95,10 @@ def bench_config(args: argparse.Namespace):
 
     from bertjax.sharding import RULES
 
-    switches = {k: getattr(args, k) for k in ("dtype", "attention_impl", "remat", "scan_layers")}
+    switches = {
+        k: getattr(args, k)
+        for k in ("dtype", "attention_impl", "remat", "scan_layers", "dropout_impl")
+    }
     model = dict(preset=args.preset, max_position_embeddings=max(512, args.seq), **switches)
     attention_dropout = args.dropout if args.attention_dropout is None else args.attention_dropout
     model.update(hidden_dropout=args.dropout, attention_dropout=attention_dropout)
@@ -357,7 +361,8 @@ def to_markdown(r: dict) -> str:
         (
             "model",
             f"{c['preset']} ({_num(r['num_params'])} params), {c['dtype']}, "
-            f"attention {c['attention_impl']}, remat {c['remat']}, scan {c['scan_layers']}",
+            f"attention {c['attention_impl']}, remat {c['remat']}, scan {c['scan_layers']}, "
+            f"dropout {c['dropout']} ({c.get('dropout_impl', 'flax')})",
         ),
         ("shape", f"batch {c['batch']} x seq {c['seq']}, {c['masked']} MLM predictions/seq"),
         ("devices", f"{r['num_devices']} x {r['device_kind']} ({r['platform']})"),
@@ -433,7 +438,7 @@ def write_outputs(result: dict, output_dir: str) -> None:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Every measurement the flags ask for, as one JSON-able dict."""
     keys = "preset batch seq masked steps warmup dtype attention_impl remat scan_layers dropout"
-    keys += " attention_dropout"
+    keys += " attention_dropout dropout_impl"
     result: dict[str, Any] = {"config": {k: getattr(args, k) for k in keys.split()}}
     result["host"] = {"cpu_count": os.cpu_count(), "loadavg_before": os.getloadavg()}
     result.update(measure_step(args))

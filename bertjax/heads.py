@@ -7,6 +7,10 @@ Parameter trees (the encoder's is ``modeling.BertModel``'s, so a pretrained ``be
     TokenClassifier:    bert/..., classifier/{kernel [embed, classes], bias [classes]}
     MultipleChoice:     bert/..., classifier/{kernel [embed, 1], bias [1]}
 
+``SequenceClassifier`` and ``TokenClassifier`` also take packed rows (``bertjax.data.packing``):
+``position_ids`` and ``pack_ids`` [batch, seq], and for the classifier ``cls_positions`` [batch, k]
+(each packed example's [CLS]), which gives logits [batch, k, classes].
+
 Every head applies dropout (``hidden_dropout``) to the encoder output it reads, then one Dense layer
 in float32 initialised truncated-normal(initializer_range) with zero bias. The ``classes`` logical
 axis has no rule in ``bertjax.sharding.RULES``, so head outputs stay replicated.
@@ -38,14 +42,23 @@ class SequenceClassifier(nn.Module):
         attention_mask: Array | None = None,  # [batch, seq]
         *,
         deterministic: bool = True,
+        position_ids: Array | None = None,  # [batch, seq]
+        pack_ids: Array | None = None,  # [batch, seq]
+        cls_positions: Array | None = None,  # [batch, k]
     ) -> Array:
-        """Returns logits [batch, num_labels] (float32)."""
+        """Returns logits [batch, num_labels], or [batch, k, num_labels] at cls_positions (float32)."""
         out = BertModel(self.config, name="bert")(
-            input_ids, token_type_ids, attention_mask, deterministic=deterministic
+            input_ids,
+            token_type_ids,
+            attention_mask,
+            deterministic=deterministic,
+            position_ids=position_ids,
+            pack_ids=pack_ids,
+            pool_positions=cls_positions,
         )
-        pooled = out.pooled_output.astype(jnp.float32)  # [batch, hidden]
+        pooled = out.pooled_output.astype(jnp.float32)  # [batch, (k,) hidden]
         pooled = nn.Dropout(self.config.hidden_dropout)(pooled, deterministic=deterministic)
-        return output_dense(self.config, self.num_labels, "classifier")(pooled)  # [batch, labels]
+        return output_dense(self.config, self.num_labels, "classifier")(pooled)  # [b, (k,) labels]
 
 
 class SpanClassifier(nn.Module):
@@ -85,10 +98,17 @@ class TokenClassifier(nn.Module):
         attention_mask: Array | None = None,
         *,
         deterministic: bool = True,
+        position_ids: Array | None = None,  # [batch, seq]
+        pack_ids: Array | None = None,  # [batch, seq]
     ) -> Array:
         """Returns logits [batch, seq, num_labels] (float32)."""
         out = BertModel(self.config, add_pooler=False, name="bert")(
-            input_ids, token_type_ids, attention_mask, deterministic=deterministic
+            input_ids,
+            token_type_ids,
+            attention_mask,
+            deterministic=deterministic,
+            position_ids=position_ids,
+            pack_ids=pack_ids,
         )
         seq = out.sequence_output.astype(jnp.float32)  # [batch, seq, hidden]
         seq = nn.Dropout(self.config.hidden_dropout)(seq, deterministic=deterministic)

@@ -15,10 +15,21 @@ Array = jax.Array
 
 def cross_entropy(logits: Array, labels: Array) -> Array:
     """Per-example softmax cross-entropy in fp32: logits [..., classes], int labels [...] -> [...]."""
+    return nll_and_correct(logits, labels)[0]
+
+
+def nll_and_correct(logits: Array, labels: Array) -> tuple[Array, Array]:
+    """Cross-entropy and top-1 correctness (fp32 0/1) from one max over the classes.
+
+    Correct means the label's logit equals the maximum (a tie for first counts as correct), which
+    needs no separate argmax pass over [..., vocab] logits.
+    """
     logits = logits.astype(jnp.float32)
-    log_z = jax.nn.logsumexp(logits, axis=-1)
-    label_logit = jnp.take_along_axis(logits, labels[..., None].astype(jnp.int32), axis=-1)[..., 0]
-    return log_z - label_logit
+    peak = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
+    shifted = logits - peak  # [..., classes], max 0
+    log_z = jnp.log(jnp.sum(jnp.exp(shifted), axis=-1))
+    label = jnp.take_along_axis(shifted, labels[..., None].astype(jnp.int32), axis=-1)[..., 0]
+    return log_z - label, (label >= 0).astype(jnp.float32)
 
 
 def masked_lm_loss(
@@ -34,8 +45,7 @@ def masked_lm_loss(
     if normalizer is None:
         normalizer = weights.sum()
     normalizer = jnp.maximum(normalizer, 1e-5)
-    nll = cross_entropy(logits, label_ids)
-    correct = (jnp.argmax(logits, axis=-1) == label_ids).astype(jnp.float32)
+    nll, correct = nll_and_correct(logits, label_ids)
     return (nll * weights).sum() / normalizer, (correct * weights).sum() / normalizer
 
 
@@ -44,8 +54,7 @@ def nsp_loss(logits: Array, labels: Array, normalizer: Array | None = None) -> t
     labels = labels.reshape(-1)
     if normalizer is None:
         normalizer = jnp.asarray(labels.shape[0], jnp.float32)
-    nll = cross_entropy(logits, labels)
-    correct = (jnp.argmax(logits, axis=-1) == labels).astype(jnp.float32)
+    nll, correct = nll_and_correct(logits, labels)
     return nll.sum() / normalizer, correct.sum() / normalizer
 
 
@@ -60,8 +69,7 @@ def classification_loss(
         normalizer = weights.sum()
     normalizer = jnp.maximum(normalizer, 1e-5)
     safe_labels = jnp.where(weights > 0, labels, 0)
-    nll = cross_entropy(logits, safe_labels)
-    correct = (jnp.argmax(logits, axis=-1) == safe_labels).astype(jnp.float32)
+    nll, correct = nll_and_correct(logits, safe_labels)
     return (nll * weights).sum() / normalizer, (correct * weights).sum() / normalizer
 
 

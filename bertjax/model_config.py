@@ -13,8 +13,9 @@ import json
 from typing import Any
 
 _ACTIVATIONS = ("gelu", "gelu_new", "gelu_tanh", "relu", "silu")
-_ATTENTION_IMPLS = ("xla", "dot_product", "cudnn")
+_ATTENTION_IMPLS = ("xla", "dot_product", "cudnn", "splash")
 _REMAT_POLICIES = ("none", "dots", "full")
+DROPOUT_IMPLS = ("bits16", "flax")
 _DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -30,6 +31,9 @@ class BertConfig:
     hidden_act: str = "gelu"  # exact (erf) GELU as in the original BERT
     hidden_dropout: float = 0.1
     attention_dropout: float = 0.1
+    # bits16: 16 random bits per element, four elements per Threefry block (bertjax.dropout);
+    # flax: exactly flax.linen.Dropout's masks (a full block per element, ~15% slower on CPU)
+    dropout_impl: str = "bits16"
     max_position_embeddings: int = 512
     type_vocab_size: int = 2
     initializer_range: float = 0.02
@@ -38,7 +42,9 @@ class BertConfig:
         "float32"  # compute dtype (bfloat16 on TPU/GPU); softmax and LayerNorm stats stay fp32
     )
     param_dtype: str = "float32"
-    attention_impl: str = "xla"  # xla: explicit einsums; dot_product: jax.nn.dot_product_attention
+    # xla: explicit einsums; dot_product/cudnn: jax.nn.dot_product_attention; splash: Pallas TPU
+    # kernel (bertjax.splash_attention; seq a multiple of 128, attention_dropout=0 to use it)
+    attention_impl: str = "xla"
     remat: str = "none"  # rematerialisation per layer: none | dots (save matmuls) | full
     scan_layers: bool = False  # nn.scan over layers: params stacked on a leading "layers" axis
 
@@ -57,6 +63,8 @@ class BertConfig:
             bad("hidden_act", f"is not one of {_ACTIVATIONS}")
         if self.attention_impl not in _ATTENTION_IMPLS:
             bad("attention_impl", f"is not one of {_ATTENTION_IMPLS}")
+        if self.dropout_impl not in DROPOUT_IMPLS:
+            bad("dropout_impl", f"is not one of {DROPOUT_IMPLS}")
         if self.remat not in _REMAT_POLICIES:
             bad("remat", f"is not one of {_REMAT_POLICIES}")
         for key in ("dtype", "param_dtype"):

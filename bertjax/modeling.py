@@ -27,7 +27,10 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from bertjax import fast_ops
+from bertjax.dropout import Dropout
 from bertjax.model_config import BertConfig
+from bertjax.splash_attention import segment_ids_from_mask, splash_attention
 
 Array = jax.Array
 
@@ -78,8 +81,16 @@ def layer_norm(config: BertConfig, name: str) -> nn.LayerNorm:
     )
 
 
-def attention_bias(attention_mask: Array, dtype: Any) -> Array:
-    """[batch, seq] 0/1 mask (or [batch, q, k]) -> additive bias [batch, 1, q or 1, k] (fp32 softmax)."""
+def attention_bias(attention_mask: Array, dtype: Any, pack_ids: Array | None = None) -> Array:
+    """[batch, seq] 0/1 mask (or [batch, q, k]) -> additive bias [batch, 1, q or 1, k] (fp32 softmax).
+
+    With ``pack_ids`` [batch, seq] (packed rows: 1..n per sequence, 0 = padding) the mask is block
+    diagonal and ``attention_mask`` is not read: a real token attends exactly to the tokens of its own
+    sequence. Padding tokens attend to each other (their outputs are never read), so no query row is
+    fully masked (which would be NaN where the bias rounds to -inf, e.g. in bfloat16).
+    """
+    if pack_ids is not None:
+        attention_mask = pack_ids[:, :, None] == pack_ids[:, None, :]  # [batch, q, k]
     if attention_mask.ndim == 2:
         allowed = attention_mask[:, None, None, :]
     else:
@@ -88,12 +99,22 @@ def attention_bias(attention_mask: Array, dtype: Any) -> Array:
 
 
 class BertEmbeddings(nn.Module):
-    """Token + position + segment embeddings, LayerNorm, dropout."""
+    """Token + position + segment embeddings, LayerNorm, dropout.
+
+    ``position_ids`` [batch, seq] (default 0..seq-1) restart at 0 for every sequence of a packed row.
+    """
 
     config: BertConfig
 
     @nn.compact
-    def __call__(self, input_ids: Array, token_type_ids: Array, *, deterministic: bool) -> Array:
+    def __call__(
+        self,
+        input_ids: Array,
+        token_type_ids: Array,
+        *,
+        deterministic: bool,
+        position_ids: Array | None = None,
+    ) -> Array:
         cfg = self.config
         seq_len = input_ids.shape[-1]
         if seq_len > cfg.max_position_embeddings:
@@ -113,13 +134,15 @@ class BertEmbeddings(nn.Module):
             )
 
         words = embed(cfg.vocab_size, ("vocab", "embed"), "word_embeddings")(input_ids)
+        if position_ids is None:
+            position_ids = jnp.arange(seq_len)[None, :]  # [1, seq]
         positions = embed(cfg.max_position_embeddings, (None, "embed"), "position_embeddings")(
-            jnp.arange(seq_len)[None, :]
+            position_ids
         )
         types = embed(cfg.type_vocab_size, (None, "embed"), "token_type_embeddings")(token_type_ids)
         x = words + positions + types  # [batch, seq, hidden]
         x = layer_norm(cfg, "LayerNorm")(x)
-        x = nn.Dropout(cfg.hidden_dropout)(x, deterministic=deterministic)
+        x = Dropout(cfg.hidden_dropout, cfg.dropout_impl)(x, deterministic=deterministic)
         return nn.with_logical_constraint(x, BATCH_LENGTH_EMBED)
 
 
@@ -134,35 +157,59 @@ class HeadProjection(nn.Module):
     in_heads: bool = False
 
     @nn.compact
-    def __call__(self, x: Array) -> Array:
+    def __call__(self, x: Array | None) -> Array | tuple[Array, Array]:
+        """The projection of ``x``, or (kernel, bias) in the compute dtype when ``x`` is None."""
         cfg = self.config
         pdtype, dtype = _dtype(cfg.param_dtype), _dtype(cfg.dtype)
         h, n, d = cfg.hidden_size, cfg.num_heads, cfg.head_dim
         if self.in_heads:
             kernel = self.param("kernel", _init(cfg, ("heads", "kv", "embed")), (n, d, h), pdtype)
             bias = self.param("bias", _zeros(("embed",)), (h,), pdtype)
-            y = jnp.einsum("bshd,hde->bse", x.astype(dtype), kernel.astype(dtype))
         else:
             kernel = self.param("kernel", _init(cfg, ("embed", "heads", "kv")), (h, n, d), pdtype)
             bias = self.param("bias", _zeros(("heads", "kv")), (n, d), pdtype)
-            y = jnp.einsum("bse,ehd->bshd", x.astype(dtype), kernel.astype(dtype))
-        return y + bias.astype(dtype)
+        kernel, bias = kernel.astype(dtype), bias.astype(dtype)
+        if x is None:
+            return kernel, bias
+        spec = "bshd,hde->bse" if self.in_heads else "bse,ehd->bshd"
+        return jnp.einsum(spec, x.astype(dtype), kernel) + bias
+
+
+def fused_qkv(config: BertConfig, x: Array) -> tuple[Array, Array, Array]:
+    """Query, key and value [batch, seq, heads, head_dim] from ONE matmul against the three kernels
+    stacked at run time (params stay ``query``/``key``/``value``): on CPU one [embed, 3*embed]
+    product and its single input gradient beat three products plus two gradient sums."""
+    params = [HeadProjection(config, name=name)(None) for name in ("query", "key", "value")]
+    kernel = jnp.stack([k for k, _ in params], axis=1)  # [embed, 3, heads, head_dim]
+    bias = jnp.stack([b for _, b in params], axis=0)  # [3, heads, head_dim]
+    qkv = jnp.einsum("bse,ethd->bsthd", x.astype(kernel.dtype), kernel) + bias
+    return qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
 
 
 class BertSelfAttention(nn.Module):
-    """Multi-head self-attention with fp32 softmax; explicit einsums or jax.nn.dot_product_attention."""
+    """Multi-head self-attention with fp32 softmax; explicit einsums or jax.nn.dot_product_attention.
+
+    ``attention_impl="splash"`` uses the Pallas TPU splash kernel (``bertjax.splash_attention``)
+    with ``attention_segment_ids`` [batch, seq] (0 padding, 1..n sequences; not BERT's token-type
+    segment ids) instead of ``bias``. Attention dropout > 0 in training falls back to the explicit path
+    (neither kernel has dropout): on TPU set attention_dropout=0 to use splash.
+    """
 
     config: BertConfig
 
     @nn.compact
-    def __call__(self, x: Array, bias: Array, *, deterministic: bool) -> Array:
+    def __call__(
+        self,
+        x: Array,
+        bias: Array,
+        *,
+        deterministic: bool,
+        attention_segment_ids: Array | None = None,
+    ) -> Array:
         cfg = self.config
         dtype = _dtype(cfg.dtype)
 
-        def proj(name):
-            return HeadProjection(cfg, name=name)(x)
-
-        q, k, v = proj("query"), proj("key"), proj("value")  # [batch, seq, heads, head_dim]
+        q, k, v = fused_qkv(cfg, x)  # [batch, seq, heads, head_dim]
         q = nn.with_logical_constraint(q, BATCH_LENGTH_HEADS_KV)
         k = nn.with_logical_constraint(k, BATCH_LENGTH_HEADS_KV)
         v = nn.with_logical_constraint(v, BATCH_LENGTH_HEADS_KV)
@@ -172,8 +219,12 @@ class BertSelfAttention(nn.Module):
             logits = jnp.einsum("bqhd,bkhd->bhqk", q * scale, k).astype(jnp.float32)
             probs = jax.nn.softmax(logits + bias.astype(jnp.float32), axis=-1)  # [b, h, q, k]
             if use_dropout:
-                probs = nn.Dropout(cfg.attention_dropout)(probs, deterministic=False)
+                probs = Dropout(cfg.attention_dropout, cfg.dropout_impl)(probs, deterministic=False)
             ctx = jnp.einsum("bhqk,bkhd->bqhd", probs.astype(dtype), v)
+        elif cfg.attention_impl == "splash":
+            if attention_segment_ids is None:
+                raise ValueError("attention_impl='splash' needs attention_segment_ids [batch, seq]")
+            ctx = splash_attention(q, k, v, attention_segment_ids)  # [batch, seq, heads, head_dim]
         else:
             implementation = "cudnn" if cfg.attention_impl == "cudnn" else None
             ctx = jax.nn.dot_product_attention(
@@ -190,11 +241,15 @@ class BertLayer(nn.Module):
     config: BertConfig
 
     @nn.compact
-    def __call__(self, x: Array, bias: Array, deterministic: bool) -> Array:
+    def __call__(
+        self, x: Array, bias: Array, deterministic: bool, attention_segment_ids: Array | None = None
+    ) -> Array:
         cfg = self.config
         dtype, pdtype = _dtype(cfg.dtype), _dtype(cfg.param_dtype)
-        drop = nn.Dropout(cfg.hidden_dropout)
-        attn = BertSelfAttention(cfg, name="attention")(x, bias, deterministic=deterministic)
+        drop = Dropout(cfg.hidden_dropout, cfg.dropout_impl)
+        attn = BertSelfAttention(cfg, name="attention")(
+            x, bias, deterministic=deterministic, attention_segment_ids=attention_segment_ids
+        )
         x = layer_norm(cfg, "attention_norm")(x + drop(attn, deterministic=deterministic))
         h = nn.Dense(
             cfg.intermediate_size,
@@ -222,8 +277,10 @@ class _ScanLayer(BertLayer):
     """BertLayer with the (carry, xs) -> (carry, ys) signature nn.scan needs."""
 
     @nn.compact
-    def __call__(self, x: Array, bias: Array, deterministic: bool):  # type: ignore[override]
-        return super().__call__(x, bias, deterministic), None
+    def __call__(  # type: ignore[override]
+        self, x: Array, bias: Array, deterministic: bool, attention_segment_ids: Array | None = None
+    ):
+        return super().__call__(x, bias, deterministic, attention_segment_ids), None
 
 
 def _remat(cls, policy: str):
@@ -234,6 +291,7 @@ def _remat(cls, policy: str):
         if policy == "dots"
         else jax.checkpoint_policies.nothing_saveable
     )
+    # static_argnums counts self: (self, x, bias, deterministic, attention_segment_ids)
     return nn.remat(cls, policy=saveable, static_argnums=(3,))
 
 
@@ -244,7 +302,13 @@ class BertEncoder(nn.Module):
 
     @nn.compact
     def __call__(
-        self, x: Array, bias: Array, *, deterministic: bool, output_hidden_states: bool = False
+        self,
+        x: Array,
+        bias: Array,
+        *,
+        deterministic: bool,
+        output_hidden_states: bool = False,
+        attention_segment_ids: Array | None = None,
     ):
         cfg = self.config
         if cfg.scan_layers:
@@ -254,16 +318,16 @@ class BertEncoder(nn.Module):
                 _remat(_ScanLayer, cfg.remat),
                 variable_axes={"params": 0},
                 split_rngs={"params": True, "dropout": True},
-                in_axes=(nn.broadcast, nn.broadcast),
+                in_axes=(nn.broadcast, nn.broadcast, nn.broadcast),
                 length=cfg.num_layers,
                 metadata_params={nn.PARTITION_NAME: "layers"},
             )
-            x, _ = scanned(cfg, name="layers")(x, bias, deterministic)
+            x, _ = scanned(cfg, name="layers")(x, bias, deterministic, attention_segment_ids)
             return x, ()
         layer_cls = _remat(BertLayer, cfg.remat)
         hidden_states = [x]
         for i in range(cfg.num_layers):
-            x = layer_cls(cfg, name=f"layer_{i}")(x, bias, deterministic)
+            x = layer_cls(cfg, name=f"layer_{i}")(x, bias, deterministic, attention_segment_ids)
             hidden_states.append(x)
         return x, tuple(hidden_states) if output_hidden_states else ()
 
@@ -278,7 +342,13 @@ class BertOutput:
 
 
 class BertModel(nn.Module):
-    """The BERT encoder with its tanh pooler on ``[CLS]``."""
+    """The BERT encoder with its tanh pooler on ``[CLS]``.
+
+    Packed rows (several sequences per row) pass ``pack_ids`` [batch, seq] (1..n: the sequence a
+    token belongs to, 0 = padding; attention becomes block diagonal, ``attention_mask`` is unused) and
+    ``position_ids`` [batch, seq] restarting at 0 per sequence. ``pool_positions`` [batch, k] applies
+    the pooler at those positions (each packed sequence's [CLS]): pooled_output [batch, k, hidden].
+    """
 
     config: BertConfig
     add_pooler: bool = True
@@ -292,6 +362,9 @@ class BertModel(nn.Module):
         *,
         deterministic: bool = True,
         output_hidden_states: bool = False,
+        position_ids: Array | None = None,
+        pack_ids: Array | None = None,
+        pool_positions: Array | None = None,
     ) -> BertOutput:
         cfg = self.config
         if token_type_ids is None:
@@ -299,11 +372,19 @@ class BertModel(nn.Module):
         if attention_mask is None:
             attention_mask = jnp.ones_like(input_ids)
         x = BertEmbeddings(cfg, name="embeddings")(
-            input_ids, token_type_ids, deterministic=deterministic
+            input_ids, token_type_ids, deterministic=deterministic, position_ids=position_ids
         )
-        bias = attention_bias(attention_mask, jnp.float32)
+        bias = attention_bias(attention_mask, jnp.float32, pack_ids)
+        # [batch, seq] ids for the splash kernel: 0 at padding, 1 (or the pack id) at real tokens
+        attention_segment_ids = None
+        if cfg.attention_impl == "splash":
+            attention_segment_ids = segment_ids_from_mask(attention_mask, pack_ids)
         x, hidden = BertEncoder(cfg, name="encoder")(
-            x, bias, deterministic=deterministic, output_hidden_states=output_hidden_states
+            x,
+            bias,
+            deterministic=deterministic,
+            output_hidden_states=output_hidden_states,
+            attention_segment_ids=attention_segment_ids,
         )
         pooled = None
         if self.add_pooler:
@@ -314,8 +395,8 @@ class BertModel(nn.Module):
                 kernel_init=_init(cfg, ("embed", "embed_out")),
                 bias_init=_zeros(("embed_out",)),
                 name="pooler",
-            )(x[:, 0])
-            pooled = jnp.tanh(pooled)  # [batch, hidden]
+            )(x[:, 0] if pool_positions is None else gather_positions(x, pool_positions))
+            pooled = jnp.tanh(pooled)  # [batch, hidden], or [batch, k, hidden] at pool_positions
         return BertOutput(sequence_output=x, pooled_output=pooled, hidden_states=hidden)
 
 
@@ -356,8 +437,7 @@ class MaskedLMHead(nn.Module):
         x = activation(cfg.hidden_act)(x)
         x = layer_norm(cfg, "LayerNorm")(x)
         output_bias = self.param("output_bias", _zeros(("vocab",)), (cfg.vocab_size,))
-        logits = jnp.einsum("...h,vh->...v", x, word_embeddings.astype(dtype))
-        return logits.astype(jnp.float32) + output_bias  # [..., vocab] fp32
+        return fast_ops.tied_decoder(x, word_embeddings.astype(dtype), output_bias)  # [..., vocab]
 
 
 class BertForPreTraining(nn.Module):
@@ -375,15 +455,25 @@ class BertForPreTraining(nn.Module):
         masked_lm_positions: Array | None = None,
         *,
         deterministic: bool = True,
+        position_ids: Array | None = None,
+        pack_ids: Array | None = None,
     ) -> dict[str, Array]:
         """Returns mlm_logits [batch, k or seq, vocab] and nsp_logits [batch, 2] plus encoder outputs.
 
         ``masked_lm_positions`` [batch, k] evaluates the MLM head only there (the training path); None
-        evaluates every position.
+        evaluates every position. ``position_ids`` / ``pack_ids`` [batch, seq] describe packed rows
+        (see BertModel); positions are then row-global.
         """
         cfg = self.config
         bert = BertModel(cfg, name="bert")
-        out = bert(input_ids, token_type_ids, attention_mask, deterministic=deterministic)
+        out = bert(
+            input_ids,
+            token_type_ids,
+            attention_mask,
+            deterministic=deterministic,
+            position_ids=position_ids,
+            pack_ids=pack_ids,
+        )
         seq = out.sequence_output
         if masked_lm_positions is not None:
             seq = gather_positions(seq, masked_lm_positions)  # [batch, k, hidden]

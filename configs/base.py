@@ -19,6 +19,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.model.type_vocab_size = 2
     c.model.attention_impl = "xla"
     c.model.remat = "none"
+    c.model.dropout_impl = "bits16"  # bits16 (cheaper mask) | flax (flax.linen.Dropout's masks)
     c.model.scan_layers = False
 
     # Pretraining data: a corpus turned into TFRecords by `bertjax prepare` (run automatically).
@@ -37,6 +38,8 @@ def get_config() -> ml_collections.ConfigDict:
     c.data.short_seq_prob = 0.1
     c.data.dupe_factor = 5
     c.data.nsp = True
+    # Pack several sequences per row (block-diagonal attention) to cut padding; needs nsp=False.
+    c.data.packing = False
     c.data.masking = "static"  # static (in the records) | dynamic (fresh every epoch, in tf.data)
     c.data.whole_word_mask = False
     c.data.eval_fraction = 0.01

@@ -26,9 +26,14 @@ def get_config() -> ml_collections.ConfigDict:
     c.data.max_train_examples = 0  # > 0: a seeded random subset of the training split
     c.data.max_eval_examples = 0  # > 0: the first N dev examples (quick checks only)
     c.data.eval_batch_size = 64
+    # Pack several examples per row (GLUE, NER; not SQuAD/SWAG): train.global_batch_size and
+    # data.eval_batch_size then count rows of at most max_examples_per_row examples each.
+    c.data.packing = False
+    c.data.max_examples_per_row = 8
 
     c.model.hidden_dropout = 0.1
     c.model.attention_dropout = 0.1
+    c.model.dropout_impl = "bits16"  # bits16 (cheaper mask) | flax (flax.linen.Dropout's masks)
 
     c.train.epochs = 3.0
     c.train.steps = 0  # > 0 overrides epochs

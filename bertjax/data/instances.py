@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import tensorflow as tf
 
-from bertjax.data import masking
+from bertjax.data import masking, packing
 
 if TYPE_CHECKING:
     from bertjax.data.prepare import PrepareConfig
@@ -101,12 +101,37 @@ def instance_to_example(
     rng: np.random.Generator,
 ) -> bytes:
     """Serialized tf.train.Example of one instance (masked here when cfg.masking == "static")."""
-    seq = cfg.max_seq_length
     ids = [consts["cls_id"], *tokens_a, consts["sep_id"]]
     segment_ids = [0] * len(ids)
     if tokens_b:
         ids += [*tokens_b, consts["sep_id"]]
         segment_ids += [1] * (len(tokens_b) + 1)
+    return _serialize(ids, segment_ids, {}, int(is_random_next), cfg=cfg, consts=consts, rng=rng)
+
+
+def packed_to_example(
+    segments: list[list[int]], *, cfg: PrepareConfig, consts: dict, rng: np.random.Generator
+) -> bytes:
+    """Serialized tf.train.Example of a packed row: ``[CLS] tokens [SEP]`` per segment, with
+    pack_ids and position_ids (``bertjax.data.packing``); masked as one row when static."""
+    ids = [t for tokens in segments for t in (consts["cls_id"], *tokens, consts["sep_id"])]
+    pack_ids, position_ids, _ = packing.row_layout([len(t) + 2 for t in segments], len(ids))
+    extra = {"pack_ids": pack_ids.tolist(), "position_ids": position_ids.tolist()}
+    return _serialize(ids, [0] * len(ids), extra, 0, cfg=cfg, consts=consts, rng=rng)
+
+
+def _serialize(
+    ids: list[int],
+    segment_ids: list[int],
+    extra: dict[str, list[int]],
+    next_sentence_label: int,
+    *,
+    cfg: PrepareConfig,
+    consts: dict,
+    rng: np.random.Generator,
+) -> bytes:
+    """Masks (static) and pads one row of real tokens; ``extra`` are more [seq] int features."""
+    seq = cfg.max_seq_length
     n = len(ids)
     features = {}
     if cfg.masking == "static":
@@ -130,7 +155,9 @@ def instance_to_example(
     features["input_ids"] = _int64_feature(ids + [consts["pad_id"]] * (seq - n))
     features["input_mask"] = _int64_feature([1] * n + [0] * (seq - n))
     features["segment_ids"] = _int64_feature(segment_ids + [0] * (seq - n))
-    features["next_sentence_labels"] = _int64_feature([int(is_random_next)])
+    for key, values in extra.items():
+        features[key] = _int64_feature(values + [0] * (seq - len(values)))
+    features["next_sentence_labels"] = _int64_feature([next_sentence_label])
     return tf.train.Example(features=tf.train.Features(feature=features)).SerializeToString(
         deterministic=True
     )  # map keys sorted: bytes independent of the process (hash seed)

@@ -160,10 +160,10 @@ def _stateless_seed(seed: int, tag: int, *values) -> tf.Tensor:
 
 def _feature_spec(meta: Mapping[str, Any], with_masks: bool) -> dict:
     seq, pred = int(meta["max_seq_length"]), int(meta["max_predictions_per_seq"])
-    spec = {
-        name: tf.io.FixedLenFeature([seq], tf.int64)
-        for name in ("input_ids", "input_mask", "segment_ids")
-    }
+    names = ("input_ids", "input_mask", "segment_ids")
+    if meta.get("packing"):
+        names += ("pack_ids", "position_ids")  # packed rows (bertjax.data.packing)
+    spec = {name: tf.io.FixedLenFeature([seq], tf.int64) for name in names}
     nsp_default = None if meta["nsp"] else [0]
     spec["next_sentence_labels"] = tf.io.FixedLenFeature([1], tf.int64, default_value=nsp_default)
     if with_masks:
@@ -256,7 +256,8 @@ def pretraining_dataset(
 
     Yields dicts: input_ids, input_mask, segment_ids [b, seq] int32; masked_lm_positions,
     masked_lm_ids [b, max_pred] int32; masked_lm_weights [b, max_pred] float32;
-    next_sentence_labels [b] int32 (0 when the data has no NSP). The order is a pure function of
+    next_sentence_labels [b] int32 (0 when the data has no NSP); packed data (metadata ``packing``)
+    adds pack_ids, position_ids [b, seq] int32. The order is a pure function of
     (data, seed, process_index, process_count, per_host_batch_size, shuffle, shuffle_buffer); see
     the module docstring. `dynamic_masking` (keys: vocab_size, mask_id, special_ids, word_start,
     masked_lm_prob, max_predictions_per_seq, whole_word) re-masks every example with a stateless

@@ -8,6 +8,9 @@ document from a random start and the unused sentences are put back; `truncate_se
 longer side from the front or back at random; the record is `[CLS] A [SEP] B [SEP]` with segment ids
 0/1. With nsp=False an instance is one segment of consecutive sentences filling max_seq_length - 2:
 `[CLS] A [SEP]`. `dupe_factor` passes over the corpus give different instances and masks.
+With packing (nsp=False only) the instances of a unit, pass and split go through a first-fit packer
+(`bertjax.data.packing`) so that short ones (document ends, short_seq_prob) share rows; a row is
+masked as a whole (max_predictions_per_seq per row, positions row-global).
 
 Scalable variant (documented departure from the original, which shuffles the whole corpus in memory):
 every input file (or TFDS slice) is an independent work unit with its own generators seeded by
@@ -25,12 +28,13 @@ Output in output_dir:
     input_ids, input_mask, segment_ids: int64 [max_seq_length] (0-padded);
     next_sentence_labels: int64 [1] (1 = random next, 0 = real next; always 0 when nsp is false);
     static masking only: masked_lm_positions, masked_lm_ids: int64 [max_predictions_per_seq],
-    masked_lm_weights: float [max_predictions_per_seq] (1.0 real, 0.0 padding).
+    masked_lm_weights: float [max_predictions_per_seq] (1.0 real, 0.0 padding);
+    packing only: pack_ids, position_ids: int64 [max_seq_length] (see bertjax.data.packing).
   metadata.json, written last (atomically), keys:
     format_version, max_seq_length, max_predictions_per_seq, masked_lm_prob, masking ("static" |
-    "dynamic"), whole_word_mask, nsp, short_seq_prob, dupe_factor, seed, random_document_buffer,
-    eval_fraction, corpus_format, input (list of corpus spec entries), sources (work unit names),
-    vocab_file, vocab_size, tokenizer_kind, do_lower_case, special_ids ({pad, unk, cls, sep, mask}),
+    "dynamic"), whole_word_mask, nsp, packing, short_seq_prob, dupe_factor, seed,
+    random_document_buffer, eval_fraction, corpus_format, input (list of corpus spec entries),
+    sources (work unit names), vocab_file, vocab_size, tokenizer_kind, do_lower_case, special_ids ({pad, unk, cls, sep, mask}),
     shards ({file name: example count} over both splits), shard_files ({split: [file names]}),
     examples ({split: count}), documents ({split: count}), sentences, tokens, input_bytes, seconds,
     docs_per_second, mb_per_second.
@@ -61,8 +65,10 @@ from bertjax.data.instances import (  # noqa: F401  (re-exported)
     _DocumentWindow,
     create_instances_from_document,
     instance_to_example,
+    packed_to_example,
     truncate_seq_pair,
 )
+from bertjax.data.packing import Packer
 
 METADATA_FILE = "metadata.json"
 FORMAT_VERSION = 1
@@ -71,8 +77,9 @@ _EVAL_STREAM = 0x5EED_E7A1  # generator stream tag for the eval-split draws
 _SETTINGS = (
     "format_version max_seq_length max_predictions_per_seq masked_lm_prob masking whole_word_mask nsp "
     "short_seq_prob dupe_factor seed random_document_buffer eval_fraction corpus_format input sources "
-    "vocab_file vocab_size tokenizer_kind do_lower_case special_ids num_shards"
+    "vocab_file vocab_size tokenizer_kind do_lower_case special_ids num_shards packing"
 ).split()
+_SETTING_DEFAULTS = {"packing": False}  # settings added later: their value in older metadata
 log = logging.getLogger(__name__)
 
 
@@ -93,6 +100,7 @@ class PrepareConfig:
     eval_fraction: float = 0.0
     random_document_buffer: int = 1000
     corpus_format: str = "bert"
+    packing: bool = False
 
     def validate(self) -> None:
         """One-line ValueError naming the first bad option."""
@@ -107,6 +115,7 @@ class PrepareConfig:
             ("eval_fraction", 0.0 <= self.eval_fraction < 1.0, "must be in [0, 1)"),
             ("random_document_buffer", self.random_document_buffer >= 1, "must be >= 1"),
             ("corpus_format", self.corpus_format in corpus.FORMATS, f"not in {corpus.FORMATS}"),
+            ("packing", not (self.packing and self.nsp), "needs nsp=False (pairs are not packed)"),
         ]
         for name, ok, why in checks:
             if not ok:
@@ -207,26 +216,32 @@ def _process_source(task) -> dict:
     def make_instances(split: str, rng: np.random.Generator, pool, i: int) -> None:
         kw = dict(max_seq_length=cfg.max_seq_length, short_seq_prob=cfg.short_seq_prob, nsp=cfg.nsp)
         for a, b, is_random in create_instances_from_document(pool, i, rng=rng, **kw):
-            record = instance_to_example(a, b, is_random, cfg=cfg, consts=consts, rng=rng)
-            shard = (written[split] + index) % num_shards[split]  # round robin, offset per unit
-            written[split] += 1
-            if (split, shard) not in writers:
-                part = os.path.join(tmp_dir, _part_name(split, shard, index))
-                writers[split, shard] = tf.io.TFRecordWriter(part)
-            writers[split, shard].write(record)
-            examples[split][shard] += 1
+            if not cfg.packing:
+                write(split, instance_to_example(a, b, is_random, cfg=cfg, consts=consts, rng=rng))
+                continue
+            for row in packers[split].add(a, len(a) + 2):  # [CLS] a [SEP]
+                write(split, packed_to_example(row, cfg=cfg, consts=consts, rng=rng))
+
+    def write(split: str, record: bytes) -> None:
+        shard = (written[split] + index) % num_shards[split]  # round robin, offset per unit
+        written[split] += 1
+        if (split, shard) not in writers:
+            part = os.path.join(tmp_dir, _part_name(split, shard, index))
+            writers[split, shard] = tf.io.TFRecordWriter(part)
+        writers[split, shard].write(record)
+        examples[split][shard] += 1
 
     for pass_index in range(cfg.dupe_factor):
+        rngs = {
+            split: np.random.default_rng([cfg.seed, index, pass_index, split_id])
+            for split_id, split in enumerate(SPLITS)
+        }
+        packers = {split: Packer(cfg.max_seq_length, min_length=3) for split in SPLITS}
         windows = {
             split: _DocumentWindow(
-                cfg.random_document_buffer,
-                functools.partial(
-                    make_instances,
-                    split,
-                    np.random.default_rng([cfg.seed, index, pass_index, split_id]),
-                ),
-            )  # fmt: skip
-            for split_id, split in enumerate(SPLITS)
+                cfg.random_document_buffer, functools.partial(make_instances, split, rngs[split])
+            )
+            for split in SPLITS
         }
         for split, doc in _doc_stream(source, index, cfg, tok, cache_path, pass_index):
             if pass_index == 0:
@@ -234,8 +249,10 @@ def _process_source(task) -> dict:
                 stats["sentences"] += len(doc)
                 stats["tokens"] += sum(map(len, doc))
             windows[split].push(doc)
-        for window in windows.values():
+        for split, window in windows.items():
             window.finish()
+            for row in packers[split].flush():
+                write(split, packed_to_example(row, cfg=cfg, consts=consts, rng=rngs[split]))
     for writer in writers.values():
         writer.close()
     os.remove(cache_path)
@@ -350,6 +367,7 @@ def prepare(
     num_workers: int | None = None,
     tfds_data_dir: str | None = None,
     show_progress: bool = True,
+    packing: bool = False,
 ) -> dict:
     """Turns a corpus into pretraining TFRecord shards + metadata.json; returns the metadata.
 
@@ -360,7 +378,7 @@ def prepare(
     cfg = PrepareConfig(
         max_seq_length, max_predictions_per_seq, masked_lm_prob, short_seq_prob, dupe_factor, nsp,
         masking, whole_word_mask, seed, num_shards, eval_fraction, random_document_buffer,
-        corpus_format,
+        corpus_format, packing,
     )  # fmt: skip
     cfg.validate()
     entries = (
@@ -373,7 +391,7 @@ def prepare(
     output_dir = str(output_dir)
     existing = read_metadata(output_dir)
     if existing is not None:
-        differ = [k for k in _SETTINGS if existing.get(k) != settings[k]]
+        differ = [k for k in _SETTINGS if existing.get(k, _SETTING_DEFAULTS.get(k)) != settings[k]]
         if differ:
             raise ValueError(
                 f"{_join(output_dir, METADATA_FILE)} was written for other settings (differs in "
@@ -507,6 +525,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.add_argument(f"--{name}", type=float, default=getattr(d, name))
     p.add_argument("--nsp", type=_bool, default=d.nsp)
     p.add_argument("--whole_word_mask", type=_bool, default=d.whole_word_mask)
+    p.add_argument("--packing", type=_bool, default=d.packing, help="pack rows (needs --nsp=false)")
     p.add_argument("--masking", default=d.masking, choices=("static", "dynamic"))
     p.add_argument("--num_workers", type=int, default=None, help="default: all cores")
     p.add_argument("--no_progress", action="store_true")
@@ -522,7 +541,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         masking=args.masking, whole_word_mask=args.whole_word_mask, seed=args.seed,
         num_shards=args.num_shards, eval_fraction=args.eval_fraction,
         random_document_buffer=args.random_document_buffer, num_workers=args.num_workers,
-        tfds_data_dir=args.tfds_data_dir, show_progress=not args.no_progress,
+        tfds_data_dir=args.tfds_data_dir, show_progress=not args.no_progress, packing=args.packing,
     )  # fmt: skip
     print(
         f"{args.output_dir}: {meta['examples']} examples from {meta['documents']} documents, "

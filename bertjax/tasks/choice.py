@@ -29,6 +29,7 @@ class Swag(FinetuneTask):
 
     name = "swag"
     main_metric = "accuracy"
+    packing_unsupported = "an example is a fixed group of 4 choice rows scored against each other"
 
     def __init__(self, config, workdir):
         super().__init__(config, workdir)

@@ -13,7 +13,11 @@ supplies a head, a loss and host-side scoring; this base class turns them into t
 * training runs ``config.train.epochs`` epochs (``train.steps`` > 0 overrides), with a linear warmup
   over ``optimizer.warmup_proportion`` of the steps (resolved into ``optimizer.warmup_steps``), and
   evaluates once per epoch (``train.eval_every`` > 0 overrides) with ``main_metric`` kept as best;
-* evaluation predicts every example of each eval set exactly once (padded batches, ``mask``).
+* evaluation predicts every example of each eval set exactly once (padded batches, ``mask``);
+* ``data.packing`` packs up to ``data.max_examples_per_row`` examples per row
+  (``bertjax.data.packing``), train and eval alike: losses and metrics average over real examples
+  (``example_weights``) and predictions come back in the original example order, so they equal the
+  unpacked ones. Training rows are packed once (the examples of a row stay together every epoch).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import traverse_util
 
+from bertjax.data import packing
 from bertjax.data.pipeline import ArrayData
 from bertjax.model_config import BertConfig
 from bertjax.task import Phase, Task
@@ -41,6 +46,7 @@ NUMERIC_MODEL_KEYS = (
     "dtype",
     "hidden_dropout",
     "attention_dropout",
+    "dropout_impl",
     "attention_impl",
     "remat",
     "scan_layers",
@@ -118,6 +124,8 @@ class FinetuneTask(Task):
 
     name = "finetune"
     main_metric = "accuracy"  # the dev metric kept as best (maximised)
+    packing_unsupported = ""  # why data.packing cannot apply to the task ("" = it can)
+    token_outputs: tuple[str, ...] = ()  # eval outputs per token [b, seq] (the others per example)
 
     def __init__(self, config, workdir):
         super().__init__(config, workdir)
@@ -127,6 +135,15 @@ class FinetuneTask(Task):
         self.eval_sets: list[EvalSet] = []
         self._total_steps = 0
         self._loaded = False
+        self._packed_eval: dict[int, tuple] = {}  # id(features) -> (features, packed, layout)
+
+    @property
+    def packing(self) -> bool:
+        """Whether examples are packed several per row (config key data.packing)."""
+        return bool(self.config.data.get("packing", False))
+
+    def _pack(self, features: dict[str, np.ndarray]):
+        return packing.pack_features(features, int(self.config.data.get("max_examples_per_row", 8)))
 
     # ---- subclass API --------------------------------------------------------------------------
     def load_data(self) -> None:
@@ -205,12 +222,26 @@ class FinetuneTask(Task):
         """Loads the tokenizer, the init checkpoint and every split; resolves steps and warmup."""
         if self._loaded:
             return
+        if self.packing and self.packing_unsupported:
+            raise ValueError(
+                f"config key data.packing=True: task {self.name} cannot be packed "
+                f"({self.packing_unsupported})"
+            )
         self._load_tokenizer()
         self.load_data()
         if self.train_features is None or not len(self.train_features["input_ids"]):
             raise ValueError(f"task {self.name}: no training examples")
+        if self.packing:
+            examples = len(self.train_features["input_ids"])
+            self.train_features, _ = self._pack(self.train_features)
+            log.info(
+                "task %s: %d training examples packed into %d rows",
+                self.name,
+                examples,
+                len(self.train_features["input_ids"]),
+            )
         tcfg = self.config.train
-        n = len(self.train_features["input_ids"])
+        n = len(self.train_features["input_ids"])  # rows when packed
         per_epoch = max(1, n // tcfg.global_batch_size)
         if tcfg.steps > 0:
             self._total_steps = tcfg.steps
@@ -284,14 +315,22 @@ class FinetuneTask(Task):
             input_ids=batch["input_ids"],
             token_type_ids=batch["segment_ids"],
             attention_mask=batch["input_mask"],
+            **{k: batch[k] for k in packing.PACKED_KEYS if k in batch},
         )
 
     def step_shape(self, phase):
         return phase.options["max_seq_length"], 0
 
     # ---- training ------------------------------------------------------------------------------
+    def example_weights(self, batch) -> jax.Array:
+        """Weight of every example: [b] (``mask``), or [b, k] when packed (0 for empty slots)."""
+        mask = batch["mask"].astype(jnp.float32)
+        if "example_weights" in batch:
+            return batch["example_weights"] * mask[:, None]
+        return mask
+
     def normalizers(self, batch):
-        return {"examples": batch["mask"].astype(jnp.float32).sum()}
+        return {"examples": self.example_weights(batch).sum()}
 
     def loss(self, model, params, batch, rng, normalizers, deterministic):
         outputs = model.apply(
@@ -326,7 +365,15 @@ class FinetuneTask(Task):
         return -(-size // devices) * devices
 
     def predict(self, run: Callable, features: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """Every example of ``features`` through ``run`` once: host outputs [n, ...] in order."""
+        """Every example of ``features`` through ``run`` once: host outputs [n, ...] in order.
+
+        With packing the examples run packed and the outputs are mapped back to example order.
+        """
+        layout = None
+        if self.packing:
+            if id(features) not in self._packed_eval:
+                self._packed_eval[id(features)] = (features, *self._pack(features))
+            _, features, layout = self._packed_eval[id(features)]
         count = jax.process_count()
         size = self._eval_batch_size()
         size = -(-size // count) * count
@@ -350,6 +397,13 @@ class FinetuneTask(Task):
         for key, value in result.items():
             if len(value) != n:
                 raise RuntimeError(f"eval output {key} has {len(value)} rows for {n} examples")
+        if layout is not None:
+            result = {
+                k: packing.unpack_tokens(v, layout)
+                if k in self.token_outputs
+                else packing.unpack_examples(v, layout)
+                for k, v in result.items()
+            }
         return result
 
     def evaluate(self, run, phase):

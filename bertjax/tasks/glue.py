@@ -102,11 +102,17 @@ class GlueFinetune(FinetuneTask):
         num = 1 if self.spec.is_regression else len(self.spec.labels)
         return SequenceClassifier(model_config, num_labels=num)
 
+    def model_inputs(self, batch):
+        inputs = super().model_inputs(batch)
+        if "cls_positions" in batch:  # packed rows: one logit vector per [CLS]
+            inputs["cls_positions"] = batch["cls_positions"]
+        return inputs
+
     def head_loss(self, logits, batch, normalizers):
-        weights = batch["mask"]
+        weights = self.example_weights(batch)  # [b], or [b, k] when packed
         if self.spec.is_regression:
             loss = losses.regression_loss(
-                logits[:, 0], batch["label"], weights, normalizers["examples"]
+                logits[..., 0], batch["label"], weights, normalizers["examples"]
             )
             return loss, {"mse": loss}
         loss, acc = losses.classification_loss(
@@ -116,8 +122,8 @@ class GlueFinetune(FinetuneTask):
 
     def predictions(self, logits, batch):
         if self.spec.is_regression:
-            return {"prediction": logits[:, 0]}  # [batch] score
-        return {"prediction": jnp.argmax(logits, axis=-1).astype(jnp.int32)}  # [batch] label id
+            return {"prediction": logits[..., 0]}  # [batch (, k)] score
+        return {"prediction": jnp.argmax(logits, axis=-1).astype(jnp.int32)}  # [b (, k)] label id
 
     def score(self, eval_set, outputs):
         labels = eval_set.features["label"]

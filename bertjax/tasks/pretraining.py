@@ -3,6 +3,8 @@
 ``prepare`` (process 0) builds, when missing, everything the run reads: the demo corpus (offline
 default), a vocabulary trained from the corpus (unless ``data.vocab`` names one) and the TFRecord
 shards of every sequence-length phase (``bertjax prepare`` with the config's options).
+``data.packing`` (MLM only, ``data.nsp=False``) prepares packed rows (``bertjax.data.packing``) and
+feeds their ``pack_ids`` / ``position_ids`` to the model; the masked positions are row-global.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ MODEL_KEYS = (
     "dtype",
     "hidden_dropout",
     "attention_dropout",
+    "dropout_impl",
     "max_position_embeddings",
     "type_vocab_size",
     "attention_impl",
@@ -69,6 +72,12 @@ class PretrainingTask(Task):
         self.tokenizer = None
         d = config.data
         self.prepared_root = d.prepared_dir or os.path.join(workdir, "data")
+        self.packing = bool(d.get("packing", False))
+        if self.packing and d.nsp:
+            raise ValueError(
+                "config key data.packing=True needs data.nsp=False (next-sentence pairs cannot be "
+                "packed)"
+            )
 
     # ---- data on disk --------------------------------------------------------------------------
     def _phase_specs(self) -> list[dict]:
@@ -183,6 +192,7 @@ class PretrainingTask(Task):
                 seed=d.seed,
                 num_shards=d.num_shards,
                 eval_fraction=d.eval_fraction,
+                packing=self.packing,
             )
 
     def after_prepare(self) -> None:
@@ -204,6 +214,12 @@ class PretrainingTask(Task):
                     f"{self.data_dir(spec['max_seq_length'])}/metadata.json: "
                     f"max_seq_length={meta['max_seq_length']}, config wants "
                     f"{spec['max_seq_length']}"
+                )
+            if bool(meta.get("packing", False)) != self.packing:
+                raise ValueError(
+                    f"{self.data_dir(spec['max_seq_length'])}/metadata.json: packing="
+                    f"{bool(meta.get('packing', False))} but config key data.packing="
+                    f"{self.packing}; delete the prepared data or fix data.packing"
                 )
 
     # ---- model ---------------------------------------------------------------------------------
@@ -240,7 +256,11 @@ class PretrainingTask(Task):
             "masked_lm_ids": np.zeros((batch_size, pred), np.int32),
             "masked_lm_weights": np.zeros((batch_size, pred), np.float32),
             "next_sentence_labels": np.zeros((batch_size,), np.int32),
+            **{k: np.zeros((batch_size, seq), np.int32) for k in self._packed_keys()},
         }
+
+    def _packed_keys(self) -> tuple[str, ...]:
+        return ("pack_ids", "position_ids") if self.packing else ()
 
     def model_inputs(self, batch):
         return dict(
@@ -248,6 +268,7 @@ class PretrainingTask(Task):
             token_type_ids=batch["segment_ids"],
             attention_mask=batch["input_mask"],
             masked_lm_positions=batch["masked_lm_positions"],
+            **{k: batch[k] for k in self._packed_keys()},  # packed rows: positions are row-global
         )
 
     # ---- loss ----------------------------------------------------------------------------------

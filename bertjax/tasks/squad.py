@@ -32,6 +32,9 @@ class SquadFinetune(FinetuneTask):
     """Extractive question answering on SQuAD; ``version`` is "1.1" or "2.0"."""
 
     version = "1.1"
+    packing_unsupported = (
+        "its doc_stride windows already fill max_seq_length and its answer spans index whole rows"
+    )
 
     def __init__(self, config, workdir):
         super().__init__(config, workdir)

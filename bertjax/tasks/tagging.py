@@ -37,6 +37,7 @@ class ConllNer(FinetuneTask):
 
     name = "ner/conll2003"
     main_metric = "f1"
+    token_outputs = ("tag_ids",)
 
     def __init__(self, config, workdir):
         super().__init__(config, workdir)
@@ -101,7 +102,7 @@ class ConllNer(FinetuneTask):
     def normalizers(self, batch):
         return {
             "tokens": self._weights(batch).sum(),
-            "examples": batch["mask"].astype(jnp.float32).sum(),
+            "examples": self.example_weights(batch).sum(),
         }
 
     def head_loss(self, logits, batch, normalizers):

@@ -1,0 +1,86 @@
+"""The hand-written fast paths equal what autodiff / the straightforward code computes."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from bertjax import losses
+from bertjax.fast_ops import tied_decoder
+from bertjax.model_config import get_preset
+from bertjax.modeling import HeadProjection, fused_qkv
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_tied_decoder_value_and_gradients_equal_autodiff(dtype):
+    k1, k2, k3, k4 = jax.random.split(jax.random.key(0), 4)
+    x = jax.random.normal(k1, (3, 5, 16), dtype)  # [batch, predictions, hidden]
+    emb = (jax.random.normal(k2, (37, 16)) * 0.3).astype(dtype)  # [vocab, hidden]
+    bias = jax.random.normal(k3, (37,))
+    cot = jax.random.normal(k4, (3, 5, 37))
+
+    def reference(x, emb, bias):
+        return jnp.einsum("...h,vh->...v", x, emb).astype(jnp.float32) + bias
+
+    ours, vjp = jax.vjp(tied_decoder, x, emb, bias)
+    ref, ref_vjp = jax.vjp(reference, x, emb, bias)
+    tol = 1e-5 if dtype == jnp.float32 else 2e-2
+    np.testing.assert_allclose(ours, ref, rtol=tol, atol=tol)
+    for a, b in zip(vjp(cot), ref_vjp(cot)):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        np.testing.assert_allclose(
+            np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=tol, atol=tol * 10
+        )
+
+
+class _SeparateQKV(nn.Module):
+    config: object
+
+    @nn.compact
+    def __call__(self, x):
+        return tuple(HeadProjection(self.config, name=n)(x) for n in ("query", "key", "value"))
+
+
+class _FusedQKV(nn.Module):
+    config: object
+
+    @nn.compact
+    def __call__(self, x):
+        return fused_qkv(self.config, x)
+
+
+def test_fused_qkv_has_the_same_params_and_outputs_as_three_projections():
+    cfg = get_preset("tiny", vocab_size=50)
+    x = jax.random.normal(jax.random.key(1), (2, 7, cfg.hidden_size))
+    params = _SeparateQKV(cfg).init(jax.random.key(2), x)
+    fused_params = _FusedQKV(cfg).init(jax.random.key(2), x)
+    assert jax.tree.structure(params) == jax.tree.structure(fused_params)
+    ref = _SeparateQKV(cfg).apply(params, x)
+    ours = _FusedQKV(cfg).apply(params, x)
+    for a, b in zip(ours, ref):
+        assert a.shape == (2, 7, cfg.num_heads, cfg.head_dim)
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+    def loss(p, module):
+        return sum(jnp.sum(jnp.sin(t)) for t in module.apply(p, x))
+
+    g_ref = jax.grad(loss)(params, _SeparateQKV(cfg))
+    g_ours = jax.grad(loss)(params, _FusedQKV(cfg))
+    for a, b in zip(jax.tree.leaves(g_ours), jax.tree.leaves(g_ref)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_loss_and_accuracy_from_one_max_equal_logsumexp_and_argmax():
+    logits = jax.random.normal(jax.random.key(3), (4, 6, 101)) * 4
+    labels = jax.random.randint(jax.random.key(4), (4, 6), 0, 101)
+    labels = labels.at[0, :3].set(jnp.argmax(logits[0, :3], axis=-1))  # some correct ones
+    nll, correct = losses.nll_and_correct(logits, labels)
+    ref_nll = (
+        jax.nn.logsumexp(logits, -1) - jnp.take_along_axis(logits, labels[..., None], -1)[..., 0]
+    )
+    np.testing.assert_allclose(nll, ref_nll, rtol=1e-6, atol=1e-5)
+    np.testing.assert_array_equal(correct, (jnp.argmax(logits, -1) == labels).astype(jnp.float32))
+    grad = jax.grad(lambda z: losses.cross_entropy(z, labels).sum())(logits)
+    ref_grad = jax.nn.softmax(logits) - jax.nn.one_hot(labels, 101)
+    np.testing.assert_allclose(grad, ref_grad, atol=1e-6)
