@@ -58,7 +58,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=10, help="timed steps (median reported)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps after compilation")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
-    p.add_argument("--attention_impl", default="xla", choices=("xla", "dot_product", "cudnn"))
+    p.add_argument(
+        "--attention_impl", default="xla", choices=("xla", "dot_product", "cudnn", "splash")
+    )
     p.add_argument("--remat", default="none", choices=("none", "dots", "full"))
     p.add_argument("--dropout_impl", default="bits16", choices=("bits16", "flax"))
     p.add_argument("--scan_layers", action="store_true")
