@@ -61,7 +61,7 @@ def _ones(names: tuple[str | None, ...]):
 def activation(name: str):
     """The feed-forward activation named in the model config."""
     return {
-        "gelu": functools.partial(nn.gelu, approximate=False),
+        "gelu": fast_ops.gelu,  # exact (erf) GELU; its backward reuses the forward's Phi(x)
         "gelu_new": functools.partial(nn.gelu, approximate=True),
         "gelu_tanh": functools.partial(nn.gelu, approximate=True),
         "relu": nn.relu,

@@ -1,5 +1,7 @@
 """The hand-written fast paths equal what autodiff / the straightforward code computes."""
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -7,7 +9,7 @@ import numpy as np
 import pytest
 
 from bertjax import losses
-from bertjax.fast_ops import tied_decoder
+from bertjax.fast_ops import gelu, tied_decoder
 from bertjax.model_config import get_preset
 from bertjax.modeling import HeadProjection, fused_qkv
 
@@ -84,3 +86,18 @@ def test_loss_and_accuracy_from_one_max_equal_logsumexp_and_argmax():
     grad = jax.grad(lambda z: losses.cross_entropy(z, labels).sum())(logits)
     ref_grad = jax.nn.softmax(logits) - jax.nn.one_hot(labels, 101)
     np.testing.assert_allclose(grad, ref_grad, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_gelu_keeping_phi_equals_exact_gelu_and_its_autodiff(dtype):
+    x = (jnp.linspace(-8.0, 8.0, 4001) + 0.0013).astype(dtype)
+    ref_fn = functools.partial(jax.nn.gelu, approximate=False)
+    tol = 1e-6 if dtype == jnp.float32 else 1e-2
+    np.testing.assert_allclose(
+        np.asarray(gelu(x), np.float32), np.asarray(ref_fn(x), np.float32), rtol=tol, atol=tol
+    )
+    grad = jax.vmap(jax.grad(lambda v: gelu(v).astype(jnp.float32)))(x)
+    ref_grad = jax.vmap(jax.grad(lambda v: ref_fn(v).astype(jnp.float32)))(x)
+    np.testing.assert_allclose(
+        np.asarray(grad, np.float32), np.asarray(ref_grad, np.float32), rtol=tol, atol=tol * 5
+    )
