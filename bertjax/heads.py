@@ -22,6 +22,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from bertjax.dropout import Dropout
 from bertjax.model_config import BertConfig
 from bertjax.modeling import BertModel, output_dense
 
@@ -57,7 +58,9 @@ class SequenceClassifier(nn.Module):
             pool_positions=cls_positions,
         )
         pooled = out.pooled_output.astype(jnp.float32)  # [batch, (k,) hidden]
-        pooled = nn.Dropout(self.config.hidden_dropout)(pooled, deterministic=deterministic)
+        pooled = Dropout(self.config.hidden_dropout, self.config.dropout_impl)(
+            pooled, deterministic=deterministic
+        )
         return output_dense(self.config, self.num_labels, "classifier")(pooled)  # [b, (k,) labels]
 
 
@@ -111,7 +114,9 @@ class TokenClassifier(nn.Module):
             pack_ids=pack_ids,
         )
         seq = out.sequence_output.astype(jnp.float32)  # [batch, seq, hidden]
-        seq = nn.Dropout(self.config.hidden_dropout)(seq, deterministic=deterministic)
+        seq = Dropout(self.config.hidden_dropout, self.config.dropout_impl)(
+            seq, deterministic=deterministic
+        )
         return output_dense(self.config, self.num_labels, "classifier")(seq)  # [batch, seq, labels]
 
 
@@ -143,7 +148,9 @@ class MultipleChoice(nn.Module):
             flat(input_ids), flat(token_type_ids), flat(attention_mask), deterministic=deterministic
         )
         pooled = out.pooled_output.astype(jnp.float32)  # [batch * choices, hidden]
-        pooled = nn.Dropout(self.config.hidden_dropout)(pooled, deterministic=deterministic)
+        pooled = Dropout(self.config.hidden_dropout, self.config.dropout_impl)(
+            pooled, deterministic=deterministic
+        )
         scores = output_dense(self.config, 1, "classifier")(pooled)  # [batch * choices, 1]
         return scores.reshape(b, c)
 
