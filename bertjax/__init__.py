@@ -1,7 +1,8 @@
-"""bertjax: BERT pretraining and fine-tuning in JAX/Flax.
+"""bertjax: BERT-style encoder pretraining and fine-tuning in JAX/Flax.
 
-The public face: the Flax modules and their config presets, the loss functions, and (lazily, so that
-``import bertjax`` stays light) the pretrained-weights loader and the tokenizers.
+The public face: the Flax modules and their config presets, the architecture registry, the loss
+functions, and (lazily, so that ``import bertjax`` stays light) the pretrained-weights loader and
+the tokenizers.
 """
 
 from bertjax.losses import (
@@ -11,16 +12,22 @@ from bertjax.losses import (
     nsp_loss,
     regression_loss,
 )
-from bertjax.model_config import BertConfig, get_preset, preset_names
-from bertjax.modeling import BertForPreTraining, BertModel, BertOutput
+from bertjax.models import ARCHITECTURES, architecture
+from bertjax.models.bert import BertConfig, BertModel, BertOutput, get_preset, preset_names
+from bertjax.models.heads import PreTrainingModel
 
-__version__ = "0.1.0"
+BertForPreTraining = PreTrainingModel  # BERT's name for the encoder + MLM (+ NSP) heads
+
+__version__ = "0.2.0"
 
 __all__ = [
+    "ARCHITECTURES",
     "BertConfig",
     "BertForPreTraining",
     "BertModel",
     "BertOutput",
+    "PreTrainingModel",
+    "architecture",
     "classification_loss",
     "cross_entropy",
     "get_preset",
@@ -34,12 +41,13 @@ __all__ = [
 
 
 def __getattr__(name):
+    # Lazy: the loader pulls in safetensors/Orbax and the tokenizers TensorFlow.
     if name == "load_pretrained":
         from bertjax.pretrained import load_pretrained
 
         return load_pretrained
     if name == "load_tokenizer":
-        from bertjax.tokenization import load_tokenizer
+        from bertjax.text.tokenization import load_tokenizer
 
         return load_tokenizer
     raise AttributeError(f"module 'bertjax' has no attribute {name!r}")

@@ -17,12 +17,15 @@ COMMANDS = {
     "finetune": ("bertjax.cli:train_command", "fine-tune on GLUE/SQuAD/NER/SWAG from a config"),
     "compile": ("bertjax.cli:train_command", "compile the train step; print per-device memory"),
     "prepare": ("bertjax.data.prepare:main", "turn a corpus into pretraining TFRecords"),
-    "vocab": ("bertjax.vocab:main", "train a WordPiece or SentencePiece vocabulary"),
-    "plot": ("bertjax.plot:main", "write a PNG of a run's metric curves"),
-    "evaluate": ("bertjax.evaluate:main", "official SQuAD / GLUE metrics of a predictions file"),
+    "vocab": ("bertjax.text.vocab:main", "train a WordPiece or SentencePiece vocabulary"),
+    "plot": ("bertjax.tools.plot:main", "write a PNG of a run's metric curves"),
+    "evaluate": ("bertjax.tools.score:main", "official SQuAD / GLUE metrics of a predictions file"),
     "convert": ("bertjax.convert:main", "convert checkpoints between HF, TF and bertjax"),
-    "extract-features": ("bertjax.extract_features:main", "per-token vectors of chosen layers"),
-    "bench": ("bertjax.bench:main", "measure step time, tokens/s, MFU, memory, input speed"),
+    "extract-features": (
+        "bertjax.tools.extract_features:main",
+        "per-token vectors of chosen layers",
+    ),
+    "bench": ("bertjax.tools.bench:main", "measure step time, tokens/s, MFU, memory, input speed"),
 }
 
 
@@ -96,7 +99,7 @@ def train_command(argv: list[str], command: str) -> None:
             raise app.UsageError("finetune needs --config.task=<a fine-tuning task>")
         try:
             if command == "finetune":
-                from bertjax import finetune
+                from bertjax import multiseed as finetune
 
                 result = finetune.run(config, workdir)
             else:

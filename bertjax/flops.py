@@ -1,16 +1,14 @@
-"""Analytic FLOP counts of BERT steps and a peak-FLOP/s table for MFU.
+"""Training FLOPs of a step and a peak-FLOP/s table for MFU.
 
-Counted (multiply-add = 2 FLOPs; backward = 2x forward, so a training step is 3x forward):
-per token and layer: Q/K/V/output projections 8*H^2, feed-forward 4*H*I, attention scores and
-context 4*S*H; the embeddings gather costs nothing; the pooler and NSP head are per sequence; the
-MLM head (transform H^2 + decoder H*V) only at the masked positions.
+Each architecture counts its own forward FLOPs (``forward_flops_per_sequence`` in its module of
+``bertjax.models``; multiply-add = 2 FLOPs); backward = 2x forward, so a training step is 3x forward.
 """
 
 from __future__ import annotations
 
 import jax
 
-from bertjax.model_config import BertConfig
+from bertjax import models
 
 # Dense bf16 peak TFLOP/s per chip (vendor figures), matched against jax's device_kind.
 PEAK_TFLOPS = {
@@ -35,19 +33,9 @@ PEAK_TFLOPS = {
 }
 
 
-def forward_flops_per_sequence(cfg: BertConfig, seq_len: int, num_masked: int) -> float:
-    """Forward FLOPs of one pretraining sequence (encoder + heads at ``num_masked`` positions)."""
-    h, i, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
-    per_token_layer = 2 * (4 * h * h + 2 * h * i) + 2 * 2 * seq_len * h
-    encoder = cfg.num_layers * seq_len * per_token_layer
-    heads = 2 * h * h + 2 * h * 2  # pooler + NSP
-    mlm = num_masked * 2 * (h * h + h * v)
-    return float(encoder + heads + mlm)
-
-
-def train_flops_per_step(cfg: BertConfig, batch: int, seq_len: int, num_masked: int) -> float:
+def train_flops_per_step(cfg, batch: int, seq_len: int, num_masked: int) -> float:
     """Training FLOPs of one step: 3x the forward pass (forward + backward)."""
-    return 3.0 * batch * forward_flops_per_sequence(cfg, seq_len, num_masked)
+    return 3.0 * batch * models.forward_flops_per_sequence(cfg, seq_len, num_masked)
 
 
 def device_peak_tflops(device=None, override: float = 0.0) -> float:

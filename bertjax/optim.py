@@ -51,12 +51,17 @@ def weight_decay_mask(params: Any) -> Any:
 
 
 def create_optimizer(
-    config: ml_collections.ConfigDict, total_steps: int
+    config: ml_collections.ConfigDict, total_steps: int, warmup_steps: int | None = None
 ) -> tuple[optax.GradientTransformation, optax.Schedule]:
-    """Builds the optimizer named in ``config.optimizer`` (adamw | lamb) and its schedule."""
+    """Builds the optimizer named in ``config.optimizer`` (adamw | lamb) and its schedule.
+
+    ``warmup_steps`` (default ``optimizer.warmup_steps``) is what the task resolved, e.g. a
+    fine-tuning task's ``warmup_proportion`` of its steps.
+    """
     opt = config.optimizer
+    warmup = opt.warmup_steps if warmup_steps is None else warmup_steps
     schedule = learning_rate_schedule(
-        opt.learning_rate, opt.warmup_steps, total_steps, opt.get("end_lr_factor", 0.0)
+        opt.learning_rate, warmup, total_steps, opt.get("end_lr_factor", 0.0)
     )
     name = opt.name.lower()
     if name == "adamw":

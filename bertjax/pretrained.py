@@ -22,20 +22,22 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bertjax.convert import Checkpoint, layout, unflatten_params
-from bertjax.model_config import BertConfig
-from bertjax.modeling import BertModel, MaskedLMHead, output_dense
+from bertjax import models
+from bertjax.convert import Checkpoint, layout, load_checkpoint, unflatten_params
+from bertjax.layers.core import output_dense
+from bertjax.models.heads import encoder, tied_word_embeddings
+from bertjax.text.tokenization import load_tokenizer
 
 log = logging.getLogger("bertjax")
 
 Array = jax.Array
 
 
-class PretrainedBert(nn.Module):
-    """BertModel (``bert``) plus whichever heads a checkpoint holds: ``predictions`` (MLM, tied
-    decoder), ``seq_relationship`` (NSP) and ``classifier`` (sequence classification)."""
+class PretrainedEncoder(nn.Module):
+    """An encoder of any architecture plus whichever heads a checkpoint holds: ``predictions`` (MLM,
+    tied decoder), ``seq_relationship`` (NSP) and ``classifier`` (sequence classification)."""
 
-    config: BertConfig
+    config: Any
     pooler: bool = True
     mlm: bool = False
     nsp: bool = False
@@ -52,8 +54,8 @@ class PretrainedBert(nn.Module):
         output_hidden_states: bool = False,
     ) -> dict[str, Any]:
         cfg = self.config
-        bert = BertModel(cfg, add_pooler=self.pooler, name="bert")
-        out = bert(
+        enc = encoder(cfg, add_pooler=self.pooler)
+        out = enc(
             input_ids,
             token_type_ids,
             attention_mask,
@@ -64,9 +66,9 @@ class PretrainedBert(nn.Module):
         if output_hidden_states:
             result["hidden_states"] = out.hidden_states  # L + 1 of [batch, seq, hidden]
         if self.mlm:
-            words = nn.meta.unbox(bert.variables["params"]["embeddings"]["word_embeddings"])
-            head = MaskedLMHead(cfg, name="predictions")
-            result["mlm_logits"] = head(out.sequence_output, words["embedding"])  # [b, seq, vocab]
+            head = models.architecture(cfg).MaskedLMHead(cfg, name="predictions")
+            words = tied_word_embeddings(cfg, enc)
+            result["mlm_logits"] = head(out.sequence_output, words)  # [b, seq, vocab]
         pooled = None if out.pooled_output is None else out.pooled_output.astype(jnp.float32)
         if self.nsp:
             result["nsp_logits"] = output_dense(cfg, 2, "seq_relationship")(pooled)  # [b, 2]
@@ -136,9 +138,9 @@ class Pretrained:
     """A loaded checkpoint: Flax ``module`` with ``params``, ``config``, ``tokenizer``, and the
     heads absent from the source (``missing``; freshly initialised when loaded with heads="all")."""
 
-    module: PretrainedBert
+    module: PretrainedEncoder
     params: dict
-    config: BertConfig
+    config: Any
     tokenizer: Any
     missing: tuple[str, ...]
     source: str = ""
@@ -154,9 +156,11 @@ class Pretrained:
         return tuple(h for h, on in zip(("pooler", "mlm", "nsp", "classifier"), flags) if on)
 
     @property
-    def bert_params(self) -> dict:
-        """The encoder's params (the ``bert`` subtree, what fine-tuning heads start from)."""
-        return self.params["bert"]
+    def encoder_params(self) -> dict:
+        """The encoder's params (``bert`` subtree for BERT: what fine-tuning heads start from)."""
+        return self.params[models.architecture(self.config).ENCODER_NAME]
+
+    bert_params = encoder_params  # the name bertjax 0.1 gave it
 
     def encode_batch(
         self, texts_or_pairs: Sequence, max_length: int | None = None, pad_to_max_length=False
@@ -202,12 +206,12 @@ class Pretrained:
 
 
 @functools.lru_cache(maxsize=16)
-def _jitted_apply(module: PretrainedBert):
+def _jitted_apply(module: PretrainedEncoder):
     """One jitted ``apply`` per module definition, shared by every model loaded with it."""
     return jax.jit(module.apply, static_argnames=("output_hidden_states",))
 
 
-def fresh_head_tensors(config: BertConfig, heads, seed: int) -> dict[str, np.ndarray]:
+def fresh_head_tensors(config: Any, heads, seed: int) -> dict[str, np.ndarray]:
     """Newly initialised tensors of the given heads (flat bertjax paths), as in ``modeling``:
     kernels truncated-normal(initializer_range), LayerNorm scales one, biases zero."""
     entries = [e for e in layout(config, heads) if e.head in heads]
@@ -246,7 +250,7 @@ def pretrained_from_checkpoint(
     if "nsp" in want:
         want.add("pooler")  # NSP reads the pooled output
     config = ckpt.config.replace(dtype=dtype, param_dtype="float32", scan_layers=False)
-    module = PretrainedBert(
+    module = PretrainedEncoder(
         config,
         pooler="pooler" in want,
         mlm="mlm" in want,
@@ -262,8 +266,6 @@ def pretrained_from_checkpoint(
     params = unflatten_params(tensors)
     tokenizer = None
     if ckpt.vocab_file:
-        from bertjax.tokenization import load_tokenizer
-
         tokenizer = load_tokenizer(ckpt.vocab_file, ckpt.do_lower_case)
     else:
         log.warning("%s: no vocabulary file found; tokenizer is None", ckpt.source)
@@ -287,7 +289,5 @@ def load_pretrained(
     stay float32). ``vocab`` overrides the vocabulary file found beside the checkpoint and ``fmt``
     (hf, tf, bertjax) the detected format.
     """
-    from bertjax.convert import load_checkpoint
-
     ckpt = load_checkpoint(path, fmt, vocab)
     return pretrained_from_checkpoint(ckpt, heads=heads, dtype=dtype, seed=seed)

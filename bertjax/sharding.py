@@ -86,7 +86,7 @@ def rules_from_config(rules: Sequence[Sequence[Any]] | None) -> tuple[tuple[str,
     return tuple(out)
 
 
-def _fit_spec(spec: PartitionSpec, shape: tuple[int, ...], mesh: Mesh) -> PartitionSpec:
+def fit_spec(spec: PartitionSpec, shape: tuple[int, ...], mesh: Mesh) -> PartitionSpec:
     """Drops mesh axes from dimensions they do not divide (e.g. an odd vocabulary), keeping the rest."""
     fitted = []
     for dim, axes in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))):
@@ -113,7 +113,7 @@ def logical_shardings(abstract_tree: Any, mesh: Mesh, rules) -> Any:
     def to_sharding(spec, shape):
         if spec is None:
             spec = PartitionSpec()
-        return NamedSharding(mesh, _fit_spec(spec, shape, mesh))
+        return NamedSharding(mesh, fit_spec(spec, shape, mesh))
 
     return jax.tree.map(
         to_sharding, mesh_specs, shapes, is_leaf=lambda x: isinstance(x, PartitionSpec) or x is None

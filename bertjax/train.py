@@ -1,6 +1,6 @@
 """The one trainer: pretraining and every fine-tuning task run through ``train_and_evaluate``.
 
-A task (``bertjax.task.Task``) supplies the model head, loss, data and evaluation; this module owns
+A task (``bertjax.tasks.base.Task``) supplies the model head, loss, data and evaluation; this module owns
 the mesh, the sharded train state, the pure jitted ``train_step``, logging, evaluation and
 checkpoint/resume (re-running on the same WORKDIR continues; SIGTERM saves, then exits).
 """
@@ -29,7 +29,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 from bertjax import checkpointing, flops, sharding
 from bertjax.metrics_logging import MetricsWriter, Throughput
 from bertjax.optim import create_optimizer, global_norm
-from bertjax.task import Phase, Task, get_task
+from bertjax.tasks.base import Phase, Task
+from bertjax.tasks.registry import get_task
 
 log = logging.getLogger("bertjax")
 
@@ -75,7 +76,8 @@ def build(config: ml_collections.ConfigDict, workdir: str, task: Task | None = N
     mesh = sharding.create_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor, devices)
     rules = sharding.rules_from_config(config.mesh.get("rules"))
     phases = task.phases()
-    tx, schedule = create_optimizer(config, phases[-1].until_step)
+    total_steps = phases[-1].until_step
+    tx, schedule = create_optimizer(config, total_steps, task.warmup_steps(total_steps))
     init_batch = task.init_batch(phases[0], 1)
 
     def init_boxed(rng):

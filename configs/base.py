@@ -2,6 +2,7 @@
 
 import ml_collections
 
+from bertjax import models
 from bertjax.sharding import RULES
 
 
@@ -9,18 +10,16 @@ def get_config() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     c.task = "pretrain"  # a name from the task registry (bertjax.tasks.registry)
 
-    # Model: a named preset plus field overrides (see bertjax.model_config).
+    # Model: an architecture (bertjax.models), a named preset of it, and any field of its config
+    # (every field of every architecture is defined here unset: None keeps the preset's value).
     c.model = ml_collections.ConfigDict()
+    for key, kind in models.experiment_keys().items():
+        c.model[key] = ml_collections.config_dict.placeholder(kind)
+    c.model.architecture = ml_collections.config_dict.placeholder(
+        str
+    )  # None: bert / the checkpoint's
     c.model.preset = "base"
     c.model.dtype = "float32"  # compute dtype; "bfloat16" on TPU/GPU
-    c.model.hidden_dropout = 0.1
-    c.model.attention_dropout = 0.1
-    c.model.max_position_embeddings = 512
-    c.model.type_vocab_size = 2
-    c.model.attention_impl = "xla"
-    c.model.remat = "none"
-    c.model.dropout_impl = "bits16"  # bits16 (cheaper mask) | flax (flax.linen.Dropout's masks)
-    c.model.scan_layers = False
 
     # Pretraining data: a corpus turned into TFRecords by `bertjax prepare` (run automatically).
     c.data = ml_collections.ConfigDict()

@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 from train_fixtures import write_prepared
 
-from bertjax import bench, bench_data, bench_peers, flops
-from bertjax.model_config import BertConfig
-from bertjax.modeling import BertForPreTraining
+from bertjax import BertForPreTraining, flops, models
+from bertjax.models.bert import BertConfig
+from bertjax.tasks.pretraining import PretrainingTask
+from bertjax.tools import bench, bench_data, bench_peers
 
 TINY_ARGS = ["--preset=tiny", "--batch=2", "--seq=16", "--steps=2", "--warmup=1", "--devices=1"]
 TINY_ARGS += ["--skip_input", "--skip_prepare", "--matmul_size=256"]
@@ -24,7 +25,7 @@ def test_forward_flops_match_a_hand_count():
     # Per token: Q, K, V, O projections 4 * 2*4*4 = 128; FFN 2 * 2*4*8 = 128; scores + context
     # 2 * 2*3*4 = 48 (seq 3). Three tokens: 912. Pooler 2*4*4 + NSP 2*4*2 = 48. MLM at 2 positions:
     # 2 * (2*4*4 + 2*4*10) = 224.
-    assert flops.forward_flops_per_sequence(cfg, seq_len=3, num_masked=2) == 912 + 48 + 224
+    assert models.forward_flops_per_sequence(cfg, seq_len=3, num_masked=2) == 912 + 48 + 224
     assert flops.train_flops_per_step(cfg, batch=5, seq_len=3, num_masked=2) == 3 * 5 * 1184
 
 
@@ -45,7 +46,7 @@ def test_forward_flops_agree_with_xla_count():
     params = jax.jit(model.init)(jax.random.key(0), ids, masked_lm_positions=positions)
     cost = jax.jit(model.apply).lower(params, ids, masked_lm_positions=positions).compile()
     xla = bench._xla_flops(cost)
-    analytic = batch * flops.forward_flops_per_sequence(cfg, seq, masked)
+    analytic = batch * models.forward_flops_per_sequence(cfg, seq, masked)
     assert 1.0 <= xla / analytic < 1.1, (xla, analytic)
 
 
@@ -146,8 +147,8 @@ def test_synthetic_batch_is_a_valid_pretraining_batch():
     assert not picked[:, 0].any() and not picked[:, -1].any()  # never [CLS] or the last token
     assert (hf["input_ids"][picked] == 103).all()
     args = bench.parse_args(["--preset=tiny", "--batch=4", "--seq=32", "--masked=5"])
-    task = bench._synthetic_task_class()(bench.bench_config(args), "/nonexistent", 1000)
-    batch = task.synthetic_batch(task.phases()[0])
+    task = PretrainingTask(bench.bench_config(args), "/nonexistent", vocab_size=1000)
+    batch = bench.synthetic_batch(task, task.phases()[0], 1000)
     assert batch["masked_lm_positions"].shape == (4, 5)
     rows = np.arange(4)[:, None]
     assert (hf["labels"][rows, batch["masked_lm_positions"]] == batch["masked_lm_ids"]).all()

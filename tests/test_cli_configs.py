@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
-from bertjax import plot
-from bertjax.model_config import get_preset
-from bertjax.tasks.pretraining import model_config_from
+from bertjax.models.bert import get_preset
+from bertjax.models import model_config_from
+from bertjax.tools import plot
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 CONFIGS = sorted(p for p in (REPO / "configs").glob("*.py") if p.name != "__init__.py")
@@ -39,7 +39,7 @@ def test_config_parses_and_builds_a_model_config(path):
         assert key in config.train, key
     for key in ("data", "fsdp", "tensor"):
         assert key in config.mesh, key
-    model = model_config_from(config, vocab_size=30522)
+    model = model_config_from(config.model, vocab_size=30522)
     assert model.hidden_size == get_preset(config.model.preset).hidden_size
 
 

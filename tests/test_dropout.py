@@ -1,4 +1,4 @@
-"""bertjax.dropout: the flax-compatible masks and the statistics of the 16-bit masks."""
+"""bertjax.layers.dropout: the flax-compatible masks and the statistics of the 16-bit masks."""
 
 import flax.linen as nn
 import jax
@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
-from bertjax.dropout import Dropout, keep_threshold, random_halfwords
-from bertjax.model_config import get_preset
-from bertjax.modeling import BertForPreTraining
+from bertjax import BertForPreTraining
+from bertjax.layers.dropout import Dropout, keep_threshold, random_halfwords
+from bertjax.models.bert import get_preset
 
 
 class _TwoSites(nn.Module):

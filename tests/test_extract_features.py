@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 from test_convert_hf import make_hf_model, sst2_sentences
 
-from bertjax.extract_features import main, parse_layers, read_examples
 from bertjax.pretrained import encode_batch
-from bertjax.tokenization import load_tokenizer
+from bertjax.text.tokenization import load_tokenizer
+from bertjax.tools.extract_features import main, parse_layers, read_examples
 
 LAYERS = [-1, 0, 1]  # last layer, embeddings, first layer
 

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from bertjax import losses
-from bertjax.fast_ops import gelu, tied_decoder
-from bertjax.model_config import get_preset
-from bertjax.modeling import HeadProjection, fused_qkv
+from bertjax.layers.attention import HeadProjection
+from bertjax.layers.fast_ops import gelu, tied_decoder
+from bertjax.models.bert import fused_qkv, get_preset
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])

@@ -12,8 +12,9 @@ import jax
 import numpy as np
 import pytest
 
-from bertjax import finetune, train
-from bertjax.task import get_task
+from bertjax import multiseed as finetune
+from bertjax import train
+from bertjax.tasks.registry import get_task
 from configs import glue as glue_config
 from configs import ner as ner_config
 from configs import squad as squad_config
@@ -315,7 +316,7 @@ def _tiny_hf_checkpoint(files, path, config):
     import flax.linen as nn
 
     from bertjax.convert import Checkpoint, flatten_params, save_checkpoint
-    from bertjax.modeling import BertModel
+    from bertjax.models.bert import BertModel
 
     ids = np.zeros((1, 8), np.int32)
     params = nn.meta.unbox(BertModel(config).init(jax.random.key(42), ids)["params"])
@@ -328,7 +329,7 @@ def _tiny_hf_checkpoint(files, path, config):
 
 @pytest.mark.parametrize("scan", [False, True])
 def test_init_checkpoint_replaces_the_encoder(files, tmp_path, scan):
-    from bertjax.model_config import BertConfig
+    from bertjax.models.bert import BertConfig
     from bertjax.pretrained import load_pretrained
 
     n_vocab = len((files / "vocab.txt").read_text().split())
@@ -361,7 +362,7 @@ def test_init_checkpoint_replaces_the_encoder(files, tmp_path, scan):
         token_type_ids=batch["segment_ids"],
         attention_mask=batch["input_mask"],
     )
-    from bertjax.modeling import BertModel
+    from bertjax.models.bert import BertModel
 
     encoder = jax.jit(BertModel(setup.model.config).apply)
     ours = encoder({"params": state.params["bert"]}, **inputs)
@@ -379,7 +380,7 @@ def test_init_checkpoint_replaces_the_encoder(files, tmp_path, scan):
 
 
 def test_vocabulary_must_match_the_init_checkpoint(files, tmp_path):
-    from bertjax.model_config import BertConfig
+    from bertjax.models.bert import BertConfig
 
     n_vocab = len((files / "vocab.txt").read_text().split())
     cfg = BertConfig(

@@ -6,12 +6,12 @@ import re
 import numpy as np
 import pytest
 
-from bertjax import evaluate
 from bertjax.tasks import glue_data as g
+from bertjax.tools import score as evaluate
 
 
 class TinyTokenizer:
-    """Stand-in with the bertjax.tokenization interface: lower-case, punctuation split, WordPiece."""
+    """Stand-in with the bertjax.text.tokenization interface: lower-case, punctuation split, WordPiece."""
 
     def __init__(self, words):
         self.vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *words]

@@ -7,9 +7,8 @@ import numpy as np
 import pytest
 
 from bertjax import sharding
-from bertjax.heads import MultipleChoice, SequenceClassifier, SpanClassifier, TokenClassifier
-from bertjax.model_config import BertConfig
-from bertjax.modeling import BertModel
+from bertjax.models.bert import BertConfig, BertModel
+from bertjax.models.heads import MultipleChoice, SequenceClassifier, SpanClassifier, TokenClassifier
 
 CFG = BertConfig(
     vocab_size=40,

@@ -6,8 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from bertjax.model_config import ALIASES, PRESETS, BertConfig, get_preset
-from bertjax.modeling import BertForPreTraining, BertModel
+from bertjax import BertForPreTraining
+from bertjax.models.bert import ALIASES, PRESETS, BertConfig, BertModel, get_preset
 
 VOCAB = 97
 

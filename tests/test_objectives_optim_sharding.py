@@ -152,17 +152,17 @@ def test_mesh_shape_fills_minus_one_and_rejects_bad_sizes():
 
 def test_specs_drop_axes_that_do_not_divide_a_dimension():
     mesh = sharding.create_mesh(2, 2, 2)
-    assert sharding._fit_spec(PartitionSpec("tensor", "fsdp"), (1001, 64), mesh) == PartitionSpec(
+    assert sharding.fit_spec(PartitionSpec("tensor", "fsdp"), (1001, 64), mesh) == PartitionSpec(
         None, "fsdp"
     )
-    assert sharding._fit_spec(PartitionSpec(("data", "fsdp")), (6,), mesh) == PartitionSpec("data")
+    assert sharding.fit_spec(PartitionSpec(("data", "fsdp")), (6,), mesh) == PartitionSpec("data")
 
 
 def test_fsdp_shards_parameters_and_optimizer_state():
     import flax.linen as nn
 
-    from bertjax.model_config import get_preset
-    from bertjax.modeling import BertForPreTraining
+    from bertjax import BertForPreTraining
+    from bertjax.models.bert import get_preset
 
     cfg = get_preset("tiny", vocab_size=1024)
     model = BertForPreTraining(cfg)

@@ -10,12 +10,11 @@ import pytest
 import tensorflow as tf
 from train_fixtures import read_metrics
 
-from bertjax import train
+from bertjax import BertForPreTraining, train
 from bertjax.data import masking, packing, pipeline, prepare
-from bertjax.model_config import get_preset
-from bertjax.modeling import BertForPreTraining, BertModel
+from bertjax.models.bert import BertModel, get_preset
 from bertjax.tasks.pretraining import PretrainingTask
-from bertjax.tokenization import load_tokenizer
+from bertjax.text.tokenization import load_tokenizer
 from configs import base
 
 WORDS = (

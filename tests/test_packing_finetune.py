@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from bertjax import train
-from bertjax.task import get_task
+from bertjax.tasks.registry import get_task
 from configs import glue as glue_config
 from configs import ner as ner_config
 from configs import squad as squad_config

@@ -7,15 +7,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from bertjax import losses, sharding
-from bertjax.model_config import get_preset
-from bertjax.modeling import BertForPreTraining
-from bertjax.splash_attention import (
+from bertjax import BertForPreTraining, losses, sharding
+from bertjax.layers.splash_attention import (
     INTERPRET_ENV,
     block_size,
     segment_ids_from_mask,
     splash_attention,
 )
+from bertjax.models.bert import get_preset
 
 SEQ, HEADS, HEAD_DIM = 128, 2, 64  # 128: the kernel's smallest block (TPU lane width)
 VOCAB = 97

@@ -8,14 +8,14 @@ import re
 import numpy as np
 import pytest
 
-from bertjax import evaluate
 from bertjax.tasks import metrics
 from bertjax.tasks import squad_data as sd
 from bertjax.tasks import squad_postprocess as sp
+from bertjax.tools import score as evaluate
 
 
 def basic_split(text, do_lower_case=True):
-    """Stand-in for bertjax.tokenization.basic_tokenize: punctuation split (+ lower-casing)."""
+    """Stand-in for bertjax.text.tokenization.basic_tokenize: punctuation split (+ lower-casing)."""
     return re.findall(r"\w+|[^\w\s]", text.lower() if do_lower_case else text)
 
 
@@ -182,7 +182,7 @@ def test_write_predictions_official_format(tmp_path):
 
 
 def _real_tokenizer(uncased_vocab):
-    tokenization = pytest.importorskip("bertjax.tokenization")
+    tokenization = pytest.importorskip("bertjax.text.tokenization")
     return tokenization.load_tokenizer(str(uncased_vocab), do_lower_case=True), tokenization
 
 

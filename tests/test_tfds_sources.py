@@ -8,9 +8,9 @@ import json
 
 import pytest
 
-from bertjax.tasks import choice_data as cd
+from bertjax.tasks import ner_data as td
 from bertjax.tasks import squad_data as sd
-from bertjax.tasks import tagging_data as td
+from bertjax.tasks import swag_data as cd
 from bertjax.tasks.metrics import evaluate_squad_v1, evaluate_squad_v2
 
 tfds = pytest.importorskip("tensorflow_datasets")

@@ -14,7 +14,7 @@ import pytest
 from train_fixtures import read_metrics, tiny_config
 
 from bertjax import train
-from bertjax.task import Task, register
+from bertjax.tasks.base import Task, register
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
@@ -67,7 +67,7 @@ def test_eight_devices_with_data_fsdp_tensor_match_one_device(tmp_path):
 
 
 def _prepared_task(config, tmp_path):
-    from bertjax.task import get_task
+    from bertjax.tasks.registry import get_task
 
     task = get_task("pretrain", config, str(tmp_path))
     task.after_prepare()

@@ -6,8 +6,8 @@ import os
 import pytest
 import tensorflow as tf
 
-from bertjax import tokenization, vocab
-from bertjax.tokenization import SentencePieceTokenizer, WordPieceTokenizer, load_tokenizer
+from bertjax.text import tokenization, vocab
+from bertjax.text.tokenization import SentencePieceTokenizer, WordPieceTokenizer, load_tokenizer
 
 
 def _gutenberg(shared_data) -> str:

@@ -22,22 +22,26 @@ import zipfile
 
 import ml_dtypes
 import numpy as np
+from safetensors.numpy import load_file, save_file
 
-from bertjax.convert import (
-    HEADS,
+from bertjax.convert.bert_layout import (
     MATRIX_ROLES,
+    from_original,
+    layout,
+    original_shape,
+    to_original,
+)
+from bertjax.convert.checkpoint import (
+    HEADS,
     Checkpoint,
     Entry,
     find_vocab,
-    from_original,
-    layout,
     match_tensors,
-    original_shape,
-    to_original,
     with_param_dtype,
 )
 from bertjax.convert.tf import config_from_original, config_to_original
-from bertjax.model_config import BertConfig
+from bertjax.models.bert import BertConfig
+from bertjax.text.tokenization import load_tokenizer
 
 SAFETENSORS = "model.safetensors"
 TORCH_BIN = "pytorch_model.bin"
@@ -279,8 +283,6 @@ def read_torch_file(path: str) -> dict[str, np.ndarray]:
 
 def read_safetensors(path: str) -> dict[str, np.ndarray]:
     """Every tensor of a .safetensors file as NumPy (bf16 via ml_dtypes)."""
-    from safetensors.numpy import load_file
-
     try:
         return load_file(path)
     except Exception as e:  # safetensors raises its own error types
@@ -337,10 +339,6 @@ def load_hf(directory: str) -> Checkpoint:
 
 def write_hf(ckpt: Checkpoint, directory: str) -> None:
     """config.json, model.safetensors and tokenizer_config.json that transformers loads as is."""
-    from safetensors.numpy import save_file
-
-    from bertjax.tokenization import load_tokenizer
-
     state, arch = tensors_to_hf(ckpt)
     config = {"architectures": [arch], "model_type": "bert", **config_to_original(ckpt.config)}
     config.update(

@@ -16,18 +16,17 @@ import json
 import os
 
 import numpy as np
+import tensorflow as tf
 
-from bertjax.convert import (
+from bertjax.convert.bert_layout import from_original, layout, original_shape, to_original
+from bertjax.convert.checkpoint import (
     HEADS,
     Checkpoint,
     find_vocab,
-    from_original,
-    layout,
     match_tensors,
-    to_original,
     with_param_dtype,
 )
-from bertjax.model_config import BertConfig
+from bertjax.models.bert import BertConfig
 
 CONFIG_NAME = "bert_config.json"
 CHECKPOINT_NAME = "bert_model.ckpt"
@@ -131,8 +130,6 @@ def find_checkpoint_prefix(path: str) -> str:
 
 def read_tf_checkpoint(prefix: str) -> dict[str, np.ndarray]:
     """Every model variable of a TF checkpoint (optimizer slots and global_step skipped)."""
-    import tensorflow as tf
-
     try:
         reader = tf.train.load_checkpoint(prefix)
     except Exception as e:  # tf raises several error types for unreadable checkpoints
@@ -148,8 +145,6 @@ def read_tf_checkpoint(prefix: str) -> dict[str, np.ndarray]:
 def write_tf_checkpoint(prefix: str, tensors: dict[str, np.ndarray]) -> None:
     """Writes a TF (V2 bundle) checkpoint at ``prefix`` whose variable names are exactly the keys
     (``prefix.index`` + ``prefix.data-00000-of-00001`` + a ``checkpoint`` state file)."""
-    import tensorflow as tf
-
     graph = tf.Graph()
     with graph.as_default():  # values are fed, not baked into the graph (no 2 GB proto limit)
         feeds, variables = {}, {}
@@ -169,7 +164,7 @@ def tf_to_tensors(named: dict[str, np.ndarray], config, source: str) -> dict[str
     classifier = named.get("output_weights")
     num_labels = 0 if classifier is None else int(classifier.shape[0])
     entries = {e.original: e for e in layout(config, HEADS, num_labels)}
-    tensors = match_tensors(named, entries, source)
+    tensors = match_tensors(named, entries, source, shape_of=original_shape)
     by_path = {e.path: e for e in entries.values()}
     return {path: from_original(x, by_path[path]) for path, x in tensors.items()}
 

@@ -139,7 +139,7 @@ def _tokenizer_for(spec):
     if not isinstance(spec, tuple):
         return spec  # an in-process tokenizer object
     if _WORKER.get("tokenizer_spec") != spec:
-        from bertjax.tokenization import load_tokenizer
+        from bertjax.text.tokenization import load_tokenizer
 
         _WORKER["tokenizer"], _WORKER["tokenizer_spec"] = load_tokenizer(*spec), spec
     return _WORKER["tokenizer"]
@@ -371,7 +371,7 @@ def prepare(
 ) -> dict:
     """Turns a corpus into pretraining TFRecord shards + metadata.json; returns the metadata.
 
-    `tokenizer` is a `bertjax.tokenization` tokenizer (workers reload it from its vocab_file). When
+    `tokenizer` is a `bertjax.text.tokenization` tokenizer (workers reload it from its vocab_file). When
     output_dir already holds a metadata.json for the same settings the work is skipped; for other
     settings it is an error. Options are described in the module docstring.
     """
@@ -530,7 +530,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--num_workers", type=int, default=None, help="default: all cores")
     p.add_argument("--no_progress", action="store_true")
     args = p.parse_args(argv)
-    from bertjax.tokenization import load_tokenizer
+    from bertjax.text.tokenization import load_tokenizer
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
     meta = prepare(

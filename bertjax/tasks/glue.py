@@ -20,10 +20,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from bertjax import losses
-from bertjax.heads import SequenceClassifier
-from bertjax.task import register
+from bertjax.models.heads import SequenceClassifier
 from bertjax.tasks import glue_data
-from bertjax.tasks.finetune_base import EvalSet, FinetuneTask, subset
+from bertjax.tasks.base import register
+from bertjax.tasks.finetuning import EvalSet, FinetuneTask, subset
 from bertjax.tasks.metrics import glue_metrics
 
 log = logging.getLogger("bertjax")

@@ -17,41 +17,15 @@ import jax.numpy as jnp
 import numpy as np
 import tensorflow as tf
 
-from bertjax import flops, losses
+from bertjax import flops, losses, models
 from bertjax.data import pipeline
+from bertjax.data.prepare import prepare
 from bertjax.data.streams import StreamedData
-from bertjax.model_config import BertConfig, get_preset
-from bertjax.modeling import BertForPreTraining
-from bertjax.task import Phase, Task, register
+from bertjax.models.heads import PreTrainingModel
+from bertjax.tasks.base import Phase, Task, register
+from bertjax.text.tokenization import load_tokenizer
 
 log = logging.getLogger("bertjax")
-
-MODEL_KEYS = (
-    "dtype",
-    "hidden_dropout",
-    "attention_dropout",
-    "dropout_impl",
-    "max_position_embeddings",
-    "type_vocab_size",
-    "attention_impl",
-    "remat",
-    "scan_layers",
-)
-
-
-def model_config_from(config, vocab_size: int) -> BertConfig:
-    """BertConfig from ``config.model`` (preset + overrides); ``model.vocab_size`` must agree."""
-    m = config.model
-    overrides = {k: m[k] for k in MODEL_KEYS if k in m}
-    for key in ("num_layers", "hidden_size", "num_heads", "intermediate_size", "hidden_act"):
-        if key in m and m[key]:
-            overrides[key] = m[key]
-    if m.get("vocab_size") and m.vocab_size != vocab_size:
-        raise ValueError(
-            f"config key model.vocab_size={m.vocab_size} disagrees with the vocabulary "
-            f"({vocab_size} tokens)"
-        )
-    return get_preset(m.preset, vocab_size=vocab_size, **overrides)
 
 
 @register("pretrain")
@@ -67,9 +41,12 @@ class PretrainingTask(Task):
         "nsp_accuracy": "examples",
     }
 
-    def __init__(self, config, workdir):
+    def __init__(self, config, workdir, *, vocab_size: int | None = None):
+        """``vocab_size`` set: a task without data on disk (compiling, benchmarks): nothing is
+        prepared or read, and the model's vocabulary has that size."""
         super().__init__(config, workdir)
         self.tokenizer = None
+        self.fixed_vocab_size = vocab_size
         d = config.data
         self.prepared_root = d.prepared_dir or os.path.join(workdir, "data")
         self.packing = bool(d.get("packing", False))
@@ -129,6 +106,8 @@ class PretrainingTask(Task):
         return os.path.join(self.prepared_root, "vocab" + suffix)
 
     def prepare(self) -> None:
+        if self.fixed_vocab_size:
+            return
         d = self.config.data
         missing = [
             s
@@ -139,13 +118,10 @@ class PretrainingTask(Task):
         ]
         if not missing and (d.vocab or tf.io.gfile.exists(self._vocab_path())):
             return
-        from bertjax.data.prepare import prepare
-        from bertjax.tokenization import load_tokenizer
-
         corpus, fmt = None, None
         vocab = self._vocab_path()
         if not d.vocab and not tf.io.gfile.exists(vocab):
-            from bertjax.vocab import train_vocab
+            from bertjax.text.vocab import train_vocab
 
             corpus, fmt = self._corpus_files()
             if corpus.startswith("tfds:"):
@@ -196,8 +172,8 @@ class PretrainingTask(Task):
             )
 
     def after_prepare(self) -> None:
-        from bertjax.tokenization import load_tokenizer
-
+        if self.fixed_vocab_size:
+            return
         self.tokenizer = load_tokenizer(
             self._vocab_path(), do_lower_case=self.config.data.do_lower_case
         )
@@ -223,8 +199,9 @@ class PretrainingTask(Task):
                 )
 
     # ---- model ---------------------------------------------------------------------------------
-    def model_config(self) -> BertConfig:
-        cfg = model_config_from(self.config, self.tokenizer.vocab_size)
+    def model_config(self):
+        vocab_size = self.fixed_vocab_size or self.tokenizer.vocab_size
+        cfg = models.model_config_from(self.config.model, vocab_size)
         longest = max(s["max_seq_length"] for s in self._phase_specs())
         if longest > cfg.max_position_embeddings:
             raise ValueError(
@@ -234,7 +211,7 @@ class PretrainingTask(Task):
         return cfg
 
     def build_model(self, model_config):
-        return BertForPreTraining(model_config, nsp=self.config.data.nsp)
+        return PreTrainingModel(model_config, nsp=self.config.data.nsp)
 
     def phases(self) -> list[Phase]:
         return [

@@ -1,7 +1,13 @@
-"""Imports every task module so that each registers itself in ``bertjax.task.REGISTRY``."""
+"""Every task, registered by importing its module; ``get_task`` instantiates one by name."""
 
-import bertjax.tasks.choice  # noqa: F401
-import bertjax.tasks.glue  # noqa: F401
-import bertjax.tasks.squad  # noqa: F401
-import bertjax.tasks.tagging  # noqa: F401
-from bertjax.tasks import pretraining  # noqa: F401
+import ml_collections
+
+from bertjax.tasks import glue, ner, pretraining, squad, swag  # noqa: F401  (each registers itself)
+from bertjax.tasks.base import REGISTRY, Task
+
+
+def get_task(name: str, config: ml_collections.ConfigDict, workdir: str) -> Task:
+    """Instantiates the task registered under ``name``; unknown names list the known ones."""
+    if name not in REGISTRY:
+        raise ValueError(f"config key task={name!r} is not a known task; known: {sorted(REGISTRY)}")
+    return REGISTRY[name](config, workdir)

@@ -19,10 +19,10 @@ import os
 import jax
 
 from bertjax import losses
-from bertjax.heads import SpanClassifier
-from bertjax.task import register
+from bertjax.models.heads import SpanClassifier
 from bertjax.tasks import squad_data, squad_postprocess
-from bertjax.tasks.finetune_base import EvalSet, FinetuneTask, atomic_write_text, subset
+from bertjax.tasks.base import register
+from bertjax.tasks.finetuning import EvalSet, FinetuneTask, atomic_write_text, subset
 from bertjax.tasks.metrics import evaluate_squad_v1, evaluate_squad_v2
 
 SPAN_KEYS = ("input_ids", "input_mask", "segment_ids", "start_positions", "end_positions")

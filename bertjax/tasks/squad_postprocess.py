@@ -48,7 +48,7 @@ def _strip_spaces(text: str) -> tuple[str, dict[int, int]]:
 
 
 def _default_basic_tokenize() -> Callable[[str, bool], list[str]]:
-    from bertjax.tokenization import basic_tokenize
+    from bertjax.text.tokenization import basic_tokenize
 
     return basic_tokenize
 
@@ -114,7 +114,7 @@ def compute_predictions(
     """Answers for every example from per-feature logits.
 
     start_logits / end_logits: [num_features, seq], row i belonging to feature i of `features`.
-    `basic_tokenize(text, do_lower_case)` defaults to bertjax.tokenization.basic_tokenize.
+    `basic_tokenize(text, do_lower_case)` defaults to bertjax.text.tokenization.basic_tokenize.
     """
     start_logits = np.asarray(start_logits, dtype=np.float32)  # [features, seq]
     end_logits = np.asarray(end_logits, dtype=np.float32)  # [features, seq]

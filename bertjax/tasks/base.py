@@ -1,7 +1,8 @@
 """What a task plugs into the one trainer: a model head, a loss, an input pipeline, an evaluation.
 
 Pretraining and every fine-tuning task implement ``Task``; the trainer (``bertjax.train``) knows
-nothing else about them. Tasks are chosen by name from ``REGISTRY`` (``register`` adds one).
+nothing else about them. Tasks are chosen by name from ``REGISTRY`` (``register`` adds one; ``bertjax.tasks.registry.get_task``
+instantiates one).
 """
 
 from __future__ import annotations
@@ -14,8 +15,6 @@ import flax.linen as nn
 import jax
 import ml_collections
 import numpy as np
-
-from bertjax.model_config import BertConfig
 
 Batch = dict[str, Any]
 
@@ -57,10 +56,10 @@ class Task:
     def after_prepare(self) -> None:
         """Loads what ``prepare`` built (runs on every process after a barrier)."""
 
-    def model_config(self) -> BertConfig:
+    def model_config(self):
         raise NotImplementedError
 
-    def build_model(self, model_config: BertConfig) -> nn.Module:
+    def build_model(self, model_config) -> nn.Module:
         raise NotImplementedError
 
     def phases(self) -> list[Phase]:
@@ -83,9 +82,13 @@ class Task:
         """(sequence length, predicted positions per sequence) of a phase, for throughput figures."""
         return 0, 0
 
-    def flops_per_step(self, model_config: BertConfig, phase: Phase) -> float:
+    def flops_per_step(self, model_config, phase: Phase) -> float:
         """Model FLOPs of one training step (0 when not counted)."""
         return 0.0
+
+    def warmup_steps(self, total_steps: int) -> int:
+        """Learning-rate warmup steps of a run of ``total_steps`` (default optimizer.warmup_steps)."""
+        return int(self.config.optimizer.warmup_steps)
 
     def init_params(self, model: nn.Module, params: Any) -> Any:
         """Hook to replace freshly initialised params (e.g. from an init checkpoint)."""
@@ -169,12 +172,3 @@ def register(name: str):
         return cls
 
     return wrap
-
-
-def get_task(name: str, config: ml_collections.ConfigDict, workdir: str) -> Task:
-    """Instantiates the task registered under ``name``; unknown names list the known ones."""
-    import bertjax.tasks.registry  # noqa: F401  (fills REGISTRY)
-
-    if name not in REGISTRY:
-        raise ValueError(f"config key task={name!r} is not a known task; known: {sorted(REGISTRY)}")
-    return REGISTRY[name](config, workdir)

@@ -17,10 +17,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from bertjax import losses
-from bertjax.heads import TokenClassifier
-from bertjax.task import register
-from bertjax.tasks import tagging_data
-from bertjax.tasks.finetune_base import EvalSet, FinetuneTask, subset
+from bertjax.models.heads import TokenClassifier
+from bertjax.tasks import ner_data
+from bertjax.tasks.base import register
+from bertjax.tasks.finetuning import EvalSet, FinetuneTask, subset
 from bertjax.tasks.metrics import ner_metrics
 
 FILES = {
@@ -46,7 +46,7 @@ class ConllNer(FinetuneTask):
 
     def _read(self, split: str, required: bool):
         if not self.config.data_dir:
-            return f"tfds:conll2003/{split}", tagging_data.load_conll2003_tfds(split)
+            return f"tfds:conll2003/{split}", ner_data.load_conll2003_tfds(split)
         path = self.data_path(*FILES[split])
         if path is None:
             if required:
@@ -55,16 +55,15 @@ class ConllNer(FinetuneTask):
                     f"(one of {list(FILES[split])})"
                 )
             return None, None
-        sentences = tagging_data.read_conll(path)
+        sentences = ner_data.read_conll(path)
         bio = [
-            tagging_data.TaggedSentence(s.words, tuple(tagging_data.iob1_to_bio(s.tags)))
-            for s in sentences
+            ner_data.TaggedSentence(s.words, tuple(ner_data.iob1_to_bio(s.tags))) for s in sentences
         ]
         return path, bio
 
     def _encode(self, path: str, sentences) -> dict[str, np.ndarray]:
         try:
-            return tagging_data.encode_tagged(
+            return ner_data.encode_tagged(
                 self.tokenizer, sentences, self.labels, self.config.data.max_seq_length
             )
         except ValueError as err:
@@ -80,10 +79,10 @@ class ConllNer(FinetuneTask):
         d = self.config.data
         path, train = self._read("train", required=True)
         tags = {t for s in train for t in s.tags}
-        if tags <= set(tagging_data.CONLL2003_LABELS):
-            self.labels = list(tagging_data.CONLL2003_LABELS)
+        if tags <= set(ner_data.CONLL2003_LABELS):
+            self.labels = list(ner_data.CONLL2003_LABELS)
         else:
-            self.labels = tagging_data.build_label_list(train)
+            self.labels = ner_data.build_label_list(train)
         train = subset(train, d.max_train_examples)
         feats = self._encode(path, train)
         self.train_features = {k: feats[k] for k in TRAIN_KEYS}
@@ -116,7 +115,7 @@ class ConllNer(FinetuneTask):
 
     def _metrics(self, eval_set, outputs) -> dict:
         gold, word_ids = eval_set.meta
-        pred = tagging_data.predictions_to_tags(
+        pred = ner_data.predictions_to_tags(
             outputs["tag_ids"], word_ids, self.labels, [len(g) for g in gold]
         )
         return ner_metrics(gold, pred)

@@ -18,7 +18,7 @@ from collections.abc import Iterator, Sequence
 
 import tensorflow as tf
 
-from bertjax import tokenization
+from bertjax.text import tokenization
 
 KINDS = ("wordpiece", "sentencepiece")
 

@@ -43,7 +43,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from bertjax.sharding import _fit_spec
+from bertjax.sharding import fit_spec
 
 Array = jax.Array
 
@@ -161,7 +161,7 @@ def _mesh_spec(shape: tuple[int, ...], mesh, logical_axes) -> PartitionSpec | No
         kept = tuple(a for a in axes if a is not None and a in mesh.axis_names)
         return kept or None
 
-    spec = _fit_spec(PartitionSpec(on_mesh(rule[0]), None, on_mesh(rule[2]), None), shape, mesh)
+    spec = fit_spec(PartitionSpec(on_mesh(rule[0]), None, on_mesh(rule[2]), None), shape, mesh)
     if all(axes is None for axes in spec):
         return None
     return spec

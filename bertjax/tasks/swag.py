@@ -1,7 +1,7 @@
 """SWAG multiple choice (``swag``): one score per choice from each choice's pooled [CLS].
 
 Data: the official CSV files in ``config.data_dir`` (``train.csv``, ``val.csv``, optional
-``test.csv``), each choice encoded as ([CLS] context [SEP] start + ending [SEP]) (``choice_data``).
+``test.csv``), each choice encoded as ([CLS] context [SEP] start + ending [SEP]) (``swag_data``).
 Loss: softmax cross-entropy over the 4 choice scores. Main metric: dev accuracy. ``finalize``
 writes ``WORKDIR/swag_test_predictions.csv`` (``guid,label``) when the test file exists.
 """
@@ -14,10 +14,10 @@ import jax
 import jax.numpy as jnp
 
 from bertjax import losses
-from bertjax.heads import MultipleChoice
-from bertjax.task import register
-from bertjax.tasks import choice_data
-from bertjax.tasks.finetune_base import EvalSet, FinetuneTask, atomic_write_text, subset
+from bertjax.models.heads import MultipleChoice
+from bertjax.tasks import swag_data
+from bertjax.tasks.base import register
+from bertjax.tasks.finetuning import EvalSet, FinetuneTask, atomic_write_text, subset
 from bertjax.tasks.metrics import accuracy
 
 INPUT_KEYS = ("input_ids", "input_mask", "segment_ids")
@@ -39,14 +39,14 @@ class Swag(FinetuneTask):
         path = self.data_path(name)
         if path is None:
             return None
-        examples = subset(choice_data.read_swag(path), limit, seed)
-        return examples, choice_data.encode_choices(
+        examples = subset(swag_data.read_swag(path), limit, seed)
+        return examples, swag_data.encode_choices(
             self.tokenizer, examples, self.config.data.max_seq_length
         )
 
     def load_data(self):
         if not self.config.data_dir:
-            choice_data.load_swag_tfds("train")  # raises: TFDS has no SWAG
+            swag_data.load_swag_tfds("train")  # raises: TFDS has no SWAG
         d = self.config.data
         for name in ("train.csv", "val.csv"):
             if self.data_path(name) is None:

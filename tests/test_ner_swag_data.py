@@ -5,13 +5,13 @@ import re
 import numpy as np
 import pytest
 
-from bertjax.tasks import choice_data as cd
 from bertjax.tasks import metrics
-from bertjax.tasks import tagging_data as td
+from bertjax.tasks import ner_data as td
+from bertjax.tasks import swag_data as cd
 
 
 class TinyTokenizer:
-    """Stand-in with the bertjax.tokenization interface: lower-case, punctuation split, WordPiece."""
+    """Stand-in with the bertjax.text.tokenization interface: lower-case, punctuation split, WordPiece."""
 
     def __init__(self, words):
         self.vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *words]

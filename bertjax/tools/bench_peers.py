@@ -13,7 +13,7 @@ real, ``num_masked`` distinct masked positions per sequence, random NSP labels.
 
 This file runs as a SCRIPT under a second virtualenv (``.venv-peers``: transformers 4.57 with the
 jax/flax it supports and torch 2.13 CPU), never inside bertjax: the library never imports torch or
-transformers. Only the standard library is imported at module level, so ``bertjax.bench`` imports
+transformers. Only the standard library is imported at module level, so ``bertjax.tools.bench`` imports
 ``run_peer`` from here to launch the script and read the one JSON line it prints.
 """
 

@@ -8,10 +8,10 @@ supplies a head, a loss and host-side scoring; this base class turns them into t
   checkpoint's embedding table is an error;
 * the model config is the init checkpoint's (``config.model`` may change only numerics: dtype,
   dropout, attention implementation, remat, scan), else ``config.model`` + the vocabulary size;
-* ``init_params`` replaces the fresh encoder (``bert`` subtree) with the checkpoint's; the head stays
+* ``init_params`` replaces the fresh encoder (``bert`` subtree for BERT) with the checkpoint's; the head stays
   freshly initialised (and the pooler, when the checkpoint has none);
 * training runs ``config.train.epochs`` epochs (``train.steps`` > 0 overrides), with a linear warmup
-  over ``optimizer.warmup_proportion`` of the steps (resolved into ``optimizer.warmup_steps``), and
+  over ``optimizer.warmup_proportion`` of the steps (``warmup_steps``; the config is not written), and
   evaluates once per epoch (``train.eval_every`` > 0 overrides) with ``main_metric`` kept as best;
 * evaluation predicts every example of each eval set exactly once (padded batches, ``mask``);
 * ``data.packing`` packs up to ``data.max_examples_per_row`` examples per row
@@ -33,11 +33,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import traverse_util
 
+from bertjax import models
 from bertjax.data import packing
 from bertjax.data.pipeline import ArrayData
-from bertjax.model_config import BertConfig
-from bertjax.task import Phase, Task
-from bertjax.tasks.pretraining import model_config_from
+from bertjax.tasks.base import Phase, Task
 
 log = logging.getLogger("bertjax")
 
@@ -80,9 +79,10 @@ def subset(examples: list, limit: int, seed: int | None = 0) -> list:
     return [examples[i] for i in keep]
 
 
-def merge_encoder(fresh: Any, source: Any, source_name: str) -> Any:
-    """The fresh ``bert`` param tree with every tensor taken from ``source`` (a bertjax ``bert`` tree
-    with unrolled ``layer_{i}``), stacked onto a leading axis where ``fresh`` scans its layers.
+def merge_encoder(fresh: Any, source: Any, source_name: str, encoder_name: str = "bert") -> Any:
+    """The fresh encoder param tree (subtree ``encoder_name``) with every tensor taken from
+    ``source`` (the same subtree of a checkpoint, with unrolled ``layer_{i}``), stacked onto a
+    leading axis where ``fresh`` scans its layers.
 
     A pooler absent from ``source`` stays fresh; any other absent tensor or a shape mismatch is a
     ValueError naming the parameter.
@@ -106,11 +106,14 @@ def merge_encoder(fresh: Any, source: Any, source_name: str) -> Any:
                 kept_fresh.append(name)
                 out[path] = leaf
                 continue
-            raise ValueError(f"init checkpoint {source_name} has no parameter bert/{name}")
+            raise ValueError(
+                f"init checkpoint {source_name} has no parameter {encoder_name}/{name}"
+            )
         value = np.asarray(value)
         if value.shape != tuple(leaf.shape):
             raise ValueError(
-                f"init checkpoint {source_name}: bert/{name} has shape {value.shape}, the model "
+                f"init checkpoint {source_name}: {encoder_name}/{name} has shape {value.shape}, "
+                f"the model "
                 f"wants {tuple(leaf.shape)}"
             )
         out[path] = value.astype(leaf.dtype)
@@ -150,8 +153,8 @@ class FinetuneTask(Task):
         """Subclass: reads the splits and sets ``train_features`` and ``eval_sets``."""
         raise NotImplementedError
 
-    def build_model(self, model_config: BertConfig):
-        """Subclass: the head module (submodule ``bert`` = the encoder)."""
+    def build_model(self, model_config):
+        """Subclass: the head module (``bertjax.models.heads``; the encoder is a submodule)."""
         raise NotImplementedError
 
     def head_loss(self, outputs: Any, batch, normalizers) -> tuple[jax.Array, dict]:
@@ -188,7 +191,7 @@ class FinetuneTask(Task):
         return self.config.data_dir
 
     def _load_tokenizer(self) -> None:
-        from bertjax.tokenization import load_tokenizer
+        from bertjax.text.tokenization import load_tokenizer
 
         cfg = self.config
         lower = cfg.get("do_lower_case")
@@ -252,9 +255,6 @@ class FinetuneTask(Task):
                 )
             self._total_steps = max(1, int(n / tcfg.global_batch_size * tcfg.epochs))
         self._steps_per_epoch = per_epoch
-        proportion = self.config.optimizer.get("warmup_proportion", 0.0)
-        if proportion > 0:
-            self.config.optimizer.warmup_steps = int(self._total_steps * proportion)
         log.info(
             "task %s: %d training examples, %d steps (%d per epoch), eval sets %s",
             self.name,
@@ -265,15 +265,41 @@ class FinetuneTask(Task):
         )
         self._loaded = True
 
-    def model_config(self) -> BertConfig:
+    def warmup_steps(self, total_steps: int) -> int:
+        """``optimizer.warmup_proportion`` of the steps when > 0, else ``optimizer.warmup_steps``."""
+        proportion = self.config.optimizer.get("warmup_proportion", 0.0)
+        if proportion > 0:
+            return int(total_steps * proportion)
+        return super().warmup_steps(total_steps)
+
+    def model_config(self):
         self.after_prepare()
         if self.pretrained is not None:
-            overrides = {
-                k: self.config.model[k] for k in NUMERIC_MODEL_KEYS if k in self.config.model
-            }
-            cfg = self.pretrained.config.replace(**overrides)
+            cfg = self.pretrained.config
+            model = self.config.model
+            if model.get("architecture") not in (None, cfg.architecture):
+                raise ValueError(
+                    f"config key model.architecture={model.architecture!r} but the init "
+                    f"checkpoint {self.config.init_checkpoint} is {cfg.architecture!r}"
+                )
+            _, overrides = models.model_overrides(
+                {**model.to_dict(), "architecture": cfg.architecture}, cfg.vocab_size
+            )
+            fixed = sorted(
+                k
+                for k, v in overrides.items()
+                if k not in NUMERIC_MODEL_KEYS and v != getattr(cfg, k)
+            )
+            if fixed:  # the checkpoint defines the architecture; only numerics may change
+                log.warning(
+                    "init checkpoint %s defines the architecture: config keys %s ignored",
+                    self.config.init_checkpoint,
+                    ", ".join(f"model.{k}" for k in fixed),
+                )
+            overrides = {k: v for k, v in overrides.items() if k in NUMERIC_MODEL_KEYS}
+            cfg = cfg.replace(**overrides)
         else:
-            cfg = model_config_from(self.config, self.tokenizer.vocab_size)
+            cfg = models.model_config_from(self.config.model, self.tokenizer.vocab_size)
         seq = self.train_features["input_ids"].shape[-1]
         if seq > cfg.max_position_embeddings:
             raise ValueError(
@@ -285,11 +311,12 @@ class FinetuneTask(Task):
     def init_params(self, model, params):
         if self.pretrained is None:
             return params
-        bert = merge_encoder(
-            params["bert"], self.pretrained.bert_params, self.config.init_checkpoint
+        name = models.architecture(self.pretrained.config).ENCODER_NAME
+        encoder = merge_encoder(
+            params[name], self.pretrained.encoder_params, self.config.init_checkpoint, name
         )
         log.info("encoder initialised from %s", self.config.init_checkpoint)
-        return {**params, "bert": bert}
+        return {**params, name: encoder}
 
     def phases(self) -> list[Phase]:
         self.after_prepare()

@@ -117,7 +117,7 @@ def measure_input(data_dir: str, batch: int, batches: int) -> dict[str, Any]:
 def cached_records(args) -> str:
     """Records for the input benchmark when prepare is not measured: prepared once, then reused."""
     from bertjax.data.prepare import prepare
-    from bertjax.tokenization import load_tokenizer
+    from bertjax.text.tokenization import load_tokenizer
 
     out = os.path.join(args.cache_dir, f"records-seq{args.seq}-pred{args.masked}")
     prepare(

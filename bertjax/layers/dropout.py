@@ -29,8 +29,7 @@ import numpy as np
 from jax import lax
 from jax.extend.random import threefry2x32_p
 
-from bertjax.model_config import DROPOUT_IMPLS
-
+DROPOUT_IMPLS = ("bits16", "flax")
 _BITS = 16
 
 

@@ -1,6 +1,9 @@
-"""Fine-tuning heads on the shared BERT encoder (submodule ``bert``), as in the original BERT.
+"""Pretraining and fine-tuning heads on any registered encoder (``bertjax.models``).
 
-Parameter trees (the encoder's is ``modeling.BertModel``'s, so a pretrained ``bert`` subtree drops in)::
+The encoder is the config's architecture's ``Encoder`` under its ``ENCODER_NAME`` (``bert`` for
+BERT), so a pretrained encoder subtree drops in. Parameter trees (shown for BERT)::
+
+    PreTrainingModel:   bert/..., predictions/... (MLM), seq_relationship/... (NSP, optional)
 
     SequenceClassifier: bert/..., classifier/{kernel [embed, classes], bias [classes]}
     SpanClassifier:     bert/..., qa_outputs/{kernel [embed, 2], bias [2]}
@@ -18,21 +21,88 @@ axis has no rule in ``bertjax.sharding.RULES``, so head outputs stay replicated.
 
 from __future__ import annotations
 
+from typing import Any
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from bertjax.dropout import Dropout
-from bertjax.model_config import BertConfig
-from bertjax.modeling import BertModel, output_dense
+from bertjax.layers.core import gather_positions, output_dense
+from bertjax.layers.dropout import Dropout
+from bertjax.models import architecture
 
 Array = jax.Array
+
+
+def encoder(config: Any, add_pooler: bool = True) -> nn.Module:
+    """The config's architecture's encoder, named as its checkpoints expect."""
+    arch = architecture(config)
+    return arch.Encoder(config, add_pooler=add_pooler, name=arch.ENCODER_NAME)
+
+
+def tied_word_embeddings(config: Any, encoder_module: nn.Module) -> Array:
+    """The encoder's word-embedding table [vocab, hidden] (the MLM decoder's tied weights)."""
+    table = encoder_module.variables["params"]
+    for key in architecture(config).WORD_EMBEDDINGS:
+        table = table[key]
+    return nn.meta.unbox(table)
+
+
+class PreTrainingModel(nn.Module):
+    """An encoder with the masked-LM head (at chosen positions) and, for BERT's recipe, the
+    next-sentence head (``nsp``)."""
+
+    config: Any
+    nsp: bool = True
+
+    @nn.compact
+    def __call__(
+        self,
+        input_ids: Array,  # [batch, seq]
+        token_type_ids: Array | None = None,  # [batch, seq]
+        attention_mask: Array | None = None,  # [batch, seq]
+        masked_lm_positions: Array | None = None,  # [batch, k]
+        *,
+        deterministic: bool = True,
+        position_ids: Array | None = None,  # [batch, seq]
+        pack_ids: Array | None = None,  # [batch, seq]
+    ) -> dict[str, Array]:
+        """Returns mlm_logits [batch, k or seq, vocab] and nsp_logits [batch, 2] plus encoder outputs.
+
+        ``masked_lm_positions`` [batch, k] evaluates the MLM head only there (the training path); None
+        evaluates every position. ``position_ids`` / ``pack_ids`` [batch, seq] describe packed rows
+        (see the encoder); positions are then row-global.
+        """
+        cfg = self.config
+        enc = encoder(cfg, add_pooler=self.nsp or architecture(cfg).POOLER_IN_PRETRAINING)
+        out = enc(
+            input_ids,
+            token_type_ids,
+            attention_mask,
+            deterministic=deterministic,
+            position_ids=position_ids,
+            pack_ids=pack_ids,
+        )
+        seq = out.sequence_output
+        if masked_lm_positions is not None:
+            seq = gather_positions(seq, masked_lm_positions)  # [batch, k, hidden]
+        head = architecture(cfg).MaskedLMHead(cfg, name="predictions")
+        result = {
+            "sequence_output": out.sequence_output,
+            "pooled_output": out.pooled_output,
+            "mlm_logits": head(seq, tied_word_embeddings(cfg, enc)),
+        }
+        if self.nsp:
+            result["nsp_logits"] = output_dense(cfg, 2, "seq_relationship")(
+                out.pooled_output.astype(jnp.float32)
+            )
+        return result
 
 
 class SequenceClassifier(nn.Module):
     """Classification (``num_labels`` logits) or regression (``num_labels=1``) on the pooled [CLS]."""
 
-    config: BertConfig
+    config: Any
     num_labels: int
 
     @nn.compact
@@ -48,7 +118,7 @@ class SequenceClassifier(nn.Module):
         cls_positions: Array | None = None,  # [batch, k]
     ) -> Array:
         """Returns logits [batch, num_labels], or [batch, k, num_labels] at cls_positions (float32)."""
-        out = BertModel(self.config, name="bert")(
+        out = encoder(self.config)(
             input_ids,
             token_type_ids,
             attention_mask,
@@ -67,7 +137,7 @@ class SequenceClassifier(nn.Module):
 class SpanClassifier(nn.Module):
     """Extractive QA (SQuAD): a start and an end logit for every token (``qa_outputs``, Dense 2)."""
 
-    config: BertConfig
+    config: Any
 
     @nn.compact
     def __call__(
@@ -79,7 +149,7 @@ class SpanClassifier(nn.Module):
         deterministic: bool = True,
     ) -> tuple[Array, Array]:
         """Returns (start_logits, end_logits), each [batch, seq] float32."""
-        out = BertModel(self.config, add_pooler=False, name="bert")(
+        out = encoder(self.config, add_pooler=False)(
             input_ids, token_type_ids, attention_mask, deterministic=deterministic
         )
         seq = out.sequence_output.astype(jnp.float32)  # [batch, seq, hidden]
@@ -90,7 +160,7 @@ class SpanClassifier(nn.Module):
 class TokenClassifier(nn.Module):
     """Per-token classification (NER): ``num_labels`` logits at every position."""
 
-    config: BertConfig
+    config: Any
     num_labels: int
 
     @nn.compact
@@ -105,7 +175,7 @@ class TokenClassifier(nn.Module):
         pack_ids: Array | None = None,  # [batch, seq]
     ) -> Array:
         """Returns logits [batch, seq, num_labels] (float32)."""
-        out = BertModel(self.config, add_pooler=False, name="bert")(
+        out = encoder(self.config, add_pooler=False)(
             input_ids,
             token_type_ids,
             attention_mask,
@@ -123,7 +193,7 @@ class TokenClassifier(nn.Module):
 class MultipleChoice(nn.Module):
     """Multiple choice (SWAG): every choice is encoded alone; one score per choice from its [CLS]."""
 
-    config: BertConfig
+    config: Any
 
     @nn.compact
     def __call__(
@@ -144,7 +214,7 @@ class MultipleChoice(nn.Module):
         def flat(x):
             return None if x is None else x.reshape(b * c, s)  # [batch * choices, seq]
 
-        out = BertModel(self.config, name="bert")(
+        out = encoder(self.config)(
             flat(input_ids), flat(token_type_ids), flat(attention_mask), deterministic=deterministic
         )
         pooled = out.pooled_output.astype(jnp.float32)  # [batch * choices, hidden]

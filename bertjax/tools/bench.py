@@ -21,8 +21,11 @@ One run on the current devices measures:
 from __future__ import annotations
 
 import argparse
+import glob
+import gzip
 import json
 import os
+import re
 import resource
 import statistics
 import sys
@@ -30,8 +33,17 @@ import tempfile
 import time
 from typing import Any
 
-from bertjax import bench_peers
-from bertjax.bench_data import cached_records, measure_input, measure_prepare  # noqa: F401
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from bertjax import flops, sharding, train
+from bertjax.sharding import RULES
+from bertjax.tasks.pretraining import PretrainingTask
+from bertjax.tools import bench_peers
+from bertjax.tools.bench_data import cached_records, measure_input, measure_prepare  # noqa: F401
 
 _SHARED = os.environ.get(
     "BERTJAX_SHARED_DATA",
@@ -93,10 +105,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 # ---- the model step ------------------------------------------------------------------------------
 def bench_config(args: argparse.Namespace):
     """The experiment the benchmark runs: one pretraining phase with the paper's AdamW settings."""
-    import ml_collections
-
-    from bertjax.sharding import RULES
-
     switches = {
         k: getattr(args, k)
         for k in ("dtype", "attention_impl", "remat", "scan_layers", "dropout_impl")
@@ -114,52 +122,26 @@ def bench_config(args: argparse.Namespace):
     return ml_collections.ConfigDict(dict(c, optimizer=optimizer, mesh=mesh))
 
 
-def _synthetic_task_class():
-    import numpy as np
-
-    from bertjax.tasks.pretraining import PretrainingTask, model_config_from
-
-    class SyntheticPretrainingTask(PretrainingTask):
-        """PretrainingTask without data on disk: the vocabulary size is given, batches synthetic."""
-
-        def __init__(self, config, workdir, vocab_size: int):
-            super().__init__(config, workdir)
-            self.vocab_size = vocab_size
-
-        def prepare(self) -> None:
-            """Nothing on disk to build."""
-
-        def after_prepare(self) -> None:
-            """No vocabulary or records to load."""
-
-        def model_config(self):
-            return model_config_from(self.config, self.vocab_size)
-
-        def synthetic_batch(self, phase) -> dict:
-            """The init_batch shapes filled like real data (same values as the peers get)."""
-            seq, pred = self.step_shape(phase)
-            hf = bench_peers.synthetic_batch(phase.global_batch_size, seq, pred, self.vocab_size)
-            positions = (hf["labels"] >= 0).nonzero()[1].reshape(phase.global_batch_size, pred)
-            batch = self.init_batch(phase, phase.global_batch_size)  # the dtypes of real batches
-            values = dict(
-                input_ids=hf["input_ids"],
-                segment_ids=hf["token_type_ids"],
-                masked_lm_positions=positions,
-                next_sentence_labels=hf["next_sentence_label"],
-                masked_lm_ids=hf["labels"][hf["labels"] >= 0].reshape(positions.shape),
-                masked_lm_weights=np.ones(positions.shape),
-            )
-            return {k: values.get(k, v).astype(v.dtype) for k, v in batch.items()}
-
-    return SyntheticPretrainingTask
+def synthetic_batch(task, phase, vocab_size: int) -> dict:
+    """A pretraining task's init_batch shapes filled like real data (what the peers get too)."""
+    seq, pred = task.step_shape(phase)
+    hf = bench_peers.synthetic_batch(phase.global_batch_size, seq, pred, vocab_size)
+    positions = (hf["labels"] >= 0).nonzero()[1].reshape(phase.global_batch_size, pred)
+    batch = task.init_batch(phase, phase.global_batch_size)  # the dtypes of real batches
+    values = dict(
+        input_ids=hf["input_ids"],
+        segment_ids=hf["token_type_ids"],
+        masked_lm_positions=positions,
+        next_sentence_labels=hf["next_sentence_label"],
+        masked_lm_ids=hf["labels"][hf["labels"] >= 0].reshape(positions.shape),
+        masked_lm_weights=np.ones(positions.shape),
+    )
+    return {k: values.get(k, v).astype(v.dtype) for k, v in batch.items()}
 
 
 def matmul_peak_tflops(n: int, reps: int = 7) -> tuple[float, float]:
     """A jitted fp32 [n, n] x [n, n] matmul on the first device: median TFLOP/s of wall time, and
     TFLOP per CPU-second of this process (all threads; robust to other processes' load)."""
-    import jax
-    import jax.numpy as jnp
-
     a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
     b = jax.random.normal(jax.random.key(1), (n, n), jnp.float32)
     f = jax.jit(jnp.matmul)
@@ -192,10 +174,6 @@ def summarize_trace(profile_dir: str, top: int = 12) -> dict[str, Any]:
     left out; what remains are the compiled program's ops (on CPU: thunks such as ``ynn_fusion``
     for matmuls, ``loop_fusion``/``input_fusion`` for elementwise and reductions).
     """
-    import glob
-    import gzip
-    import re
-
     paths = sorted(
         glob.glob(os.path.join(profile_dir, "**", "perfetto_trace.json.gz"), recursive=True)
     )
@@ -229,21 +207,17 @@ def _xla_flops(compiled) -> float | None:
 
 def measure_step(args: argparse.Namespace) -> dict[str, Any]:
     """Compiles and times the real jitted pretraining step on a synthetic batch."""
-    import flax.linen as nn
-    import jax
-
-    from bertjax import flops, sharding, train
-
     config = bench_config(args)
     with tempfile.TemporaryDirectory(prefix="bertjax-bench-") as workdir:
-        task = _synthetic_task_class()(config, workdir, args.vocab_size)
+        task = PretrainingTask(config, workdir, vocab_size=args.vocab_size)
         setup = train.build(config, workdir, task)
     phase = setup.phases[0]
     model_cfg = setup.model.config
     devices = list(setup.mesh.devices.flat)
     with jax.set_mesh(setup.mesh), nn.logical_axis_rules(setup.rules):
         state = setup.init_state(jax.random.key_data(jax.random.key(0)))
-        batch = sharding.global_batch(task.synthetic_batch(phase), setup.mesh, setup.rules)
+        batch = synthetic_batch(task, phase, args.vocab_size)
+        batch = sharding.global_batch(batch, setup.mesh, setup.rules)
         step = train.jit_train_step(setup, accum_steps=1)
         t0 = time.perf_counter()
         compiled = step.lower(state, batch).compile()

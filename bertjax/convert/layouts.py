@@ -1,0 +1,29 @@
+"""Every parameter a model config implies, for any architecture: BERT's table (with its original
+Google names) or, for the other architectures, the shapes of the model's own initialisation."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import numpy as np
+
+from bertjax.convert import bert_layout
+from bertjax.convert.checkpoint import HEADS, Entry, flatten_params, head_of
+from bertjax.models.heads import PreTrainingModel
+
+
+def param_layout(config, num_labels: int = 0) -> list[Entry]:
+    """Entries (path, shape, head) of the encoder and every head a checkpoint may hold."""
+    if config.architecture == "bert":
+        return bert_layout.layout(config, HEADS, num_labels)
+    ids = np.zeros((1, 2), np.int32)
+    shapes = jax.eval_shape(
+        lambda: PreTrainingModel(config, nsp=True).init(jax.random.key(0), ids, ids, ids)
+    )
+    flat = flatten_params(nn.meta.unbox(shapes["params"]))
+    entries = [Entry(p, p, tuple(a.shape), "copy", head_of(p)) for p, a in flat.items()]
+    if num_labels:
+        h = config.hidden_size
+        entries.append(Entry("classifier/kernel", "", (h, num_labels), "copy", "classifier"))
+        entries.append(Entry("classifier/bias", "", (num_labels,), "copy", "classifier"))
+    return entries

@@ -1,0 +1,77 @@
+"""bertjax's own checkpoints (Orbax): a training run's WORKDIR or a directory ``convert`` wrote."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import ml_collections
+
+from bertjax import models
+from bertjax.checkpointing import Checkpointer, restore_params
+from bertjax.convert.checkpoint import (
+    Checkpoint,
+    find_vocab,
+    flatten_params,
+    match_tensors,
+    unflatten_params,
+    unstack_layers,
+    with_param_dtype,
+)
+from bertjax.convert.layouts import param_layout
+
+
+def _model_config(values: dict, flat: dict, source: str):
+    """The model config saved by ``convert`` (key model_config) or by a training run (key model)."""
+    if "model_config" in values:
+        return models.config_from_dict(dict(values["model_config"]))
+    if "model" not in values:
+        raise ValueError(f"{source}: checkpoint config has neither 'model_config' nor 'model'")
+    model = ml_collections.ConfigDict(values["model"])
+    arch = models.architecture(model.get("architecture") or models.DEFAULT)
+    table = "/".join((arch.ENCODER_NAME, *arch.WORD_EMBEDDINGS))
+    if table not in flat:
+        raise ValueError(f"{source}: no {table} in the params")
+    return models.model_config_from(model, int(flat[table].shape[0]))
+
+
+def load_bertjax(path: str) -> Checkpoint:
+    """Reads the newest step of a bertjax checkpoint directory (or a run's WORKDIR)."""
+    directory = os.path.abspath(path)
+    steps = [n for n in os.listdir(directory) if n.isdigit()]
+    if not steps and os.path.isdir(os.path.join(directory, "checkpoints")):
+        directory = os.path.join(directory, "checkpoints")
+    params, values, step = restore_params(directory)
+    flat = unstack_layers(flatten_params(params))
+    source = f"{directory} (step {step})"
+    config = _model_config(values, flat, source)
+    config = config.replace(scan_layers=False, remat="none")
+    num_labels = int(flat["classifier/kernel"].shape[-1]) if "classifier/kernel" in flat else 0
+    entries = {e.path: e for e in param_layout(config, num_labels)}
+    tensors = match_tensors(flat, entries, source, shape_of=lambda e: e.shape)
+    data = values.get("data") or {}
+    run_dir = os.path.dirname(directory)
+    vocab = find_vocab(directory, data.get("prepared_dir", ""), os.path.join(run_dir, "data"))
+    if vocab is None and data.get("vocab") and os.path.isfile(data["vocab"]):
+        vocab = data["vocab"]
+    lower = values.get("do_lower_case", data.get("do_lower_case"))
+    return Checkpoint(with_param_dtype(config, tensors), tensors, vocab, lower, source)
+
+
+def write_bertjax(ckpt: Checkpoint, directory: str) -> None:
+    """Writes step 0 of an Orbax checkpoint: state.params, config JSON with "model_config"."""
+    vocab = None
+    if ckpt.vocab_file:
+        vocab = "vocab.model" if ckpt.vocab_file.endswith(".model") else "vocab.txt"
+    meta = {
+        "model_config": ckpt.config.to_dict(),
+        "heads": list(ckpt.heads),
+        "vocab": vocab,
+        "do_lower_case": ckpt.do_lower_case,
+        "source": ckpt.source,
+    }
+    manager = Checkpointer(directory, keep=1, async_save=False)
+    try:
+        manager.save(0, {"params": unflatten_params(ckpt.tensors)}, {}, json.dumps(meta), True)
+    finally:
+        manager.close()

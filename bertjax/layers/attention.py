@@ -1,0 +1,147 @@
+"""Multi-head attention pieces shared by the encoders: head-shaped projections and the attention
+kernel switch (explicit einsums, ``jax.nn.dot_product_attention`` / cuDNN, Pallas splash on TPU).
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from bertjax.layers.core import dtype_of, normal_init, zeros_init
+from bertjax.layers.dropout import Dropout
+from bertjax.layers.splash_attention import splash_attention
+
+Array = jax.Array
+
+
+class HeadProjection(nn.Module):
+    """A kernel with head axes: [embed] -> [heads, kv] (``in_heads=False``) or back (True).
+
+    Written with explicit params because nn.DenseGeneral initialises a flattened kernel, which
+    breaks the 3-axis logical partitioning of attention kernels.
+    """
+
+    config: object
+    in_heads: bool = False
+    use_bias: bool = True
+
+    @nn.compact
+    def __call__(self, x: Array | None) -> Array | tuple[Array, Array | None]:
+        """The projection of ``x``, or (kernel, bias) in the compute dtype when ``x`` is None."""
+        cfg = self.config
+        pdtype, dtype = dtype_of(cfg.param_dtype), dtype_of(cfg.dtype)
+        h, n = cfg.hidden_size, cfg.num_heads
+        d = h // n
+        if self.in_heads:
+            kernel = self.param(
+                "kernel", normal_init(cfg, ("heads", "kv", "embed")), (n, d, h), pdtype
+            )
+            bias_shape, bias_names = (h,), ("embed",)
+        else:
+            kernel = self.param(
+                "kernel", normal_init(cfg, ("embed", "heads", "kv")), (h, n, d), pdtype
+            )
+            bias_shape, bias_names = (n, d), ("heads", "kv")
+        bias = None
+        if self.use_bias:
+            bias = self.param("bias", zeros_init(bias_names), bias_shape, pdtype).astype(dtype)
+        kernel = kernel.astype(dtype)
+        if x is None:
+            return kernel, bias
+        spec = "bshd,hde->bse" if self.in_heads else "bse,ehd->bshd"
+        y = jnp.einsum(spec, x.astype(dtype), kernel)
+        return y if bias is None else y + bias
+
+
+def attend(
+    q: Array,
+    k: Array,
+    v: Array,
+    bias: Array,
+    *,
+    impl: str,
+    dropout_rate: float,
+    dropout_impl: str,
+    deterministic: bool,
+    segment_ids: Array | None = None,
+    local_window: int = 0,
+) -> Array:
+    """Softmax attention of q/k/v [batch, seq, heads, head_dim] -> [batch, seq, heads, head_dim].
+
+    ``bias`` [batch, 1, q|1, k] is additive (fp32 softmax). ``impl``: ``xla`` explicit einsums
+    (the reference), ``dot_product``/``cudnn`` = ``jax.nn.dot_product_attention``, ``splash`` =
+    the Pallas TPU kernel with ``segment_ids`` [batch, seq] instead of ``bias``. Attention dropout
+    in training falls back to the explicit path (no kernel has dropout). ``local_window`` > 0
+    restricts every query to keys with ``|i - j| <= local_window // 2`` (sliding-window layers):
+    ``xla`` adds it to the bias; ``dot_product`` passes ``local_window_size`` (jax masks inside);
+    ``splash`` uses a ``LocalMask`` kernel, which skips the key blocks outside the band;
+    ``cudnn`` has no two-sided window (jax raises for one), so there the window joins the bias
+    and cuDNN computes the full product. Call inside a compact module (the dropout submodule is
+    created there).
+    """
+    dtype = q.dtype
+    head_dim = q.shape[-1]
+    use_dropout = dropout_rate > 0.0 and not deterministic
+    half = local_window // 2
+    if local_window and (impl in ("xla", "cudnn") or use_dropout):
+        pos = jnp.arange(q.shape[1])
+        near = jnp.abs(pos[:, None] - pos[None, :]) <= half  # [q, k]
+        bias = jnp.where(near, bias.astype(jnp.float32), jnp.finfo(jnp.float32).min)
+    if impl == "xla" or use_dropout:
+        scale = jnp.asarray(1.0 / jnp.sqrt(head_dim), dtype)
+        logits = jnp.einsum("bqhd,bkhd->bhqk", q * scale, k).astype(jnp.float32)
+        probs = jax.nn.softmax(logits + bias.astype(jnp.float32), axis=-1)  # [b, h, q, k]
+        if use_dropout:
+            probs = Dropout(dropout_rate, dropout_impl)(probs, deterministic=False)
+        return jnp.einsum("bhqk,bkhd->bqhd", probs.astype(dtype), v)
+    if impl == "splash":
+        if segment_ids is None:
+            raise ValueError("attention_impl='splash' needs attention segment ids [batch, seq]")
+        if not local_window:
+            return splash_attention(q, k, v, segment_ids)  # [batch, seq, heads, head_dim]
+        # The splash kernel with a two-sided LocalMask (the FullMask wrapper of
+        # bertjax.layers.splash_attention, windowed): blocks outside the band are skipped.
+        from bertjax.layers import splash_attention as sa
+
+        splash, interpret = sa._splash(), sa.resolve_interpret(None)
+        block = sa.block_size(q.shape[1])
+        sizes = ("block_q", "block_kv", "block_kv_compute", "block_q_dkv", "block_kv_dkv")
+        sizes += ("block_kv_dkv_compute", "block_q_dq", "block_kv_dq")
+
+        def local(q, k, v, ids):  # one device's shard: q (scaled)/k/v [b, seq, heads, d]
+            _, seq, heads, _ = q.shape
+            window = splash.LocalMask((seq, seq), (half, half), 0)
+            with jax.ensure_compile_time_eval():
+                kernel = splash.make_splash_mha_single_device(
+                    splash.MultiHeadMask([window] * heads),
+                    block_sizes=splash.BlockSizes(**dict.fromkeys(sizes, block)),
+                    interpret=interpret,
+                )
+
+            def one(q1, k1, v1, ids1):  # [heads, seq, head_dim] x3, [seq]
+                return kernel(q1, k1, v1, segment_ids=splash.SegmentIds(q=ids1, kv=ids1))
+
+            out = jax.vmap(one)(*(jnp.swapaxes(t, 1, 2) for t in (q, k, v)), ids)
+            return jnp.swapaxes(out, 1, 2)
+
+        q = q * jnp.asarray(1.0 / jnp.sqrt(head_dim), dtype)
+        segment_ids = segment_ids.astype(jnp.int32)
+        mesh = jax.sharding.get_abstract_mesh()
+        spec = (
+            None if mesh.empty or mesh.size == 1 else sa._mesh_spec(q.shape, mesh, sa.LOGICAL_AXES)
+        )
+        with jax.named_scope("splash_attention_local"):
+            if spec is None:
+                return local(q, k, v, segment_ids)
+            in_specs = (spec, spec, spec, jax.sharding.PartitionSpec(spec[0], None))
+            sharded = jax.shard_map(
+                local, mesh=mesh, in_specs=in_specs, out_specs=spec, check_vma=False
+            )
+            return sharded(q, k, v, segment_ids)
+    if impl == "cudnn":
+        return jax.nn.dot_product_attention(
+            q, k, v, bias=bias.astype(dtype), implementation="cudnn"
+        )
+    window = (half, half) if local_window else None
+    return jax.nn.dot_product_attention(q, k, v, bias=bias.astype(dtype), local_window_size=window)

@@ -1,0 +1,170 @@
+"""Building blocks every architecture shares: initialisers with logical axis names, activations,
+LayerNorm with fp32 statistics, attention masks, output layers and position gathers.
+
+The functions that take a ``config`` read only the fields every model config has
+(``initializer_range``, ``dtype``, ``param_dtype``); see ``bertjax.models``.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import flax.linen as nn
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from bertjax.layers import fast_ops
+from bertjax.layers.dropout import DROPOUT_IMPLS
+
+Array = jax.Array
+
+# Activation sharding: batch over data+fsdp, heads/mlp/vocab over tensor, the rest replicated.
+BATCH_LENGTH_EMBED = ("batch", "length", "act_embed")
+BATCH_LENGTH_HEADS_KV = ("batch", "length", "act_heads", "kv")
+BATCH_LENGTH_MLP = ("batch", "length", "act_mlp")
+
+ATTENTION_IMPLS = ("xla", "dot_product", "cudnn", "splash")
+REMAT_POLICIES = ("none", "dots", "full")
+DTYPES = ("float32", "bfloat16", "float16")
+ACTIVATIONS = ("gelu", "gelu_new", "gelu_tanh", "gelu_pytorch_tanh", "relu", "silu")
+
+
+def dtype_of(name: str) -> Any:
+    return jnp.dtype(name)
+
+
+def normal_init(config, names: tuple[str | None, ...]):
+    """Truncated-normal(initializer_range) initializer carrying logical axis names."""
+    base = nn.initializers.truncated_normal(stddev=config.initializer_range)
+    return nn.with_logical_partitioning(base, names)
+
+
+def zeros_init(names: tuple[str | None, ...]):
+    return nn.with_logical_partitioning(nn.initializers.zeros_init(), names)
+
+
+def ones_init(names: tuple[str | None, ...]):
+    return nn.with_logical_partitioning(nn.initializers.ones_init(), names)
+
+
+def activation(name: str):
+    """The activation a model config names (Hugging Face spellings accepted)."""
+    return {
+        "gelu": fast_ops.gelu,  # exact (erf) GELU; its backward reuses the forward's Phi(x)
+        "gelu_new": functools.partial(nn.gelu, approximate=True),
+        "gelu_tanh": functools.partial(nn.gelu, approximate=True),
+        "gelu_pytorch_tanh": functools.partial(nn.gelu, approximate=True),
+        "relu": nn.relu,
+        "silu": nn.silu,
+    }[name]
+
+
+def layer_norm(config, name: str, *, epsilon: float, use_bias: bool = True) -> nn.LayerNorm:
+    """LayerNorm with fp32 statistics (Flax promotes them), outputs in the compute dtype."""
+    return nn.LayerNorm(
+        epsilon=epsilon,
+        use_bias=use_bias,
+        dtype=dtype_of(config.dtype),
+        param_dtype=dtype_of(config.param_dtype),
+        scale_init=ones_init(("norm",)),
+        bias_init=zeros_init(("norm",)),
+        name=name,
+    )
+
+
+def dense(config, features: int, names: tuple[str, str], name: str, use_bias: bool = True):
+    """A Dense layer in the compute dtype with logically named kernel [in, out] and bias [out]."""
+    return nn.Dense(
+        features,
+        use_bias=use_bias,
+        dtype=dtype_of(config.dtype),
+        param_dtype=dtype_of(config.param_dtype),
+        kernel_init=normal_init(config, names),
+        bias_init=zeros_init(names[1:]),
+        name=name,
+    )
+
+
+def output_dense(config, features: int, name: str) -> nn.Dense:
+    """A float32 output layer [embed] -> [features] (NSP and task heads), logically named."""
+    return nn.Dense(
+        features,
+        dtype=jnp.float32,
+        param_dtype=dtype_of(config.param_dtype),
+        kernel_init=normal_init(config, ("embed", "classes")),
+        bias_init=zeros_init(("classes",)),
+        name=name,
+    )
+
+
+def attention_bias(attention_mask: Array, dtype: Any, pack_ids: Array | None = None) -> Array:
+    """[batch, seq] 0/1 mask (or [batch, q, k]) -> additive bias [batch, 1, q or 1, k] (fp32 softmax).
+
+    With ``pack_ids`` [batch, seq] (packed rows: 1..n per sequence, 0 = padding) the mask is block
+    diagonal and ``attention_mask`` is not read: a real token attends exactly to the tokens of its own
+    sequence. Padding tokens attend to each other (their outputs are never read), so no query row is
+    fully masked (which would be NaN where the bias rounds to -inf, e.g. in bfloat16).
+    """
+    if pack_ids is not None:
+        attention_mask = pack_ids[:, :, None] == pack_ids[:, None, :]  # [batch, q, k]
+    if attention_mask.ndim == 2:
+        allowed = attention_mask[:, None, None, :]
+    else:
+        allowed = attention_mask[:, None, :, :]
+    return jnp.where(allowed > 0, 0.0, jnp.finfo(dtype).min).astype(dtype)
+
+
+def gather_positions(sequence: Array, positions: Array) -> Array:
+    """[batch, seq, hidden] gathered at positions [batch, k] -> [batch, k, hidden]."""
+    return jnp.take_along_axis(sequence, positions[..., None].astype(jnp.int32), axis=1)
+
+
+def remat(cls, policy: str, static_argnums: tuple[int, ...]):
+    """``cls`` rematerialised per call: none | dots (save matmuls) | full (save nothing)."""
+    if policy == "none":
+        return cls
+    saveable = (
+        jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+        if policy == "dots"
+        else jax.checkpoint_policies.nothing_saveable
+    )
+    return nn.remat(cls, policy=saveable, static_argnums=static_argnums)
+
+
+def check_common_fields(config) -> None:
+    """Validates the fields every model config shares; a ValueError names the key."""
+
+    def bad(key, why):
+        raise ValueError(f"model config: {key}={getattr(config, key)!r} {why}")
+
+    for key in ("vocab_size", "hidden_size", "num_layers", "num_heads", "intermediate_size"):
+        if getattr(config, key) <= 0:
+            bad(key, "must be positive")
+    if config.hidden_size % config.num_heads:
+        bad("hidden_size", f"is not divisible by num_heads={config.num_heads}")
+    if config.hidden_act not in ACTIVATIONS:
+        bad("hidden_act", f"is not one of {ACTIVATIONS}")
+    if config.attention_impl not in ATTENTION_IMPLS:
+        bad("attention_impl", f"is not one of {ATTENTION_IMPLS}")
+    if config.dropout_impl not in DROPOUT_IMPLS:
+        bad("dropout_impl", f"is not one of {DROPOUT_IMPLS}")
+    if config.remat not in REMAT_POLICIES:
+        bad("remat", f"is not one of {REMAT_POLICIES}")
+    for key in ("dtype", "param_dtype"):
+        if getattr(config, key) not in DTYPES:
+            bad(key, f"is not one of {DTYPES}")
+    for key in ("hidden_dropout", "attention_dropout"):
+        if not 0.0 <= getattr(config, key) < 1.0:
+            bad(key, "must be in [0, 1)")
+
+
+@flax.struct.dataclass
+class EncoderOutput:
+    """Encoder outputs: sequence_output [batch, seq, hidden], pooled_output [batch, hidden] (or
+    [batch, k, hidden] at pool positions; None without a pooler), hidden_states when asked."""
+
+    sequence_output: Array
+    pooled_output: Array
+    hidden_states: tuple = ()  # embeddings + every layer's output when asked

@@ -1,0 +1,444 @@
+"""BERT (Devlin et al., 2018): config with presets, the post-LN encoder, its pretraining heads,
+and what the rest of bertjax needs to know about it (parameter and FLOP counts).
+
+Presets follow the BERT paper and the 24 official "BERT miniatures" (Turc et al., 2019):
+``L{2,4,6,8,10,12}_H{128,256,512,768}`` with ``H/64`` heads and a ``4H`` feed-forward layer, the named
+aliases ``tiny`` (L2/H128), ``mini`` (L4/H256), ``small`` (L4/H512), ``medium`` (L8/H512), ``base``
+(L12/H768/A12) and ``large`` (L24/H1024/A16).
+
+Parameter tree (names chosen so that conversion to/from Google and Hugging Face checkpoints is a
+table, see ``bertjax.convert.bert_layout``)::
+
+    bert/embeddings/{word_embeddings,position_embeddings,token_type_embeddings}/embedding
+    bert/embeddings/LayerNorm/{scale,bias}
+    bert/encoder/layer_{i}/attention/{query,key,value}/{kernel [embed, heads, kv], bias [heads, kv]}
+    bert/encoder/layer_{i}/attention/output/{kernel [heads, kv, embed], bias}
+    bert/encoder/layer_{i}/{attention_norm,output_norm}/{scale,bias}
+    bert/encoder/layer_{i}/intermediate/kernel [embed, mlp];  .../output/kernel [mlp, embed]
+    bert/pooler/dense/{kernel,bias}
+    predictions/{dense,LayerNorm}, predictions/output_bias [vocab]   (MLM head)
+    seq_relationship/{kernel [embed, 2], bias}                        (NSP head)
+
+With ``scan_layers=True`` the layers live under ``bert/encoder/layers`` with a leading ``layers`` axis.
+Every kernel carries logical axis names; ``bertjax.sharding.RULES`` maps them onto the mesh.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any, ClassVar
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from bertjax.layers import fast_ops
+from bertjax.layers.attention import HeadProjection, attend
+from bertjax.layers.core import (
+    BATCH_LENGTH_EMBED,
+    BATCH_LENGTH_HEADS_KV,
+    BATCH_LENGTH_MLP,
+    EncoderOutput,
+    activation,
+    attention_bias,
+    check_common_fields,
+    dense,
+    dtype_of,
+    gather_positions,
+    layer_norm,
+    normal_init,
+    remat,
+    zeros_init,
+)
+from bertjax.layers.dropout import Dropout
+from bertjax.layers.splash_attention import segment_ids_from_mask
+
+Array = jax.Array
+
+ENCODER_NAME = "bert"  # the encoder's subtree in every model's params
+# Where the word-embedding table (tied to the MLM decoder) sits in the encoder's params.
+WORD_EMBEDDINGS = ("embeddings", "word_embeddings", "embedding")
+# The pooler exists in pretraining even without NSP (checkpoints of MLM-only runs carry it).
+POOLER_IN_PRETRAINING = True
+
+
+@dataclasses.dataclass(frozen=True)
+class BertConfig:
+    """Architecture and numerics of a BERT encoder (field names follow the paper, not a framework)."""
+
+    vocab_size: int = 30522
+    hidden_size: int = 768
+    num_layers: int = 12
+    num_heads: int = 12
+    intermediate_size: int = 3072
+    hidden_act: str = "gelu"  # exact (erf) GELU as in the original BERT
+    hidden_dropout: float = 0.1
+    attention_dropout: float = 0.1
+    # bits16: 16 random bits per element, four elements per Threefry block (bertjax.layers.dropout);
+    # flax: exactly flax.linen.Dropout's masks (a full block per element, ~15% slower on CPU)
+    dropout_impl: str = "bits16"
+    max_position_embeddings: int = 512
+    type_vocab_size: int = 2
+    initializer_range: float = 0.02
+    layer_norm_eps: float = 1e-12
+    dtype: str = (
+        "float32"  # compute dtype (bfloat16 on TPU/GPU); softmax and LayerNorm stats stay fp32
+    )
+    param_dtype: str = "float32"
+    # xla: explicit einsums; dot_product/cudnn: jax.nn.dot_product_attention; splash: Pallas TPU
+    # kernel (bertjax.layers.splash_attention; seq a multiple of 128, attention_dropout=0 to use it)
+    attention_impl: str = "xla"
+    remat: str = "none"  # rematerialisation per layer: none | dots (save matmuls) | full
+    scan_layers: bool = False  # nn.scan over layers: params stacked on a leading "layers" axis
+
+    architecture: ClassVar[str] = "bert"
+
+    def __post_init__(self):
+        check_common_fields(self)
+        if self.type_vocab_size < 1 or self.max_position_embeddings < 2:
+            raise ValueError(
+                f"model config: max_position_embeddings={self.max_position_embeddings} and "
+                f"type_vocab_size={self.type_vocab_size} must be >= 2 and >= 1"
+            )
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    def replace(self, **changes: Any) -> BertConfig:
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"architecture": self.architecture, **dataclasses.asdict(self)}
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> BertConfig:
+        """Builds a config from a dict; unknown keys are an error that names them."""
+        values = {k: v for k, v in values.items() if k != "architecture"}
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"model config: unknown keys {unknown}; known keys: {sorted(known)}")
+        return cls(**values)
+
+    def num_params(self, include_heads: bool = True) -> int:
+        """Analytic parameter count (encoder + pooler, plus MLM/NSP heads when asked)."""
+        h, v, i = self.hidden_size, self.vocab_size, self.intermediate_size
+        emb = (v + self.max_position_embeddings + self.type_vocab_size) * h + 2 * h
+        layer = 4 * (h * h + h) + 2 * h + (h * i + i) + (i * h + h) + 2 * h
+        total = emb + self.num_layers * layer + (h * h + h)
+        if include_heads:
+            total += (h * h + h) + 2 * h + v + (2 * h + 2)
+        return total
+
+
+def _miniatures() -> dict[str, dict[str, int]]:
+    presets = {}
+    for layers in (2, 4, 6, 8, 10, 12):
+        for hidden in (128, 256, 512, 768):
+            presets[f"L{layers}_H{hidden}"] = dict(
+                num_layers=layers,
+                hidden_size=hidden,
+                num_heads=hidden // 64,
+                intermediate_size=4 * hidden,
+            )
+    return presets
+
+
+PRESETS: dict[str, dict[str, int]] = {
+    **_miniatures(),
+    "L24_H1024": dict(num_layers=24, hidden_size=1024, num_heads=16, intermediate_size=4096),
+}
+ALIASES = {
+    "tiny": "L2_H128",
+    "mini": "L4_H256",
+    "small": "L4_H512",
+    "medium": "L8_H512",
+    "base": "L12_H768",
+    "large": "L24_H1024",
+}
+
+
+def preset_names() -> list[str]:
+    """Every accepted preset name (aliases first)."""
+    return list(ALIASES) + list(PRESETS)
+
+
+def get_preset(name: str, **overrides: Any) -> BertConfig:
+    """Decodes a preset name (``base``, ``L4_H256``, ...) into a BertConfig, with field overrides."""
+    key = ALIASES.get(name, name)
+    if key not in PRESETS:
+        raise ValueError(f"unknown model preset {name!r}; choose one of {preset_names()}")
+    return BertConfig(**{**PRESETS[key], **overrides})
+
+
+class BertEmbeddings(nn.Module):
+    """Token + position + segment embeddings, LayerNorm, dropout.
+
+    ``position_ids`` [batch, seq] (default 0..seq-1) restart at 0 for every sequence of a packed row.
+    """
+
+    config: BertConfig
+
+    @nn.compact
+    def __call__(
+        self,
+        input_ids: Array,
+        token_type_ids: Array,
+        *,
+        deterministic: bool,
+        position_ids: Array | None = None,
+    ) -> Array:
+        cfg = self.config
+        seq_len = input_ids.shape[-1]
+        if seq_len > cfg.max_position_embeddings:
+            raise ValueError(
+                f"sequence length {seq_len} exceeds max_position_embeddings="
+                f"{cfg.max_position_embeddings} of the model"
+            )
+
+        def embed(num, names, name):
+            return nn.Embed(
+                num,
+                cfg.hidden_size,
+                dtype=dtype_of(cfg.dtype),
+                param_dtype=dtype_of(cfg.param_dtype),
+                embedding_init=normal_init(cfg, names),
+                name=name,
+            )
+
+        words = embed(cfg.vocab_size, ("vocab", "embed"), "word_embeddings")(input_ids)
+        if position_ids is None:
+            position_ids = jnp.arange(seq_len)[None, :]  # [1, seq]
+        positions = embed(cfg.max_position_embeddings, (None, "embed"), "position_embeddings")(
+            position_ids
+        )
+        types = embed(cfg.type_vocab_size, (None, "embed"), "token_type_embeddings")(token_type_ids)
+        x = words + positions + types  # [batch, seq, hidden]
+        x = layer_norm(cfg, "LayerNorm", epsilon=cfg.layer_norm_eps)(x)
+        x = Dropout(cfg.hidden_dropout, cfg.dropout_impl)(x, deterministic=deterministic)
+        return nn.with_logical_constraint(x, BATCH_LENGTH_EMBED)
+
+
+def fused_qkv(config: BertConfig, x: Array) -> tuple[Array, Array, Array]:
+    """Query, key and value [batch, seq, heads, head_dim] from ONE matmul against the three kernels
+    stacked at run time (params stay ``query``/``key``/``value``): on CPU one [embed, 3*embed]
+    product and its single input gradient beat three products plus two gradient sums."""
+    params = [HeadProjection(config, name=name)(None) for name in ("query", "key", "value")]
+    kernel = jnp.stack([k for k, _ in params], axis=1)  # [embed, 3, heads, head_dim]
+    bias = jnp.stack([b for _, b in params], axis=0)  # [3, heads, head_dim]
+    qkv = jnp.einsum("bse,ethd->bsthd", x.astype(kernel.dtype), kernel) + bias
+    return qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+
+
+class BertSelfAttention(nn.Module):
+    """Multi-head self-attention with fp32 softmax through ``bertjax.layers.attention.attend``.
+
+    ``attention_impl="splash"`` uses the Pallas TPU splash kernel with ``attention_segment_ids``
+    [batch, seq] (0 padding, 1..n sequences; not BERT's token-type segment ids) instead of ``bias``.
+    Attention dropout > 0 in training falls back to the explicit path (no kernel has dropout): on
+    TPU set attention_dropout=0 to use splash.
+    """
+
+    config: BertConfig
+
+    @nn.compact
+    def __call__(
+        self,
+        x: Array,
+        bias: Array,
+        *,
+        deterministic: bool,
+        attention_segment_ids: Array | None = None,
+    ) -> Array:
+        cfg = self.config
+        q, k, v = fused_qkv(cfg, x)  # [batch, seq, heads, head_dim]
+        q = nn.with_logical_constraint(q, BATCH_LENGTH_HEADS_KV)
+        k = nn.with_logical_constraint(k, BATCH_LENGTH_HEADS_KV)
+        v = nn.with_logical_constraint(v, BATCH_LENGTH_HEADS_KV)
+        ctx = attend(
+            q,
+            k,
+            v,
+            bias,
+            impl=cfg.attention_impl,
+            dropout_rate=cfg.attention_dropout,
+            dropout_impl=cfg.dropout_impl,
+            deterministic=deterministic,
+            segment_ids=attention_segment_ids,
+        )
+        ctx = nn.with_logical_constraint(ctx, BATCH_LENGTH_HEADS_KV)
+        out = HeadProjection(cfg, in_heads=True, name="output")(ctx)
+        return nn.with_logical_constraint(out, BATCH_LENGTH_EMBED)  # [batch, seq, hidden]
+
+
+class BertLayer(nn.Module):
+    """One post-LN Transformer layer: x = LN(x + Attn(x)); x = LN(x + FFN(x))."""
+
+    config: BertConfig
+
+    @nn.compact
+    def __call__(
+        self, x: Array, bias: Array, deterministic: bool, attention_segment_ids: Array | None = None
+    ) -> Array:
+        cfg = self.config
+        drop = Dropout(cfg.hidden_dropout, cfg.dropout_impl)
+        attn = BertSelfAttention(cfg, name="attention")(
+            x, bias, deterministic=deterministic, attention_segment_ids=attention_segment_ids
+        )
+        x = layer_norm(cfg, "attention_norm", epsilon=cfg.layer_norm_eps)(
+            x + drop(attn, deterministic=deterministic)
+        )
+        h = dense(cfg, cfg.intermediate_size, ("embed", "mlp"), "intermediate")(x)
+        h = activation(cfg.hidden_act)(h)
+        h = nn.with_logical_constraint(h, BATCH_LENGTH_MLP)  # [batch, seq, intermediate]
+        h = dense(cfg, cfg.hidden_size, ("mlp", "embed"), "output")(h)
+        x = layer_norm(cfg, "output_norm", epsilon=cfg.layer_norm_eps)(
+            x + drop(h, deterministic=deterministic)
+        )
+        return nn.with_logical_constraint(x, BATCH_LENGTH_EMBED)
+
+
+class _ScanLayer(BertLayer):
+    """BertLayer with the (carry, xs) -> (carry, ys) signature nn.scan needs."""
+
+    @nn.compact
+    def __call__(  # type: ignore[override]
+        self, x: Array, bias: Array, deterministic: bool, attention_segment_ids: Array | None = None
+    ):
+        return super().__call__(x, bias, deterministic, attention_segment_ids), None
+
+
+class BertEncoder(nn.Module):
+    """A stack of BertLayer, unrolled (``layer_{i}``) or scanned (``layers`` with a leading axis)."""
+
+    config: BertConfig
+
+    @nn.compact
+    def __call__(
+        self,
+        x: Array,
+        bias: Array,
+        *,
+        deterministic: bool,
+        output_hidden_states: bool = False,
+        attention_segment_ids: Array | None = None,
+    ):
+        cfg = self.config
+        if cfg.scan_layers:
+            if output_hidden_states:
+                raise ValueError("output_hidden_states needs scan_layers=False")
+            scanned = nn.scan(
+                remat(_ScanLayer, cfg.remat, static_argnums=(3,)),
+                variable_axes={"params": 0},
+                split_rngs={"params": True, "dropout": True},
+                in_axes=(nn.broadcast, nn.broadcast, nn.broadcast),
+                length=cfg.num_layers,
+                metadata_params={nn.PARTITION_NAME: "layers"},
+            )
+            x, _ = scanned(cfg, name="layers")(x, bias, deterministic, attention_segment_ids)
+            return x, ()
+        # static_argnums counts self: (self, x, bias, deterministic, attention_segment_ids)
+        layer_cls = remat(BertLayer, cfg.remat, static_argnums=(3,))
+        hidden_states = [x]
+        for i in range(cfg.num_layers):
+            x = layer_cls(cfg, name=f"layer_{i}")(x, bias, deterministic, attention_segment_ids)
+            hidden_states.append(x)
+        return x, tuple(hidden_states) if output_hidden_states else ()
+
+
+BertOutput = EncoderOutput  # the public name of BERT's outputs
+
+
+class BertModel(nn.Module):
+    """The BERT encoder with its tanh pooler on ``[CLS]``.
+
+    Packed rows (several sequences per row) pass ``pack_ids`` [batch, seq] (1..n: the sequence a
+    token belongs to, 0 = padding; attention becomes block diagonal, ``attention_mask`` is unused) and
+    ``position_ids`` [batch, seq] restarting at 0 per sequence. ``pool_positions`` [batch, k] applies
+    the pooler at those positions (each packed sequence's [CLS]): pooled_output [batch, k, hidden].
+    """
+
+    config: BertConfig
+    add_pooler: bool = True
+
+    @nn.compact
+    def __call__(
+        self,
+        input_ids: Array,
+        token_type_ids: Array | None = None,
+        attention_mask: Array | None = None,
+        *,
+        deterministic: bool = True,
+        output_hidden_states: bool = False,
+        position_ids: Array | None = None,
+        pack_ids: Array | None = None,
+        pool_positions: Array | None = None,
+    ) -> BertOutput:
+        cfg = self.config
+        if token_type_ids is None:
+            token_type_ids = jnp.zeros_like(input_ids)
+        if attention_mask is None:
+            attention_mask = jnp.ones_like(input_ids)
+        x = BertEmbeddings(cfg, name="embeddings")(
+            input_ids, token_type_ids, deterministic=deterministic, position_ids=position_ids
+        )
+        bias = attention_bias(attention_mask, jnp.float32, pack_ids)
+        # [batch, seq] ids for the splash kernel: 0 at padding, 1 (or the pack id) at real tokens
+        attention_segment_ids = None
+        if cfg.attention_impl == "splash":
+            attention_segment_ids = segment_ids_from_mask(attention_mask, pack_ids)
+        x, hidden = BertEncoder(cfg, name="encoder")(
+            x,
+            bias,
+            deterministic=deterministic,
+            output_hidden_states=output_hidden_states,
+            attention_segment_ids=attention_segment_ids,
+        )
+        pooled = None
+        if self.add_pooler:
+            pooled = dense(cfg, cfg.hidden_size, ("embed", "embed_out"), "pooler")(
+                x[:, 0] if pool_positions is None else gather_positions(x, pool_positions)
+            )
+            pooled = jnp.tanh(pooled)  # [batch, hidden], or [batch, k, hidden] at pool_positions
+        return BertOutput(sequence_output=x, pooled_output=pooled, hidden_states=hidden)
+
+
+class MaskedLMHead(nn.Module):
+    """Dense + activation + LayerNorm transform, decoder tied to the word embeddings, output bias."""
+
+    config: BertConfig
+
+    @nn.compact
+    def __call__(self, x: Array, word_embeddings: Array) -> Array:
+        cfg = self.config
+        dtype = dtype_of(cfg.dtype)
+        x = dense(cfg, cfg.hidden_size, ("embed", "embed_out"), "dense")(x)
+        x = activation(cfg.hidden_act)(x)
+        x = layer_norm(cfg, "LayerNorm", epsilon=cfg.layer_norm_eps)(x)
+        output_bias = self.param("output_bias", zeros_init(("vocab",)), (cfg.vocab_size,))
+        return fast_ops.tied_decoder(x, word_embeddings.astype(dtype), output_bias)  # [..., vocab]
+
+
+def forward_flops_per_sequence(cfg: BertConfig, seq_len: int, num_masked: int) -> float:
+    """Forward FLOPs of one pretraining sequence (encoder + heads at ``num_masked`` positions).
+
+    Multiply-add = 2 FLOPs; per token and layer: Q/K/V/output projections 8*H^2, feed-forward
+    4*H*I, attention scores and context 4*S*H; the embedding gather costs nothing; the pooler and
+    NSP head are per sequence; the MLM head (transform H^2 + decoder H*V) only at masked positions.
+    """
+    h, i, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    per_token_layer = 2 * (4 * h * h + 2 * h * i) + 2 * 2 * seq_len * h
+    encoder = cfg.num_layers * seq_len * per_token_layer
+    heads = 2 * h * h + 2 * h * 2  # pooler + NSP
+    mlm = num_masked * 2 * (h * h + h * v)
+    return float(encoder + heads + mlm)
+
+
+Config = BertConfig
+Encoder = BertModel
