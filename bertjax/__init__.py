@@ -47,7 +47,7 @@ def __getattr__(name):
 
         return load_pretrained
     if name == "load_tokenizer":
-        from bertjax.text.tokenization import load_tokenizer
+        from bertjax.text import load_tokenizer
 
         return load_tokenizer
     raise AttributeError(f"module 'bertjax' has no attribute {name!r}")

@@ -65,6 +65,20 @@ class Checkpointer:
         )
         return restored["state"], dict(restored["data"] or {}), dict(restored["config"] or {}), step
 
+    def read_data(self, step: int | None = None) -> dict:
+        """The ``data`` item (JSON) of a step (default: the newest)."""
+        step = self.latest_step() if step is None else step
+        restored = self.manager.restore(step, args=ocp.args.Composite(data=ocp.args.JsonRestore()))
+        return dict(restored["data"] or {})
+
+    def restore_params(self, abstract_params: Any, step: int | None = None) -> Any:
+        """Only ``state.params`` of a step saved as ``{"params": ...}``, onto the shardings of
+        ``abstract_params`` (ShapeDtypeStructs, see :func:`abstract_like`)."""
+        step = self.latest_step() if step is None else step
+        target = {"params": abstract_params}
+        args = ocp.args.Composite(state=ocp.args.StandardRestore(target))
+        return self.manager.restore(step, args=args)["state"]["params"]
+
     def wait(self) -> None:
         self.manager.wait_until_finished()
 

@@ -29,6 +29,7 @@ from typing import Any
 import jax
 import numpy as np
 from absl import flags, logging
+from jax.experimental import multihost_utils
 
 ENV_COORDINATOR = "BERTJAX_COORDINATOR"
 ENV_NUM_PROCESSES = "BERTJAX_NUM_PROCESSES"
@@ -206,8 +207,6 @@ def process_info() -> dict[str, Any]:
 def sync(name: str) -> None:
     """Barrier: returns once every process has called ``sync`` with the same name."""
     if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
         multihost_utils.sync_global_devices(name)
 
 
@@ -223,8 +222,6 @@ def broadcast_from_coordinator(value: Any) -> Any:
         message = f"broadcast_from_coordinator needs a JSON-serializable value: {e}"
         raise TypeError(message) from None
     if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
         size = multihost_utils.broadcast_one_to_all(np.int32(len(payload)))
         buffer = np.zeros(int(size), np.uint8)
         if is_coordinator():
@@ -242,8 +239,6 @@ def assert_same_across_hosts(value: Any, what: str) -> None:
     digest = np.frombuffer(hashlib.sha256(_canonical_bytes(value)).digest(), np.uint8)
     if jax.process_count() == 1:
         return
-    from jax.experimental import multihost_utils
-
     digests = np.asarray(multihost_utils.process_allgather(digest))  # [processes, 32]
     differ = [i for i in range(digests.shape[0]) if not np.array_equal(digests[i], digests[0])]
     if differ:

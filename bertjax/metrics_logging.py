@@ -16,6 +16,9 @@ import time
 from typing import Any
 
 import jax
+import tensorflow as tf
+
+from bertjax import atomic
 
 log = logging.getLogger("bertjax")
 
@@ -41,8 +44,6 @@ class MetricsWriter:
 
     def __init__(self, workdir: str, *, tensorboard: bool = True):
         self.enabled = jax.process_index() == 0
-        import tensorflow as tf
-
         self._gfile = tf.io.gfile
         self.path = os.path.join(workdir, "metrics.jsonl")
         self.remote = "://" in workdir
@@ -54,8 +55,6 @@ class MetricsWriter:
                 with self._gfile.GFile(self.path) as f:
                     self._lines = f.read().splitlines(keepends=True)
             if tensorboard:
-                import tensorflow as tf
-
                 self._tb = tf.summary.create_file_writer(os.path.join(workdir, "tensorboard"))
 
     def truncate_after(self, step: int) -> None:
@@ -75,10 +74,7 @@ class MetricsWriter:
         self._rewrite(kept)
 
     def _rewrite(self, lines: list[str]) -> None:
-        tmp = self.path + ".tmp"
-        with self._gfile.GFile(tmp, "w") as f:
-            f.write("".join(lines))
-        self._gfile.rename(tmp, self.path, overwrite=True)
+        atomic.write_text(self.path, "".join(lines))
 
     def write(
         self,
@@ -100,8 +96,6 @@ class MetricsWriter:
             with open(self.path, "a") as f:
                 f.write(line)
         if self._tb is not None:
-            import tensorflow as tf
-
             with self._tb.as_default(step=int(step)):
                 for k, v in record.items():
                     if isinstance(v, float):

@@ -9,7 +9,6 @@ Fine-tuning on small data is unstable (BERT paper, Sec. 4.1: for BERT-Large on s
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import statistics
@@ -18,7 +17,7 @@ from typing import Any
 import jax
 import ml_collections
 
-from bertjax import train
+from bertjax import atomic, train
 
 log = logging.getLogger("bertjax")
 
@@ -52,13 +51,6 @@ def summarize(per_seed: dict[int, dict], main_metric: str) -> dict[str, Any]:
         "best": devs[best_seed],
         "selection": SELECTION,
     }
-
-
-def _write_json(path: str, value: dict) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(value, f, indent=2, sort_keys=True, default=float)
-    os.replace(tmp, path)
 
 
 def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
@@ -95,7 +87,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     summary = summarize(per_seed, main_metric)
     summary["task"] = config.task
     if jax.process_index() == 0:
-        _write_json(os.path.join(workdir, "eval_results.json"), summary)
+        atomic.write_json(os.path.join(workdir, "eval_results.json"), summary)
     log.info(
         "%s over seeds %s: median %s=%.4f, best (seed %d) %.4f",
         config.task,

@@ -26,7 +26,7 @@ from bertjax import models
 from bertjax.convert import Checkpoint, layout, load_checkpoint, unflatten_params
 from bertjax.layers.core import output_dense
 from bertjax.models.heads import encoder, tied_word_embeddings
-from bertjax.text.tokenization import load_tokenizer
+from bertjax.text import load_tokenizer
 
 log = logging.getLogger("bertjax")
 

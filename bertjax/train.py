@@ -23,10 +23,11 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import optax
+import tensorflow as tf
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
-from bertjax import checkpointing, flops, sharding
+from bertjax import atomic, checkpointing, flops, sharding
 from bertjax.metrics_logging import MetricsWriter, Throughput
 from bertjax.optim import create_optimizer, global_norm
 from bertjax.tasks.base import Phase, Task
@@ -286,8 +287,6 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
 
     Returns the last train and eval metrics.
     """
-    import tensorflow as tf
-
     tf.io.gfile.makedirs(workdir)
     task = prepared_task(config, workdir)
     setup = build(config, workdir, task)
@@ -484,15 +483,8 @@ class _BestKeeper:
         self.value = None
         if self.metric and _isdir(self.directory):
             ckpt = checkpointing.Checkpointer(self.directory, keep=1, async_save=False)
-            step = ckpt.latest_step()
-            if step is not None:
-                info = ckpt.manager.restore(
-                    step,
-                    args=checkpointing.ocp.args.Composite(
-                        data=checkpointing.ocp.args.JsonRestore()
-                    ),
-                )["data"]
-                self.value = info.get("value")
+            if ckpt.latest_step() is not None:
+                self.value = ckpt.read_data().get("value")
             ckpt.close()
 
     def better(self, value: float) -> bool:
@@ -525,17 +517,9 @@ class _BestKeeper:
             return None
         ckpt = checkpointing.Checkpointer(self.directory, keep=1, async_save=False)
         try:
-            step = ckpt.latest_step()
-            if step is None:
+            if ckpt.latest_step() is None:
                 return None
-            target = {"params": checkpointing.abstract_like(abstract_params, shardings)}
-            restored = ckpt.manager.restore(
-                step,
-                args=checkpointing.ocp.args.Composite(
-                    state=checkpointing.ocp.args.StandardRestore(target)
-                ),
-            )
-            return restored["state"]["params"]
+            return ckpt.restore_params(checkpointing.abstract_like(abstract_params, shardings))
         finally:
             ckpt.close()
 
@@ -555,18 +539,9 @@ def _finalize(setup: Setup, state: TrainState, best: _BestKeeper, workdir: str, 
         **final,
     }
     if jax.process_index() == 0:
-        import json
-
-        import tensorflow as tf
-
-        path = os.path.join(workdir, "eval_results.json")
-        with tf.io.gfile.GFile(path + ".tmp", "w") as f:
-            f.write(json.dumps(final, indent=2, sort_keys=True, default=float))
-        tf.io.gfile.rename(path + ".tmp", path, overwrite=True)
+        atomic.write_json(os.path.join(workdir, "eval_results.json"), final)
     return final
 
 
 def _isdir(path: str) -> bool:
-    import tensorflow as tf
-
     return tf.io.gfile.isdir(path)

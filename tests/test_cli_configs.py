@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from bertjax.models.bert import get_preset
 from bertjax.models import model_config_from
+from bertjax.models.bert import get_preset
 from bertjax.tools import plot
 
 REPO = pathlib.Path(__file__).resolve().parent.parent

@@ -7,7 +7,7 @@ import pytest
 from test_convert_hf import make_hf_model, sst2_sentences
 
 from bertjax.pretrained import encode_batch
-from bertjax.text.tokenization import load_tokenizer
+from bertjax.text import load_tokenizer
 from bertjax.tools.extract_features import main, parse_layers, read_examples
 
 LAYERS = [-1, 0, 1]  # last layer, embeddings, first layer

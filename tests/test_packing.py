@@ -14,7 +14,7 @@ from bertjax import BertForPreTraining, train
 from bertjax.data import masking, packing, pipeline, prepare
 from bertjax.models.bert import BertModel, get_preset
 from bertjax.tasks.pretraining import PretrainingTask
-from bertjax.text.tokenization import load_tokenizer
+from bertjax.text import load_tokenizer
 from configs import base
 
 WORDS = (

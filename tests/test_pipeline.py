@@ -434,7 +434,7 @@ def test_dynamic_masking_of_static_records_starts_from_original_tokens(static_di
 def test_records_prepared_from_real_text(shared_data, uncased_vocab, tmp_path, masking):
     """prepare.py's real output (Gutenberg text, BERT-base vocab) through the pipeline."""
     from bertjax.data import prepare
-    from bertjax.text.tokenization import load_tokenizer
+    from bertjax.text import load_tokenizer
 
     novel = shared_data / "corpus" / "gutenberg" / "Pride-and-Prejudice_1342__1342-0.txt"
     lines = novel.read_text(encoding="utf-8-sig").splitlines()[:1500]  # the PG header and ch. 1-4

@@ -8,7 +8,7 @@ import pytest
 import tensorflow as tf
 
 from bertjax.data import masking, prepare
-from bertjax.text.tokenization import load_tokenizer
+from bertjax.text import load_tokenizer
 
 WORDS = (
     "the a of and to in it was he she said that his her on at with for as had you not be this but by "

@@ -13,7 +13,7 @@ from bertjax import BertForPreTraining
 from bertjax.checkpointing import Checkpointer
 from bertjax.models.bert import get_preset
 from bertjax.pretrained import encode_batch, load_pretrained, truncate_pair
-from bertjax.text.tokenization import load_tokenizer
+from bertjax.text import load_tokenizer
 
 IDS = np.array([[2, 40, 41, 42, 3, 0, 0], [2, 50, 3, 60, 61, 3, 0]], np.int32)
 TYPES = np.array([[0, 0, 0, 0, 0, 0, 0], [0, 0, 0, 1, 1, 1, 0]], np.int32)

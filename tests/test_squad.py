@@ -182,8 +182,8 @@ def test_write_predictions_official_format(tmp_path):
 
 
 def _real_tokenizer(uncased_vocab):
-    tokenization = pytest.importorskip("bertjax.text.tokenization")
-    return tokenization.load_tokenizer(str(uncased_vocab), do_lower_case=True), tokenization
+    text = pytest.importorskip("bertjax.text")
+    return text.load_tokenizer(str(uncased_vocab), do_lower_case=True), text.tokenization
 
 
 def _perfect_logits(feats):

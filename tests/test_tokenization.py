@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from bertjax.text import tokenization
-from bertjax.text.tokenization import WordPieceTokenizer, basic_tokenize, load_tokenizer, load_vocab
+from bertjax.text import load_tokenizer, tokenization
+from bertjax.text.tokenization import WordPieceTokenizer, basic_tokenize, load_vocab
 
 # Hand-written corner cases: accents, punctuation, CJK, emoji, controls, zero-width, long words.
 HARD_LINES = [

@@ -6,8 +6,8 @@ import os
 import pytest
 import tensorflow as tf
 
-from bertjax.text import tokenization, vocab
-from bertjax.text.tokenization import SentencePieceTokenizer, WordPieceTokenizer, load_tokenizer
+from bertjax.text import load_tokenizer, tokenization, vocab
+from bertjax.text.tokenization import SentencePieceTokenizer, WordPieceTokenizer
 
 
 def _gutenberg(shared_data) -> str:

@@ -24,6 +24,7 @@ from bertjax.convert.checkpoint import (
     check_vocab,
     flatten_params,
     unflatten_params,
+    vocab_copies,
 )
 from bertjax.convert.hf import load_hf, write_hf
 from bertjax.convert.orbax_format import load_bertjax, write_bertjax
@@ -99,8 +100,8 @@ def save_checkpoint(ckpt: Checkpoint, directory: str, fmt: str, overwrite: bool 
     with atomic_directory(directory, overwrite) as tmp:
         WRITERS[fmt](ckpt, tmp)
         if ckpt.vocab_file:
-            suffix = ".model" if ckpt.vocab_file.endswith(".model") else ".txt"
-            shutil.copyfile(ckpt.vocab_file, os.path.join(tmp, "vocab" + suffix))
+            for source, name in vocab_copies(ckpt.vocab_file).items():
+                shutil.copyfile(source, os.path.join(tmp, name))
 
 
 def main(argv: list[str]) -> None:

@@ -19,9 +19,26 @@ from typing import Any
 import numpy as np
 
 from bertjax import models
-from bertjax.text.tokenization import load_tokenizer
+from bertjax.text import load_tokenizer
 
 HEADS = ("pooler", "mlm", "nsp", "classifier")
+# Vocabulary files, in the order they are looked for beside a checkpoint.
+VOCAB_FILES = ("vocab.txt", "vocab.model", "spiece.model", "tokenizer.json")
+# Files a Hugging Face tokenizer.json may come with (copied along with it).
+TOKENIZER_SIDECARS = ("tokenizer_config.json", "special_tokens_map.json")
+
+
+def vocab_copies(vocab_file: str) -> dict[str, str]:
+    """{file to copy: name in an output checkpoint} for a checkpoint's vocabulary."""
+    if vocab_file.endswith(".json"):
+        folder = os.path.dirname(vocab_file)
+        extra = [os.path.join(folder, n) for n in TOKENIZER_SIDECARS]
+        return {
+            vocab_file: "tokenizer.json",
+            **{p: os.path.basename(p) for p in extra if os.path.isfile(p)},
+        }
+    suffix = ".model" if vocab_file.endswith(".model") else ".txt"
+    return {vocab_file: "vocab" + suffix}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,9 +141,9 @@ def with_param_dtype(config: Any, tensors: dict[str, np.ndarray]) -> Any:
 
 
 def find_vocab(*directories: str) -> str | None:
-    """The first vocab.txt / vocab.model / spiece.model found in the given directories."""
+    """The first vocab.txt / vocab.model / spiece.model / tokenizer.json in the given directories."""
     for directory in directories:
-        for name in ("vocab.txt", "vocab.model", "spiece.model"):
+        for name in VOCAB_FILES:
             if directory and os.path.isfile(os.path.join(directory, name)):
                 return os.path.join(directory, name)
     return None

@@ -39,9 +39,14 @@ from bertjax.convert.checkpoint import (
     match_tensors,
     with_param_dtype,
 )
+from bertjax.convert.modernbert_hf import (
+    config_from_hf,
+    from_hf_tensors,
+    write_hf_dir,
+)
 from bertjax.convert.tf import config_from_original, config_to_original
 from bertjax.models.bert import BertConfig
-from bertjax.text.tokenization import load_tokenizer
+from bertjax.text import load_tokenizer
 
 SAFETENSORS = "model.safetensors"
 TORCH_BIN = "pytorch_model.bin"
@@ -329,8 +334,14 @@ def load_hf(directory: str) -> Checkpoint:
             values = json.load(f)
     except (OSError, json.JSONDecodeError) as e:
         raise ValueError(f"{config_path}: cannot read the model config ({e})") from None
-    config = config_from_original(values, config_path)
     state, weights = read_hf_weights(directory)
+    if values.get("model_type") == "modernbert":
+        config = config_from_hf(values)
+        arch = (values.get("architectures") or [None])[0]
+        tensors, _ = from_hf_tensors(config, state, weights, architecture=arch)
+        config = with_param_dtype(config, tensors)
+        return Checkpoint(config, tensors, find_vocab(directory), None, weights)
+    config = config_from_original(values, config_path)
     tensors = hf_to_tensors(state, config, weights)
     vocab = find_vocab(directory)
     config = with_param_dtype(config, tensors)
@@ -339,6 +350,9 @@ def load_hf(directory: str) -> Checkpoint:
 
 def write_hf(ckpt: Checkpoint, directory: str) -> None:
     """config.json, model.safetensors and tokenizer_config.json that transformers loads as is."""
+    if ckpt.config.architecture == "modernbert":
+        write_hf_dir(directory, ckpt.config, ckpt.tensors, ckpt.heads)
+        return
     state, arch = tensors_to_hf(ckpt)
     config = {"architectures": [arch], "model_type": "bert", **config_to_original(ckpt.config)}
     config.update(

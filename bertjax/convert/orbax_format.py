@@ -16,6 +16,7 @@ from bertjax.convert.checkpoint import (
     match_tensors,
     unflatten_params,
     unstack_layers,
+    vocab_copies,
     with_param_dtype,
 )
 from bertjax.convert.layouts import param_layout
@@ -62,7 +63,7 @@ def write_bertjax(ckpt: Checkpoint, directory: str) -> None:
     """Writes step 0 of an Orbax checkpoint: state.params, config JSON with "model_config"."""
     vocab = None
     if ckpt.vocab_file:
-        vocab = "vocab.model" if ckpt.vocab_file.endswith(".model") else "vocab.txt"
+        vocab = vocab_copies(ckpt.vocab_file)[ckpt.vocab_file]
     meta = {
         "model_config": ckpt.config.to_dict(),
         "heads": list(ckpt.heads),

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 
-def _check_state(state: Mapping[str, Any], required: tuple[str, ...], same: Mapping[str, Any]):
+def check_state(state: Mapping[str, Any], required: tuple[str, ...], same: Mapping[str, Any]):
     """One-line errors for a checkpointed iterator state that lacks keys or does not match."""
     for key in required:
         if key not in state:
@@ -129,6 +129,6 @@ class ArrayData:
     def restore(self, state: Mapping[str, Any]) -> None:
         """Continues exactly at the saved global example position (any host count or batch size)."""
         same = {"seed": self._seed, "num_examples": self._num, "shuffle": self._shuffle}
-        _check_state(state, ("examples_consumed", "seed", "num_examples"), same)
+        check_state(state, ("examples_consumed", "seed", "num_examples"), same)
         self._examples_consumed = int(state["examples_consumed"])
         self._batches_consumed = int(state.get("batches_consumed", 0))

@@ -163,7 +163,7 @@ def _serialize(
     )  # map keys sorted: bytes independent of the process (hash seed)
 
 
-class _DocumentWindow:
+class DocumentWindow:
     """Feeds documents through create_instances with a bounded pool of neighbours for random next."""
 
     def __init__(self, buffer: int, make: Callable[[Sequence, int], None]):

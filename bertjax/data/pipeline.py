@@ -26,7 +26,8 @@ import numpy as np
 import tensorflow as tf
 from absl import logging
 
-from bertjax.data.array_data import ArrayData, _check_state  # noqa: F401  (ArrayData re-exported)
+from bertjax.data import masking
+from bertjax.data.array_data import ArrayData, check_state  # noqa: F401  (ArrayData re-exported)
 
 METADATA_FILE = "metadata.json"
 _REQUIRED_METADATA = ("max_seq_length", "max_predictions_per_seq", "masking", "nsp")
@@ -56,10 +57,13 @@ def hide_accelerators_from_tf() -> None:
     _accelerators_hidden = True
 
 
-def read_metadata(data_dir: str) -> dict:
-    """Reads `{data_dir}/metadata.json` (from prepare.py); one-line ValueError if missing or bad."""
+def read_metadata(data_dir: str, missing_ok: bool = False) -> dict | None:
+    """Reads `{data_dir}/metadata.json` (from prepare.py); one-line ValueError if missing or bad
+    (None when it is missing and ``missing_ok``)."""
     path = f"{str(data_dir).rstrip('/')}/{METADATA_FILE}"
     if not tf.io.gfile.exists(path):
+        if missing_ok:
+            return None
         raise ValueError(f"{path}: metadata file not found (is {data_dir} a prepared data dir?)")
     with tf.io.gfile.GFile(path, "r") as f:
         text = f.read()
@@ -202,8 +206,6 @@ def _unmask_batch(features: dict) -> dict:
 
 def _mask_batch(features: dict, epochs, indices, *, seed: int, process_index: int, cfg) -> dict:
     """Masks every row of a parsed batch with a seed from (seed, epoch, process_index, index)."""
-    from bertjax.data import masking  # Imported here: only dynamic masking needs it.
-
     word_start = tf.constant(cfg["word_start"])  # [vocab] bool
     pred = int(cfg["max_predictions_per_seq"])
     special_ids = sorted(int(i) for i in cfg["special_ids"])
@@ -427,7 +429,7 @@ class PretrainingData:
         a = self._args
         required = ("batches_consumed", "seed", "split", "per_host_batch_size", "process_count")
         same = {k: a[k] for k in ("seed", "split", "shuffle", "shuffle_buffer")}
-        _check_state(state, required, {**same, "dynamic_masking": a["dynamic_masking"] is not None})
+        check_state(state, required, {**same, "dynamic_masking": a["dynamic_masking"] is not None})
         batches = int(state["batches_consumed"])
         old_global = int(state["per_host_batch_size"]) * int(state["process_count"])
         new_global = a["per_host_batch_size"] * a["process_count"]

@@ -60,17 +60,19 @@ import numpy as np
 import tensorflow as tf
 import tqdm
 
+from bertjax import atomic
 from bertjax.data import corpus
 from bertjax.data.instances import (  # noqa: F401  (re-exported)
-    _DocumentWindow,
+    DocumentWindow,
     create_instances_from_document,
     instance_to_example,
     packed_to_example,
     truncate_seq_pair,
 )
 from bertjax.data.packing import Packer
+from bertjax.data.pipeline import METADATA_FILE, read_metadata
+from bertjax.text import load_tokenizer
 
-METADATA_FILE = "metadata.json"
 FORMAT_VERSION = 1
 SPLITS = ("train", "eval")
 _EVAL_STREAM = 0x5EED_E7A1  # generator stream tag for the eval-split draws
@@ -139,8 +141,6 @@ def _tokenizer_for(spec):
     if not isinstance(spec, tuple):
         return spec  # an in-process tokenizer object
     if _WORKER.get("tokenizer_spec") != spec:
-        from bertjax.text.tokenization import load_tokenizer
-
         _WORKER["tokenizer"], _WORKER["tokenizer_spec"] = load_tokenizer(*spec), spec
     return _WORKER["tokenizer"]
 
@@ -238,7 +238,7 @@ def _process_source(task) -> dict:
         }
         packers = {split: Packer(cfg.max_seq_length, min_length=3) for split in SPLITS}
         windows = {
-            split: _DocumentWindow(
+            split: DocumentWindow(
                 cfg.random_document_buffer, functools.partial(make_instances, split, rngs[split])
             )
             for split in SPLITS
@@ -269,25 +269,6 @@ def _shard_name(split: str, shard: int, count: int) -> str:
 
 def _join(directory: str, name: str) -> str:
     return f"{directory.rstrip('/')}/{name}"
-
-
-def _write_atomic(path: str, data: bytes) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with tf.io.gfile.GFile(tmp, "wb") as f:
-        f.write(data)
-    tf.io.gfile.rename(tmp, path, overwrite=True)
-
-
-def read_metadata(output_dir: str) -> dict | None:
-    """The metadata.json of a prepared dir, or None when there is none."""
-    path = _join(output_dir, METADATA_FILE)
-    if not tf.io.gfile.exists(path):
-        return None
-    with tf.io.gfile.GFile(path, "r") as f:
-        try:
-            return json.load(f)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{path}:{err.lineno}: invalid JSON ({err.msg}); delete it") from None
 
 
 def _run_units(tasks: list, num_workers: int, total_bytes: int | None, show_progress: bool) -> list:
@@ -389,7 +370,7 @@ def prepare(
     sources = corpus.list_sources(entries, tfds_data_dir=tfds_data_dir)
     settings = _settings(cfg, entries, sources, tokenizer)
     output_dir = str(output_dir)
-    existing = read_metadata(output_dir)
+    existing = read_metadata(output_dir, missing_ok=True)
     if existing is not None:
         differ = [k for k in _SETTINGS if existing.get(k, _SETTING_DEFAULTS.get(k)) != settings[k]]
         if differ:
@@ -439,7 +420,7 @@ def prepare(
         "docs_per_second": round(sum(documents.values()) / max(seconds, 1e-9), 1),
         "mb_per_second": round((total_bytes or 0) / 1e6 / max(seconds, 1e-9), 3),
     }
-    _write_atomic(_join(output_dir, METADATA_FILE), json.dumps(metadata, indent=1).encode())
+    atomic.write_text(_join(output_dir, METADATA_FILE), json.dumps(metadata, indent=1))
     return metadata
 
 
@@ -530,8 +511,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--num_workers", type=int, default=None, help="default: all cores")
     p.add_argument("--no_progress", action="store_true")
     args = p.parse_args(argv)
-    from bertjax.text.tokenization import load_tokenizer
-
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
     meta = prepare(
         args.input, args.output_dir, load_tokenizer(args.vocab, args.do_lower_case),

@@ -98,47 +98,8 @@ def attend(
     if impl == "splash":
         if segment_ids is None:
             raise ValueError("attention_impl='splash' needs attention segment ids [batch, seq]")
-        if not local_window:
-            return splash_attention(q, k, v, segment_ids)  # [batch, seq, heads, head_dim]
-        # The splash kernel with a two-sided LocalMask (the FullMask wrapper of
-        # bertjax.layers.splash_attention, windowed): blocks outside the band are skipped.
-        from bertjax.layers import splash_attention as sa
-
-        splash, interpret = sa._splash(), sa.resolve_interpret(None)
-        block = sa.block_size(q.shape[1])
-        sizes = ("block_q", "block_kv", "block_kv_compute", "block_q_dkv", "block_kv_dkv")
-        sizes += ("block_kv_dkv_compute", "block_q_dq", "block_kv_dq")
-
-        def local(q, k, v, ids):  # one device's shard: q (scaled)/k/v [b, seq, heads, d]
-            _, seq, heads, _ = q.shape
-            window = splash.LocalMask((seq, seq), (half, half), 0)
-            with jax.ensure_compile_time_eval():
-                kernel = splash.make_splash_mha_single_device(
-                    splash.MultiHeadMask([window] * heads),
-                    block_sizes=splash.BlockSizes(**dict.fromkeys(sizes, block)),
-                    interpret=interpret,
-                )
-
-            def one(q1, k1, v1, ids1):  # [heads, seq, head_dim] x3, [seq]
-                return kernel(q1, k1, v1, segment_ids=splash.SegmentIds(q=ids1, kv=ids1))
-
-            out = jax.vmap(one)(*(jnp.swapaxes(t, 1, 2) for t in (q, k, v)), ids)
-            return jnp.swapaxes(out, 1, 2)
-
-        q = q * jnp.asarray(1.0 / jnp.sqrt(head_dim), dtype)
-        segment_ids = segment_ids.astype(jnp.int32)
-        mesh = jax.sharding.get_abstract_mesh()
-        spec = (
-            None if mesh.empty or mesh.size == 1 else sa._mesh_spec(q.shape, mesh, sa.LOGICAL_AXES)
-        )
-        with jax.named_scope("splash_attention_local"):
-            if spec is None:
-                return local(q, k, v, segment_ids)
-            in_specs = (spec, spec, spec, jax.sharding.PartitionSpec(spec[0], None))
-            sharded = jax.shard_map(
-                local, mesh=mesh, in_specs=in_specs, out_specs=spec, check_vma=False
-            )
-            return sharded(q, k, v, segment_ids)
+        # A sliding window is the kernel's LocalMask: the blocks outside the band are skipped.
+        return splash_attention(q, k, v, segment_ids, local_window=local_window)
     if impl == "cudnn":
         return jax.nn.dot_product_attention(
             q, k, v, bias=bias.astype(dtype), implementation="cudnn"

@@ -109,8 +109,11 @@ def _splash():
 
 
 @functools.lru_cache(maxsize=32)
-def _kernel(num_heads: int, seq_len: int, interpret: bool):
+def _kernel(num_heads: int, seq_len: int, interpret: bool, half_window: int = 0):
     """A single-device splash MHA kernel for [heads, seq, head_dim] inputs (cached per shape).
+
+    ``half_window`` > 0 makes it a two-sided sliding window (|i - j| <= half_window): a LocalMask,
+    whose key blocks outside the band the kernel skips.
 
     The mask metadata is built with NumPy when the kernel is made, so one kernel per (local) head
     count and sequence length is made once and reused by every layer and every trace; it is made
@@ -129,15 +132,22 @@ def _kernel(num_heads: int, seq_len: int, interpret: bool):
         block_q_dq=block,
         block_kv_dq=block,
     )
-    mask = splash.MultiHeadMask([splash.FullMask((seq_len, seq_len)) for _ in range(num_heads)])
+    shape = (seq_len, seq_len)
+    if half_window:
+        one = splash.LocalMask(shape, (half_window, half_window), 0)
+    else:
+        one = splash.FullMask(shape)
+    mask = splash.MultiHeadMask([one] * num_heads)
     with jax.ensure_compile_time_eval():
         return splash.make_splash_mha_single_device(mask, block_sizes=blocks, interpret=interpret)
 
 
-def _local_attention(q: Array, k: Array, v: Array, segment_ids: Array, *, interpret: bool) -> Array:
+def _local_attention(
+    q: Array, k: Array, v: Array, segment_ids: Array, *, interpret: bool, half_window: int
+) -> Array:
     """The kernel on one device's shard: q (already scaled)/k/v [batch, seq, heads, head_dim]."""
     _, seq_len, num_heads, _ = q.shape
-    kernel = _kernel(num_heads, seq_len, interpret)
+    kernel = _kernel(num_heads, seq_len, interpret, half_window)
 
     def one_example(q1, k1, v1, ids):  # [heads, seq, head_dim] x3, ids [seq]
         return kernel(q1, k1, v1, segment_ids=_splash().SegmentIds(q=ids, kv=ids))
@@ -175,6 +185,7 @@ def splash_attention(
     *,
     interpret: bool | None = None,
     logical_axes: tuple[str, ...] = LOGICAL_AXES,
+    local_window: int = 0,
 ) -> Array:
     """Softmax attention of q/k/v [batch, seq, heads, head_dim] -> [batch, seq, heads, head_dim].
 
@@ -200,7 +211,7 @@ def splash_attention(
     scale = jnp.asarray(1.0 / jnp.sqrt(q.shape[-1]), q.dtype)
     q = q * scale
     segment_ids = segment_ids.astype(jnp.int32)
-    local = functools.partial(_local_attention, interpret=interpret)
+    local = functools.partial(_local_attention, interpret=interpret, half_window=local_window // 2)
 
     mesh = jax.sharding.get_abstract_mesh()
     spec = None if mesh.empty or mesh.size == 1 else _mesh_spec(q.shape, mesh, logical_axes)

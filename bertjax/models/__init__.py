@@ -27,10 +27,11 @@ import dataclasses
 from types import ModuleType
 from typing import Any
 
-from bertjax.models import bert
+from bertjax.models import bert, modernbert
 
 ARCHITECTURES: dict[str, ModuleType] = {
     "bert": bert,
+    "modernbert": modernbert,
 }
 DEFAULT = "bert"
 

@@ -37,6 +37,7 @@ from bertjax import models
 from bertjax.data import packing
 from bertjax.data.pipeline import ArrayData
 from bertjax.tasks.base import Phase, Task
+from bertjax.text import load_tokenizer
 
 log = logging.getLogger("bertjax")
 
@@ -191,8 +192,6 @@ class FinetuneTask(Task):
         return self.config.data_dir
 
     def _load_tokenizer(self) -> None:
-        from bertjax.text.tokenization import load_tokenizer
-
         cfg = self.config
         lower = cfg.get("do_lower_case")
         if cfg.init_checkpoint:
@@ -461,12 +460,3 @@ class FinetuneTask(Task):
     def describe(self) -> str:
         source = self.config.init_checkpoint or "random init"
         return f"{self.name} from {source}"
-
-
-def atomic_write_text(path: str, text: str) -> None:
-    """Writes ``text`` to ``path`` through a temporary name in the same folder."""
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-    os.replace(tmp, path)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -133,8 +134,6 @@ class GlueFinetune(FinetuneTask):
         return {f"{eval_set.name}/{k}": v for k, v in metrics.items()}
 
     def write_outputs(self, run, workdir):
-        import jax
-
         folder = os.path.join(workdir, "glue_predictions")
         files = {}
         for test in self.test_sets:

@@ -16,6 +16,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from bertjax import atomic
+
 __all__ = [
     "GLUE_TASKS",
     "GlueTask",
@@ -325,12 +327,6 @@ def encode_examples(
     return out
 
 
-def _atomic_write_text(path: pathlib.Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
-
-
 def write_glue_predictions(
     output_dir: str | os.PathLike, task: str, split: str, predictions: Sequence
 ) -> pathlib.Path:
@@ -358,7 +354,7 @@ def write_glue_predictions(
     output_dir = pathlib.Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     path = output_dir / f"{spec.submission[split]}.tsv"
-    _atomic_write_text(path, "\n".join(lines) + "\n")
+    atomic.write_text(path, "\n".join(lines) + "\n")
     return path
 
 

@@ -23,7 +23,7 @@ from bertjax.data.prepare import prepare
 from bertjax.data.streams import StreamedData
 from bertjax.models.heads import PreTrainingModel
 from bertjax.tasks.base import Phase, Task, register
-from bertjax.text.tokenization import load_tokenizer
+from bertjax.text import load_tokenizer
 
 log = logging.getLogger("bertjax")
 

@@ -18,11 +18,11 @@ import os
 
 import jax
 
-from bertjax import losses
+from bertjax import atomic, losses
 from bertjax.models.heads import SpanClassifier
 from bertjax.tasks import squad_data, squad_postprocess
 from bertjax.tasks.base import register
-from bertjax.tasks.finetuning import EvalSet, FinetuneTask, atomic_write_text, subset
+from bertjax.tasks.finetuning import EvalSet, FinetuneTask, subset
 from bertjax.tasks.metrics import evaluate_squad_v1, evaluate_squad_v2
 
 SPAN_KEYS = ("input_ids", "input_mask", "segment_ids", "start_positions", "end_positions")
@@ -145,13 +145,13 @@ class SquadFinetune(FinetuneTask):
                 files["predictions_best_thresh"] = os.path.join(
                     folder, "predictions_best_thresh.json"
                 )
-                atomic_write_text(files["predictions_best_thresh"], json.dumps(best, indent=4))
+                atomic.write_text(files["predictions_best_thresh"], json.dumps(best, indent=4))
                 search = {
                     k: dev[k]
                     for k in ("best_exact", "best_exact_thresh", "best_f1", "best_f1_thresh")
                 }
                 files["best_threshold"] = os.path.join(folder, "best_threshold.json")
-                atomic_write_text(files["best_threshold"], json.dumps(search, indent=2))
+                atomic.write_text(files["best_threshold"], json.dumps(search, indent=2))
             result["predictions"] = {k: str(v) for k, v in files.items()}
         return result
 

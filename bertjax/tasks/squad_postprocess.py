@@ -12,7 +12,6 @@ formats: predictions.json, nbest_predictions.json and (v2.0) null_odds.json.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import pathlib
@@ -20,6 +19,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
+from bertjax import atomic
 from bertjax.tasks.squad_data import SquadExample, SquadFeatures
 
 
@@ -213,12 +213,6 @@ def predictions_at_threshold(
     return {qid: "" if null_odds[qid] > threshold else text for qid, text in best_non_null.items()}
 
 
-def _atomic_write_json(path: pathlib.Path, obj) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(obj, indent=4) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
-
-
 def write_predictions(
     output_dir: str | os.PathLike, preds: SquadPredictions
 ) -> dict[str, pathlib.Path]:
@@ -229,9 +223,9 @@ def write_predictions(
         "predictions": output_dir / "predictions.json",
         "nbest_predictions": output_dir / "nbest_predictions.json",
     }
-    _atomic_write_json(paths["predictions"], preds.predictions)
-    _atomic_write_json(paths["nbest_predictions"], preds.nbest)
+    atomic.write_json(paths["predictions"], preds.predictions, indent=4, sort_keys=False)
+    atomic.write_json(paths["nbest_predictions"], preds.nbest, indent=4, sort_keys=False)
     if preds.null_odds is not None:
         paths["null_odds"] = output_dir / "null_odds.json"
-        _atomic_write_json(paths["null_odds"], preds.null_odds)
+        atomic.write_json(paths["null_odds"], preds.null_odds, indent=4, sort_keys=False)
     return paths

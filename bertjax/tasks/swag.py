@@ -13,11 +13,11 @@ import os
 import jax
 import jax.numpy as jnp
 
-from bertjax import losses
+from bertjax import atomic, losses
 from bertjax.models.heads import MultipleChoice
 from bertjax.tasks import swag_data
 from bertjax.tasks.base import register
-from bertjax.tasks.finetuning import EvalSet, FinetuneTask, atomic_write_text, subset
+from bertjax.tasks.finetuning import EvalSet, FinetuneTask, subset
 from bertjax.tasks.metrics import accuracy
 
 INPUT_KEYS = ("input_ids", "input_mask", "segment_ids")
@@ -87,6 +87,6 @@ class Swag(FinetuneTask):
             if jax.process_index() == 0:
                 path = os.path.join(workdir, "swag_test_predictions.csv")
                 lines = ["guid,label", *(f"{g},{int(c)}" for g, c in zip(test.meta, choice))]
-                atomic_write_text(path, "\n".join(lines) + "\n")
+                atomic.write_text(path, "\n".join(lines) + "\n")
                 files["test"] = path
         return {"predictions": files}

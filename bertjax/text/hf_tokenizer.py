@@ -17,7 +17,7 @@ import tensorflow as tf
 
 from bertjax.text.tokenization import (
     SPECIAL_TOKENS,
-    _TokenizerBase,
+    TokenizerBase,
     is_cjk_char,
     is_punctuation_char,
 )
@@ -68,7 +68,7 @@ def _find_types(node, types: tuple[str, ...]) -> list[dict]:
     return found
 
 
-class HFTokenizer(_TokenizerBase):
+class HFTokenizer(TokenizerBase):
     """A `tokenizers.Tokenizer` loaded from a tokenizer.json, with bertjax's tokenizer interface.
 
     `encode` adds no special tokens; `encode_batch` is the fast (parallel, Rust) batch version and

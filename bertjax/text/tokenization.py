@@ -87,7 +87,7 @@ _CLEAN = _CleanTable()
 _ASCII_CLEAN = {cp: None for cp in [*range(0, 9), 11, 12, *range(14, 32), 127]}
 
 
-def _whitespace_words(text: str) -> list[str]:
+def whitespace_words(text: str) -> list[str]:
     """Steps 1-3: clean, space out CJK ideographs, NFC (as transformers does) and split on spaces."""
     if text.isascii():
         return text.translate(_ASCII_CLEAN).split()
@@ -116,7 +116,7 @@ def _split_punctuation(text: str) -> list[str]:
     return out
 
 
-def _basic_split_word(word: str, do_lower_case: bool) -> list[str]:
+def basic_split_word(word: str, do_lower_case: bool) -> list[str]:
     """Steps 4-5 on one whitespace-delimited word."""
     if do_lower_case:
         word = word.lower()
@@ -130,7 +130,7 @@ def _basic_split_word(word: str, do_lower_case: bool) -> list[str]:
 
 def basic_tokenize(text: str, do_lower_case: bool) -> list[str]:
     """BERT's BasicTokenizer: clean, split CJK, whitespace, lower+strip accents, punctuation."""
-    return [w for word in _whitespace_words(text) for w in _basic_split_word(word, do_lower_case)]
+    return [w for word in whitespace_words(text) for w in basic_split_word(word, do_lower_case)]
 
 
 # Vocabulary files.
@@ -176,7 +176,7 @@ def load_vocab(path: str) -> list[str]:
     return tokens
 
 
-def _infer_do_lower_case(vocab: Sequence[str]) -> bool:
+def infer_do_lower_case(vocab: Sequence[str]) -> bool:
     """Uncased unless more than 0.5% of ordinary tokens (not special, not [unusedN]) hold an
     upper-case letter: the uncased BERT vocab still has a few symbols Python calls upper case
     (e.g. 'ℝ'), a cased vocab has thousands of capitalised words."""
@@ -186,7 +186,7 @@ def _infer_do_lower_case(vocab: Sequence[str]) -> bool:
 
 
 # Tokenizers.
-class _TokenizerBase:
+class TokenizerBase:
     """Shared id <-> token conversion; subclasses set vocab, specials and `_token_to_id`."""
 
     kind: str
@@ -237,7 +237,7 @@ class _TokenizerBase:
         )
 
 
-class WordPieceTokenizer(_TokenizerBase):
+class WordPieceTokenizer(TokenizerBase):
     """BERT WordPiece tokenizer (basic tokenization + greedy longest-match WordPiece)."""
 
     kind = "wordpiece"
@@ -286,7 +286,7 @@ class WordPieceTokenizer(_TokenizerBase):
         ids = self._cache.get(word)
         if ids is None:
             ids = tuple(
-                i for w in _basic_split_word(word, self.do_lower_case) for i in self._wordpiece(w)
+                i for w in basic_split_word(word, self.do_lower_case) for i in self._wordpiece(w)
             )
             if len(self._cache) >= _CACHE_LIMIT:
                 self._cache.clear()
@@ -296,7 +296,7 @@ class WordPieceTokenizer(_TokenizerBase):
     def encode(self, text: str) -> list[int]:
         """Text -> WordPiece ids (no [CLS]/[SEP] added)."""
         out: list[int] = []
-        for word in _whitespace_words(text):
+        for word in whitespace_words(text):
             out.extend(self._encode_word(word))
         return out
 
@@ -317,7 +317,7 @@ class WordPieceTokenizer(_TokenizerBase):
         return self._tf_graph(texts)
 
 
-class SentencePieceTokenizer(_TokenizerBase):
+class SentencePieceTokenizer(TokenizerBase):
     """Wraps a SentencePiece .model; its specials are exposed as [PAD]/[UNK]/[CLS]/[SEP]/[MASK].
 
     Special pieces are looked up by BERT name first ("[CLS]"), then by the model's own ids
@@ -412,26 +412,6 @@ class SentencePieceTokenizer(_TokenizerBase):
                     model=self._model_proto, out_type=tf.int32
                 )
         return tf.cast(self._tf_tokenizer.tokenize(texts), tf.int64)
-
-
-def load_tokenizer(path: str, do_lower_case: bool | None = None):
-    """`*.model` -> SentencePieceTokenizer; anything else -> WordPieceTokenizer on a vocab.txt.
-
-    do_lower_case None infers it for WordPiece (uncased when no token holds an upper-case letter);
-    for SentencePiece, case handling is part of the model and a conflicting value is an error.
-    """
-    path = str(path)
-    if path.endswith(".model"):
-        tok = SentencePieceTokenizer(path)
-        if do_lower_case is not None and bool(do_lower_case) != tok.do_lower_case:
-            raise ValueError(
-                f"{path}: do_lower_case={do_lower_case} but the SentencePiece model "
-                f"{'folds' if tok.do_lower_case else 'keeps'} case"
-            )
-        return tok
-    if do_lower_case is None:
-        do_lower_case = _infer_do_lower_case(load_vocab(path))
-    return WordPieceTokenizer(path, do_lower_case=do_lower_case)
 
 
 @functools.cache

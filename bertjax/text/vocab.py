@@ -12,13 +12,12 @@ bottom-up algorithm of the BERT paper's vocabulary).
 import argparse
 import collections
 import io
-import os
-import uuid
 from collections.abc import Iterator, Sequence
 
 import tensorflow as tf
 
-from bertjax.text import tokenization
+from bertjax import atomic
+from bertjax.text import load_tokenizer, tokenization
 
 KINDS = ("wordpiece", "sentencepiece")
 
@@ -67,23 +66,12 @@ def count_words(lines: Iterator[str], do_lower_case: bool) -> collections.Counte
     """Counts BERT basic-tokenized words (whitespace words are counted first, then split once)."""
     raw = collections.Counter()
     for line in lines:
-        raw.update(tokenization._whitespace_words(line))
+        raw.update(tokenization.whitespace_words(line))
     counts = collections.Counter()
     for word, n in raw.items():
-        for w in tokenization._basic_split_word(word, do_lower_case):
+        for w in tokenization.basic_split_word(word, do_lower_case):
             counts[w] += n
     return counts
-
-
-def _atomic_write(path: str, data: bytes) -> None:
-    """Writes to a temp name in the same folder, then renames (no half-written file is visible)."""
-    folder = os.path.dirname(path)
-    if folder:
-        tf.io.gfile.makedirs(folder)
-    tmp = f"{path}.tmp-{uuid.uuid4().hex}"
-    with tf.io.gfile.GFile(tmp, "wb") as f:
-        f.write(data)
-    tf.io.gfile.rename(tmp, path, overwrite=True)
 
 
 MAX_PIECE_CHARS = 50  # longer words are left out of WordPiece learning
@@ -265,8 +253,8 @@ def _train_sentencepiece(
     vocab_text = "".join(
         f"{sp.IdToPiece(i)}\t{sp.GetScore(i):g}\n" for i in range(sp.GetPieceSize())
     )
-    _atomic_write(prefix + ".vocab", vocab_text.encode("utf-8"))
-    _atomic_write(prefix + ".model", proto)
+    atomic.write_text(prefix + ".vocab", vocab_text)
+    atomic.write_bytes(prefix + ".model", proto)
     return prefix + ".model"
 
 
@@ -304,7 +292,7 @@ def train_vocab(
     if not counts:
         raise ValueError(f"no text in the vocabulary training input ({', '.join(paths)})")
     vocab = _learn_wordpiece(counts, vocab_size)
-    _atomic_write(output, "".join(t + "\n" for t in vocab).encode("utf-8"))
+    atomic.write_text(output, "".join(t + "\n" for t in vocab))
     return output
 
 
@@ -335,7 +323,5 @@ def main(argv: list[str]) -> None:
         max_lines=args.max_lines,
         seed=args.seed,
     )
-    tok = tokenization.load_tokenizer(
-        path, None if args.kind == "sentencepiece" else args.lower_case
-    )
+    tok = load_tokenizer(path, None if args.kind == "sentencepiece" else args.lower_case)
     print(f"wrote {path} ({tok.kind}, {tok.vocab_size} tokens, do_lower_case={tok.do_lower_case})")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import resource
@@ -12,11 +13,13 @@ import threading
 import time
 from typing import Any
 
+from bertjax.data import pipeline
+from bertjax.data.prepare import prepare
+from bertjax.text import load_tokenizer
+
 
 def _corpus_copies(corpus: str, scale: int, directory: str) -> str:
     """A glob over ``scale`` symlinked copies of every corpus file (distinct names, same text)."""
-    import glob
-
     files = sorted(f for pattern in corpus.split(",") for f in glob.glob(pattern))
     if not files:
         raise ValueError(f"--corpus={corpus}: no files (pass --skip_prepare --skip_input?)")
@@ -94,8 +97,6 @@ def measure_prepare(args, scale: int, output_dir: str) -> dict[str, Any]:
 
 def measure_input(data_dir: str, batch: int, batches: int) -> dict[str, Any]:
     """Examples/s of the trainer's tf.data iterator (shuffled, parsed, batched, to NumPy)."""
-    from bertjax.data import pipeline
-
     pipeline.hide_accelerators_from_tf()
     data = pipeline.PretrainingData(
         data_dir, "train", batch, seed=0, process_index=0, process_count=1
@@ -116,9 +117,6 @@ def measure_input(data_dir: str, batch: int, batches: int) -> dict[str, Any]:
 
 def cached_records(args) -> str:
     """Records for the input benchmark when prepare is not measured: prepared once, then reused."""
-    from bertjax.data.prepare import prepare
-    from bertjax.text.tokenization import load_tokenizer
-
     out = os.path.join(args.cache_dir, f"records-seq{args.seq}-pred{args.masked}")
     prepare(
         _corpus_copies(args.corpus, 1, ""),

@@ -17,17 +17,17 @@ The output is written under a temporary name and renamed when complete.
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import logging
-import os
 import re
-import uuid
 from collections.abc import Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from bertjax import atomic
 from bertjax.pretrained import Pretrained, encode_batch, load_pretrained
 
 log = logging.getLogger("bertjax")
@@ -134,37 +134,32 @@ def write_features(path: str, records, layers: Sequence[int], max_seq_length: in
     """Writes .jsonl or .npz atomically (temp name, then rename); returns the number of lines."""
     if not path.endswith((".jsonl", ".npz")):
         raise ValueError(f"--output={path}: must end in .jsonl or .npz")
-    directory = os.path.dirname(os.path.abspath(path))
-    tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp-{uuid.uuid4().hex}")
     count = 0
-    try:
-        with open(tmp, "w" if path.endswith(".jsonl") else "wb") as f:
-            if path.endswith(".jsonl"):
-                for index, tokens, _, features in records:
-                    f.write(json_record(index, tokens, layers, features) + "\n")
-                    count += 1
-            else:
-                rows = list(records)
-                count = len(rows)
-                hidden = rows[0][3].shape[-1] if rows else 0
-                feats = np.zeros((count, max_seq_length, len(layers), hidden), np.float32)
-                tokens = np.full((count, max_seq_length), "", dtype=object)
-                for i, (_, toks, _, features) in enumerate(rows):
-                    feats[i, : len(toks)] = features
-                    tokens[i, : len(toks)] = toks
-                np.savez(
-                    f,
-                    features=feats,
-                    tokens=tokens.astype(str),
-                    input_ids=np.stack([r[2]["input_ids"] for r in rows]).astype(np.int32),
-                    token_type_ids=np.stack([r[2]["token_type_ids"] for r in rows]),
-                    lengths=np.array([len(r[1]) for r in rows], np.int32),
-                    layers=np.array(layers, np.int32),
-                )
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    with atomic.atomic_open(path, "w" if path.endswith(".jsonl") else "wb") as f:
+        if path.endswith(".jsonl"):
+            for index, tokens, _, features in records:
+                f.write(json_record(index, tokens, layers, features) + "\n")
+                count += 1
+        else:
+            rows = list(records)
+            count = len(rows)
+            hidden = rows[0][3].shape[-1] if rows else 0
+            feats = np.zeros((count, max_seq_length, len(layers), hidden), np.float32)
+            tokens = np.full((count, max_seq_length), "", dtype=object)
+            for i, (_, toks, _, features) in enumerate(rows):
+                feats[i, : len(toks)] = features
+                tokens[i, : len(toks)] = toks
+            buffer = io.BytesIO()  # zip needs a seekable file; GFile (gs://) is not
+            np.savez(
+                buffer,
+                features=feats,
+                tokens=tokens.astype(str),
+                input_ids=np.stack([r[2]["input_ids"] for r in rows]).astype(np.int32),
+                token_type_ids=np.stack([r[2]["token_type_ids"] for r in rows]),
+                lengths=np.array([len(r[1]) for r in rows], np.int32),
+                layers=np.array(layers, np.int32),
+            )
+            f.write(buffer.getvalue())
     return count
 
 

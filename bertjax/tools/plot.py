@@ -6,6 +6,8 @@ import argparse
 import json
 import os
 
+from bertjax import atomic
+
 PANELS = (
     ("loss", ("loss", "mlm_loss", "nsp_loss")),
     ("accuracy", ("mlm_accuracy", "nsp_accuracy", "accuracy")),
@@ -57,10 +59,9 @@ def plot(workdir: str, output: str | None = None) -> str:
             ax.legend(fontsize=8)
     fig.suptitle(os.path.basename(os.path.abspath(workdir)))
     fig.tight_layout()
-    tmp = output + ".tmp.png"
-    fig.savefig(tmp, dpi=100)
+    with atomic.atomic_open(output, "wb") as f:
+        fig.savefig(f, dpi=100, format="png")
     plt.close(fig)
-    os.replace(tmp, output)
     return output
 
 

@@ -1,0 +1,49 @@
+"""One way to write a file that never looks complete before it is: a temporary name in the same
+folder, then a rename; local paths and ``gs://`` alike (``tf.io.gfile``)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import uuid
+from collections.abc import Iterator
+from typing import Any, BinaryIO, TextIO
+
+import tensorflow as tf
+
+
+@contextlib.contextmanager
+def atomic_open(path: str | os.PathLike, mode: str = "w") -> Iterator[TextIO | BinaryIO]:
+    """A file handle on a temporary sibling of ``path``, renamed to ``path`` when the block ends
+    without an error (removed otherwise). ``mode`` is ``"w"`` (UTF-8 text) or ``"wb"``."""
+    path = os.fspath(path)
+    folder = os.path.dirname(path)
+    if folder:
+        tf.io.gfile.makedirs(folder)
+    tmp = os.path.join(folder, f".{os.path.basename(path)}.tmp-{uuid.uuid4().hex[:12]}")
+    try:
+        with tf.io.gfile.GFile(tmp, mode) as f:
+            yield f
+        tf.io.gfile.rename(tmp, path, overwrite=True)
+    finally:
+        if tf.io.gfile.exists(tmp):
+            tf.io.gfile.remove(tmp)
+
+
+def write_text(path: str | os.PathLike, text: str) -> None:
+    """Writes ``text`` atomically."""
+    with atomic_open(path, "w") as f:
+        f.write(text)
+
+
+def write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    """Writes ``data`` atomically."""
+    with atomic_open(path, "wb") as f:
+        f.write(data)
+
+
+def write_json(path: str | os.PathLike, value: Any, *, indent: int = 2, sort_keys: bool = True):
+    """Writes ``value`` as JSON (non-JSON numbers such as NumPy floats as floats) atomically."""
+    text = json.dumps(value, indent=indent, sort_keys=sort_keys, default=float) + "\n"
+    write_text(path, text)

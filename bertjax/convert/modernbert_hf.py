@@ -1,0 +1,399 @@
+"""Hugging Face ModernBERT checkpoints <-> bertjax ``modernbert`` parameters (NumPy only).
+
+One table (:func:`hf_names`) pairs every flat bertjax path (``model/layer_0/attn/Wqkv/kernel``)
+with its transformers state-dict name and a *transform*, how the array is laid out on each side:
+
+* ``copy``: the same array (embeddings, norms, 1-D biases);
+* ``flatten``: a bias [*out] in bertjax, flat [prod(out)] in HF (``Wqkv`` [3, heads, kv],
+  ``Wi`` [2, mlp]);
+* ``linear``: a kernel [in, *out] in bertjax, a torch Linear weight [prod(out), in] in HF;
+* ``linear_heads``: a kernel [heads, kv, out] in bertjax (attention ``Wo``), [out, heads*kv] in HF.
+
+Heads: ``pooler`` is ForSequenceClassification's ``head.*`` (bertjax ``model/pooler``), ``mlm``
+ForMaskedLM's ``head.*`` and ``decoder.bias`` (bertjax ``predictions``; ``decoder.weight`` is
+tied to ``model.embeddings.tok_embeddings.weight``), ``classifier`` is ``classifier.*``.
+ModernBertForTokenClassification / QuestionAnswering / MultipleChoice also name their tensors
+``head.*`` + ``classifier.*`` but apply the head per token: bertjax's token heads have no such
+transform, so those checkpoints read as a sequence classifier.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Any
+
+import numpy as np
+from safetensors.numpy import load_file, save_file
+
+from bertjax.models.modernbert import ModernBertConfig
+
+HEADS = ("pooler", "mlm", "classifier")
+_ARCHITECTURES = {  # heads present -> the transformers class whose state dict holds exactly them
+    frozenset(): "ModernBertModel",
+    frozenset({"mlm"}): "ModernBertForMaskedLM",
+    frozenset({"pooler", "classifier"}): "ModernBertForSequenceClassification",
+}
+_ENCODER_PREFIXES = ("embeddings.", "layers.", "final_norm.")  # ModernBertModel's own names
+_TIED = "decoder.weight"
+_WORDS = "model.embeddings.tok_embeddings.weight"
+_ROPE_DEFAULTS = {"full_attention": 160_000.0, "sliding_attention": 10_000.0}
+
+
+# ---------------------------------------------------------------------------------------------
+# config.json
+# ---------------------------------------------------------------------------------------------
+def config_from_hf(hf: dict[str, Any]) -> ModernBertConfig:
+    """A ModernBertConfig from a transformers ModernBERT config.json (dict).
+
+    Reads ``layer_types`` + ``rope_parameters`` (transformers 5) or ``global_attn_every_n_layers``
+    + ``global_rope_theta``/``local_rope_theta`` (older files). The dropouts collapse into
+    ``hidden_dropout`` (the largest of embedding/mlp/classifier dropout); ``dtype`` (or
+    ``torch_dtype``) becomes ``param_dtype``. Unsupported settings are a ValueError naming the key.
+    """
+    if hf.get("model_type", "modernbert") != "modernbert":
+        raise ValueError(f"HF config: model_type={hf['model_type']!r} is not 'modernbert'")
+    if hf.get("tie_word_embeddings", True) is False:
+        raise ValueError("HF config: tie_word_embeddings=False (untied MLM decoders unsupported)")
+    layers = int(hf.get("num_hidden_layers", 22))
+    every = hf.get("global_attn_every_n_layers")
+    types = hf.get("layer_types")
+    if types is not None:
+        full = [i for i, t in enumerate(types) if t == "full_attention"]
+        if every is None:
+            every = full[1] - full[0] if len(full) > 1 else max(layers, 1)
+        expected = [
+            "full_attention" if i % every == 0 else "sliding_attention" for i in range(layers)
+        ]
+        if list(types) != expected:
+            raise ValueError(
+                f"HF config: layer_types={types} is not global every {every} layers from layer 0"
+            )
+    thetas = {}
+    rope = hf.get("rope_parameters") or {}
+    for kind, legacy in (
+        ("full_attention", "global_rope_theta"),
+        ("sliding_attention", "local_rope_theta"),
+    ):
+        params = rope.get(kind) or {}
+        if params.get("rope_type", "default") != "default":
+            raise ValueError(f"HF config: rope_parameters[{kind!r}] rope_type is not 'default'")
+        thetas[kind] = float(params.get("rope_theta", hf.get(legacy, _ROPE_DEFAULTS[kind])))
+    dropout = max(
+        float(hf.get(k, 0.0) or 0.0)
+        for k in ("embedding_dropout", "mlp_dropout", "classifier_dropout")
+    )
+    values: dict[str, Any] = dict(
+        vocab_size=hf.get("vocab_size", 50368),
+        hidden_size=hf.get("hidden_size", 768),
+        num_layers=layers,
+        num_heads=hf.get("num_attention_heads", 12),
+        intermediate_size=hf.get("intermediate_size", 1152),
+        hidden_act=hf.get("hidden_activation", "gelu"),
+        hidden_dropout=dropout,
+        attention_dropout=float(hf.get("attention_dropout", 0.0)),
+        max_position_embeddings=hf.get("max_position_embeddings", 8192),
+        initializer_range=hf.get("initializer_range", 0.02),
+        norm_eps=hf.get("norm_eps", 1e-5),
+        global_rope_theta=thetas["full_attention"],
+        local_rope_theta=thetas["sliding_attention"],
+        global_attn_every_n_layers=int(every if every is not None else 3),
+    )
+    for key in ("norm_bias", "attention_bias", "mlp_bias", "decoder_bias", "classifier_bias"):
+        if key in hf:
+            values[key] = bool(hf[key])
+    for key in ("classifier_activation", "classifier_pooling", "local_attention"):
+        if key in hf:
+            values[key] = hf[key]
+    for key in ("pad_token_id", "cls_token_id", "sep_token_id"):
+        if hf.get(key) is not None:
+            values[key] = int(hf[key])
+    dtype = hf.get("dtype", hf.get("torch_dtype"))
+    if dtype in ("float32", "bfloat16", "float16"):
+        values["param_dtype"] = dtype
+    return ModernBertConfig(**values)
+
+
+def config_to_hf(cfg: ModernBertConfig, heads=("mlm",), num_labels: int = 0) -> dict[str, Any]:
+    """A config.json dict that transformers' ModernBertConfig loads (new and legacy keys), for
+    the class holding ``heads``; ``num_labels`` > 0 writes id2label/label2id."""
+    every = cfg.global_attn_every_n_layers
+    hf: dict[str, Any] = {
+        "architectures": [hf_architecture(heads)],
+        "model_type": "modernbert",
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "hidden_activation": cfg.hidden_act,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "initializer_range": cfg.initializer_range,
+        "norm_eps": cfg.norm_eps,
+        "norm_bias": cfg.norm_bias,
+        "attention_bias": cfg.attention_bias,
+        "attention_dropout": cfg.attention_dropout,
+        "embedding_dropout": cfg.hidden_dropout,
+        "mlp_dropout": cfg.hidden_dropout,
+        "classifier_dropout": cfg.hidden_dropout,
+        "mlp_bias": cfg.mlp_bias,
+        "decoder_bias": cfg.decoder_bias,
+        "classifier_bias": cfg.classifier_bias,
+        "classifier_activation": cfg.classifier_activation,
+        "classifier_pooling": cfg.classifier_pooling,
+        "local_attention": cfg.local_attention,
+        "global_attn_every_n_layers": every,
+        "global_rope_theta": cfg.global_rope_theta,
+        "local_rope_theta": cfg.local_rope_theta,
+        "layer_types": [
+            "full_attention" if cfg.is_global(i) else "sliding_attention"
+            for i in range(cfg.num_layers)
+        ],
+        "rope_parameters": {
+            "full_attention": {"rope_type": "default", "rope_theta": cfg.global_rope_theta},
+            "sliding_attention": {"rope_type": "default", "rope_theta": cfg.local_rope_theta},
+        },
+        "pad_token_id": cfg.pad_token_id,
+        "cls_token_id": cfg.cls_token_id,
+        "sep_token_id": cfg.sep_token_id,
+        "bos_token_id": cfg.cls_token_id,
+        "eos_token_id": cfg.sep_token_id,
+        "tie_word_embeddings": True,
+        "dtype": cfg.param_dtype,
+    }
+    if num_labels:
+        hf["id2label"] = {str(i): f"LABEL_{i}" for i in range(num_labels)}
+        hf["label2id"] = {f"LABEL_{i}": i for i in range(num_labels)}
+    return hf
+
+
+def hf_architecture(heads) -> str:
+    """The transformers class whose state dict holds exactly ``heads``."""
+    arch = _ARCHITECTURES.get(frozenset(heads))
+    if arch is None:
+        raise ValueError(
+            f"no Hugging Face ModernBERT class holds exactly the heads {sorted(heads)}; "
+            f"supported: {[sorted(h) for h in _ARCHITECTURES]}"
+        )
+    return arch
+
+
+# ---------------------------------------------------------------------------------------------
+# The name table
+# ---------------------------------------------------------------------------------------------
+def _entries(cfg: ModernBertConfig, heads, num_labels: int) -> list[tuple[str, str, str, tuple]]:
+    """(bertjax path, HF name, transform, bertjax shape) of the encoder and the given heads."""
+    h, n, d, i, v = (
+        cfg.hidden_size,
+        cfg.num_heads,
+        cfg.head_dim,
+        cfg.intermediate_size,
+        cfg.vocab_size,
+    )
+    out: list[tuple[str, str, str, tuple]] = []
+
+    def add(path, name, transform, shape):
+        out.append((path, name, transform, tuple(shape)))
+
+    def norm(path, name):
+        add(f"{path}/scale", f"{name}.weight", "copy", (h,))
+        if cfg.norm_bias:
+            add(f"{path}/bias", f"{name}.bias", "copy", (h,))
+
+    def linear(path, name, shape, bias, transform="linear", bias_from=1):
+        add(f"{path}/kernel", f"{name}.weight", transform, shape)
+        if bias:
+            out_shape = shape[bias_from:]
+            add(
+                f"{path}/bias",
+                f"{name}.bias",
+                "flatten" if len(out_shape) > 1 else "copy",
+                out_shape,
+            )
+
+    add("model/embeddings/word_embeddings/embedding", _WORDS, "copy", (v, h))
+    norm("model/embeddings/norm", "model.embeddings.norm")
+    for layer in range(cfg.num_layers):
+        src, dst = f"model.layers.{layer}", f"model/layer_{layer}"
+        if layer:
+            norm(f"{dst}/attn_norm", f"{src}.attn_norm")
+        linear(f"{dst}/attn/Wqkv", f"{src}.attn.Wqkv", (h, 3, n, d), cfg.attention_bias)
+        linear(f"{dst}/attn/Wo", f"{src}.attn.Wo", (n, d, h), cfg.attention_bias, "linear_heads", 2)
+        norm(f"{dst}/mlp_norm", f"{src}.mlp_norm")
+        linear(f"{dst}/mlp/Wi", f"{src}.mlp.Wi", (h, 2, i), cfg.mlp_bias)
+        linear(f"{dst}/mlp/Wo", f"{src}.mlp.Wo", (i, h), cfg.mlp_bias)
+    norm("model/final_norm", "model.final_norm")
+    if "pooler" in heads:
+        linear("model/pooler/dense", "head.dense", (h, h), cfg.classifier_bias)
+        norm("model/pooler/norm", "head.norm")
+    if "mlm" in heads:
+        linear("predictions/dense", "head.dense", (h, h), cfg.classifier_bias)
+        norm("predictions/norm", "head.norm")
+        if cfg.decoder_bias:
+            add("predictions/output_bias", "decoder.bias", "copy", (v,))
+    if "classifier" in heads and num_labels > 0:
+        linear("classifier", "classifier", (h, num_labels), True)
+    return out
+
+
+def hf_names(
+    cfg: ModernBertConfig, heads=("mlm",), num_labels: int = 0
+) -> list[tuple[str, str, str]]:
+    """(bertjax flat path, HF state-dict name, transform) for the encoder plus ``heads`` (among
+    pooler, mlm, classifier; the classifier only with ``num_labels`` > 0). HF names carry the
+    ``model.`` prefix of the task classes; the tied ``decoder.weight`` is not listed."""
+    unknown = sorted(set(heads) - set(HEADS))
+    if unknown:
+        raise ValueError(f"unknown heads {unknown}; known: {list(HEADS)}")
+    if "pooler" in heads and "mlm" in heads:
+        raise ValueError(
+            "heads pooler and mlm are both HF's head.*: no ModernBERT class holds both"
+        )
+    return [
+        (path, name, transform) for path, name, transform, _ in _entries(cfg, heads, num_labels)
+    ]
+
+
+def _hf_shape(transform: str, shape: tuple) -> tuple:
+    if transform == "flatten":
+        return (math.prod(shape),)
+    if transform == "linear":
+        return (math.prod(shape[1:]), shape[0])
+    if transform == "linear_heads":
+        return (shape[2], shape[0] * shape[1])
+    return shape
+
+
+def _to_hf(x: np.ndarray, transform: str) -> np.ndarray:
+    if transform == "flatten":
+        return x.reshape(-1)
+    if transform in ("linear", "linear_heads"):
+        lead = 1 if transform == "linear" else 2
+        return np.ascontiguousarray(x.reshape(math.prod(x.shape[:lead]), -1).T)
+    return x
+
+
+def _from_hf(x: np.ndarray, transform: str, shape: tuple) -> np.ndarray:
+    if transform in ("linear", "linear_heads"):
+        x = x.T
+    return np.ascontiguousarray(x.reshape(shape))
+
+
+def _listing(items: list[str], limit: int = 12) -> str:
+    shown = ", ".join(items[:limit])
+    return shown + (f", ... ({len(items) - limit} more)" if len(items) > limit else "")
+
+
+def _fmt(shape) -> str:
+    return "[" + ", ".join(str(s) for s in shape) + "]"
+
+
+def from_hf_tensors(
+    cfg: ModernBertConfig,
+    named: dict[str, np.ndarray],
+    source: str,
+    architecture: str | None = None,
+) -> tuple[dict[str, np.ndarray], tuple[str, ...]]:
+    """A transformers ModernBERT state dict (NumPy) -> (flat bertjax tensors, heads present).
+
+    Names of a bare ModernBertModel (no ``model.`` prefix) are accepted. Heads are told apart by
+    ``decoder.*`` (mlm) and ``classifier.*`` (pooler + classifier); ``head.*`` alone (a masked-LM
+    checkpoint without decoder bias, its tied decoder dropped) is the mlm head unless
+    ``architecture`` names ModernBertForSequenceClassification. A ``decoder.weight`` must equal
+    the token embeddings. Raises one ValueError naming ``source`` that lists every missing,
+    unexpected and mis-shaped tensor.
+    """
+    state = {}
+    for name, value in named.items():
+        state["model." + name if name.startswith(_ENCODER_PREFIXES) else name] = np.asarray(value)
+    tied = state.pop(_TIED, None)
+    if tied is not None:
+        words = state.get(_WORDS)
+        if words is None or tied.shape != words.shape or not np.array_equal(tied, words):
+            raise ValueError(
+                f"{source}: {_TIED} {_fmt(tied.shape)} is not tied to {_WORDS} "
+                "(untied MLM decoders are not supported)"
+            )
+    has_head = any(k.startswith("head.") for k in state)
+    has_decoder = tied is not None or any(k.startswith("decoder.") for k in state)
+    has_classifier = any(k.startswith("classifier.") for k in state)
+    heads: tuple[str, ...] = ()
+    if has_decoder or (has_head and not has_classifier):
+        heads = ("mlm",)
+        if not has_decoder and "SequenceClassification" in (architecture or ""):
+            heads = ("pooler",)
+    elif has_classifier:
+        heads = ("pooler", "classifier")
+    labels = state.get("classifier.weight", state.get("classifier.bias"))
+    num_labels = int(labels.shape[0]) if labels is not None and labels.ndim else 0
+    wanted = {name: (path, tf, shape) for path, name, tf, shape in _entries(cfg, heads, num_labels)}
+    missing = [
+        f"{k} {_fmt(_hf_shape(tf, s))}" for k, (_, tf, s) in wanted.items() if k not in state
+    ]
+    extra = [f"{k} {_fmt(a.shape)}" for k, a in state.items() if k not in wanted]
+    bad = [
+        f"{k} {_fmt(state[k].shape)} (config implies {_fmt(_hf_shape(tf, s))})"
+        for k, (_, tf, s) in wanted.items()
+        if k in state and tuple(state[k].shape) != _hf_shape(tf, s)
+    ]
+    problems = []
+    if missing:
+        problems.append(f"missing {len(missing)} tensor(s): {_listing(missing)}")
+    if extra:
+        problems.append(f"unexpected {len(extra)} tensor(s): {_listing(extra)}")
+    if bad:
+        problems.append(f"shape mismatch in {len(bad)} tensor(s): {_listing(bad)}")
+    if problems:
+        raise ValueError(
+            f"{source}: ModernBERT checkpoint (heads {list(heads)}) does not match its config: "
+            + "; ".join(problems)
+        )
+    flat = {path: _from_hf(state[k], tf, s) for k, (path, tf, s) in wanted.items()}
+    return flat, heads
+
+
+def to_hf_tensors(
+    cfg: ModernBertConfig, flat: dict[str, np.ndarray], heads
+) -> dict[str, np.ndarray]:
+    """Flat bertjax tensors -> the state dict of :func:`hf_architecture` (``heads``): unprefixed
+    names for a bare ModernBertModel, ``model.`` ones with heads, and the tied ``decoder.weight``
+    with the mlm head (ModernBertForMaskedLM's state dict holds it)."""
+    classifier = flat.get("classifier/kernel")
+    num_labels = int(classifier.shape[-1]) if classifier is not None else 0
+    arch = hf_architecture(heads)
+    entries = _entries(cfg, heads, num_labels)
+    missing = [path for path, *_ in entries if path not in flat]
+    if missing:
+        raise ValueError(f"to_hf_tensors: missing bertjax tensors {_listing(missing)}")
+    out = {name: _to_hf(np.asarray(flat[path]), tf) for path, name, tf, _ in entries}
+    if "mlm" in heads:
+        out[_TIED] = out[_WORDS]
+    if arch == "ModernBertModel":
+        out = {k.removeprefix("model."): a for k, a in out.items()}
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Directories (config.json + model.safetensors)
+# ---------------------------------------------------------------------------------------------
+def load_hf_dir(path: str) -> tuple[ModernBertConfig, dict[str, np.ndarray], tuple[str, ...]]:
+    """Reads a transformers ModernBERT directory (config.json + model.safetensors)."""
+    with open(os.path.join(path, "config.json")) as f:
+        hf = json.load(f)
+    cfg = config_from_hf(hf)
+    weights = os.path.join(path, "model.safetensors")
+    arch = (hf.get("architectures") or [None])[0]
+    flat, heads = from_hf_tensors(cfg, load_file(weights), weights, architecture=arch)
+    return cfg, flat, heads
+
+
+def write_hf_dir(path: str, cfg: ModernBertConfig, flat: dict[str, np.ndarray], heads) -> None:
+    """Writes config.json + model.safetensors that transformers' ``from_pretrained`` loads."""
+    classifier = flat.get("classifier/kernel")
+    num_labels = int(classifier.shape[-1]) if classifier is not None else 0
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config_to_hf(cfg, heads, num_labels), f, indent=2, sort_keys=True)
+    state = to_hf_tensors(cfg, flat, heads)
+    save_file(state, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})

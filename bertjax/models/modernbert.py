@@ -1,0 +1,494 @@
+"""ModernBERT (Warner et al., 2024): config with presets, the pre-LN encoder with rotary positions,
+alternating global/sliding-window attention and GeGLU feed-forward layers, its heads, and what
+the rest of bertjax needs to know about it. Numerically the same as Hugging Face transformers'
+``ModernBertModel`` / ``ModernBertForMaskedLM`` / ``ModernBertForSequenceClassification``
+(``bertjax.convert.modernbert_hf`` converts the weights; tests/test_modernbert.py compares them).
+
+Layer ``i`` attends globally when ``i % global_attn_every_n_layers == 0`` (RoPE base
+``global_rope_theta``), else only to keys with ``|q - k| <= local_attention // 2`` (RoPE base
+``local_rope_theta``). Layer 0 has no attention norm. Parameter tree::
+
+    model/embeddings/word_embeddings/embedding [vocab, embed];  model/embeddings/norm/{scale,bias}
+    model/layer_{i}/attn_norm/{scale,bias}                       (not in layer 0)
+    model/layer_{i}/attn/Wqkv/{kernel [embed, 3, heads, kv], bias [3, heads, kv]}
+    model/layer_{i}/attn/Wo/{kernel [heads, kv, embed], bias [embed]}
+    model/layer_{i}/mlp_norm/{scale,bias}
+    model/layer_{i}/mlp/Wi/{kernel [embed, 2, mlp], bias [2, mlp]}   (input, gate)
+    model/layer_{i}/mlp/Wo/{kernel [mlp, embed], bias [embed]}
+    model/final_norm/{scale,bias}
+    model/pooler/{dense,norm}          (HF ForSequenceClassification ``head``)
+    predictions/{dense,norm}, predictions/output_bias [vocab]   (MLM head; decoder tied)
+
+Biases exist as ``norm_bias``, ``attention_bias``, ``mlp_bias``, ``classifier_bias`` (head dense
+layers) and ``decoder_bias`` say. Every kernel carries logical axis names (``bertjax.sharding``).
+Dropout: ``hidden_dropout`` after the embeddings, inside the MLP and in the task heads;
+``attention_dropout`` on the attention probabilities and the attention output (as in HF).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any, ClassVar
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from bertjax.layers import fast_ops
+from bertjax.layers.attention import attend
+from bertjax.layers.core import (
+    ACTIVATIONS,
+    BATCH_LENGTH_EMBED,
+    BATCH_LENGTH_HEADS_KV,
+    BATCH_LENGTH_MLP,
+    EncoderOutput,
+    activation,
+    attention_bias,
+    check_common_fields,
+    dtype_of,
+    gather_positions,
+    layer_norm,
+    normal_init,
+    remat,
+    zeros_init,
+)
+from bertjax.layers.dropout import Dropout
+from bertjax.layers.splash_attention import segment_ids_from_mask
+
+Array = jax.Array
+
+ENCODER_NAME = "model"  # the encoder's subtree in every model's params (HF's base_model_prefix)
+WORD_EMBEDDINGS = ("embeddings", "word_embeddings", "embedding")  # tied to the MLM decoder
+POOLER_IN_PRETRAINING = False  # ModernBERT pretrains with MLM only; the pooler is a task head
+
+
+@dataclasses.dataclass(frozen=True)
+class ModernBertConfig:
+    """Architecture and numerics of a ModernBERT encoder (defaults: answerdotai/ModernBERT-base)."""
+
+    vocab_size: int = 50368
+    hidden_size: int = 768
+    num_layers: int = 22
+    num_heads: int = 12
+    intermediate_size: int = 1152  # GeGLU width: Wi projects to 2 * intermediate_size
+    hidden_act: str = "gelu"  # HF hidden_activation (exact GELU)
+    hidden_dropout: float = 0.0  # HF embedding_dropout = mlp_dropout = classifier_dropout
+    attention_dropout: float = 0.0
+    dropout_impl: str = "bits16"  # bits16 | flax (bertjax.layers.dropout)
+    max_position_embeddings: int = 8192  # longest sequence accepted (RoPE has no table)
+    initializer_range: float = 0.02
+    dtype: str = "float32"  # compute dtype; softmax, RoPE and LayerNorm statistics stay fp32
+    param_dtype: str = "float32"
+    attention_impl: str = "xla"  # xla | dot_product | cudnn | splash (bertjax.layers.attention)
+    remat: str = "none"  # rematerialisation per layer: none | dots | full
+    scan_layers: bool = False  # not supported: the layers differ (see __post_init__)
+    norm_eps: float = 1e-5
+    norm_bias: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    decoder_bias: bool = True
+    classifier_bias: bool = False  # the dense layer of the MLM head and of the pooler
+    classifier_activation: str = "gelu"
+    classifier_pooling: str = "cls"  # cls | mean (the pooler's input)
+    global_rope_theta: float = 160_000.0
+    local_rope_theta: float = 10_000.0
+    global_attn_every_n_layers: int = 3
+    local_attention: int = 128  # sliding window: keys with |q - k| <= local_attention // 2
+    pad_token_id: int = 50283
+    cls_token_id: int = 50281
+    sep_token_id: int = 50282
+
+    architecture: ClassVar[str] = "modernbert"
+
+    def __post_init__(self):
+        check_common_fields(self)
+
+        def bad(key, why):
+            raise ValueError(f"model config: {key}={getattr(self, key)!r} {why}")
+
+        if self.scan_layers:
+            bad(
+                "scan_layers",
+                "is not supported by ModernBERT (layers differ: global/local, no "
+                "attention norm in layer 0); use scan_layers=False",
+            )
+        if self.head_dim % 2:
+            bad("hidden_size", f"gives an odd head_dim={self.head_dim} (RoPE needs it even)")
+        if self.classifier_activation not in ACTIVATIONS:
+            bad("classifier_activation", f"is not one of {ACTIVATIONS}")
+        if self.classifier_pooling not in ("cls", "mean"):
+            bad("classifier_pooling", "is not one of ('cls', 'mean')")
+        for key in ("global_attn_every_n_layers", "local_attention", "max_position_embeddings"):
+            if getattr(self, key) < 1:
+                bad(key, "must be >= 1")
+        for key in ("norm_eps", "global_rope_theta", "local_rope_theta", "initializer_range"):
+            if getattr(self, key) <= 0:
+                bad(key, "must be positive")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    def is_global(self, layer: int) -> bool:
+        """Whether layer ``layer`` attends globally (else within the sliding window)."""
+        return layer % self.global_attn_every_n_layers == 0
+
+    def replace(self, **changes: Any) -> ModernBertConfig:
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"architecture": self.architecture, **dataclasses.asdict(self)}
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> ModernBertConfig:
+        """Builds a config from a dict (``architecture`` ignored); unknown keys are an error."""
+        values = {k: v for k, v in values.items() if k != "architecture"}
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"model config: unknown keys {unknown}; known keys: {sorted(known)}")
+        return cls(**values)
+
+    def num_params(self, include_heads: bool = True, include_pooler: bool = False) -> int:
+        """Analytic parameter count: the encoder, plus the MLM head (``include_heads``: what
+        ``PreTrainingModel(nsp=False)`` and HF ModernBertForMaskedLM hold) and the pooler
+        (``include_pooler``: ``Encoder(add_pooler=True)``, HF's ForSequenceClassification head)."""
+        h, v, i = self.hidden_size, self.vocab_size, self.intermediate_size
+        norm = h * (2 if self.norm_bias else 1)
+        head = h * h + (h if self.classifier_bias else 0) + norm  # dense + norm
+        ab, mb = int(self.attention_bias), int(self.mlp_bias)
+        layer = (3 * h * h + 3 * h * ab) + (h * h + h * ab) + norm  # Wqkv, Wo, mlp_norm
+        layer += (h * 2 * i + 2 * i * mb) + (i * h + h * mb)  # Wi, Wo
+        total = v * h + norm + self.num_layers * layer + (self.num_layers - 1) * norm + norm
+        if include_pooler:
+            total += head
+        if include_heads:
+            total += head + (v if self.decoder_bias else 0)
+        return total
+
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "modernbert-tiny": dict(num_layers=4, hidden_size=128, num_heads=2, intermediate_size=192),
+    "modernbert-mini": dict(num_layers=6, hidden_size=256, num_heads=4, intermediate_size=384),
+    "modernbert-base": dict(num_layers=22, hidden_size=768, num_heads=12, intermediate_size=1152),
+    "modernbert-large": dict(num_layers=28, hidden_size=1024, num_heads=16, intermediate_size=2624),
+}
+
+
+ALIASES = {name.removeprefix("modernbert-"): name for name in PRESETS}  # base -> modernbert-base
+
+
+def preset_names() -> list[str]:
+    """Every accepted preset name (aliases first)."""
+    return list(ALIASES) + list(PRESETS)
+
+
+def get_preset(name: str, **overrides: Any) -> ModernBertConfig:
+    """A preset (``modernbert-base`` or ``base``, ...) as a ModernBertConfig, with overrides."""
+    key = ALIASES.get(name, name)
+    if key not in PRESETS:
+        raise ValueError(f"unknown model preset {name!r}; choose one of {preset_names()}")
+    return ModernBertConfig(**{**PRESETS[key], **overrides})
+
+
+def _init(config: ModernBertConfig, names: tuple[str | None, ...], std: float | None = None):
+    """Truncated-normal init with logical names; ``std`` overrides initializer_range."""
+    if std is None:
+        return normal_init(config, names)
+    return nn.with_logical_partitioning(nn.initializers.truncated_normal(stddev=std), names)
+
+
+def _out_std(config: ModernBertConfig) -> float:
+    """ModernBERT's init of output projections: initializer_range / sqrt(2 * num_layers)."""
+    return config.initializer_range / float(np.sqrt(2.0 * config.num_layers))
+
+
+class Linear(nn.Module):
+    """``x [..., *in] -> [..., *out]`` with a kernel [*in, *out] whose axes have logical names;
+    ``num_in`` leading kernel axes are contracted, the bias (if any) is [*out]."""
+
+    config: ModernBertConfig
+    shape: tuple[int, ...]
+    names: tuple[str | None, ...]
+    num_in: int = 1
+    use_bias: bool = False
+    std: float | None = None
+
+    @nn.compact
+    def __call__(self, x: Array) -> Array:
+        cfg = self.config
+        pdtype, dtype = dtype_of(cfg.param_dtype), dtype_of(cfg.dtype)
+        kernel = self.param("kernel", _init(cfg, self.names, self.std), self.shape, pdtype)
+        y = jnp.tensordot(x.astype(dtype), kernel.astype(dtype), axes=self.num_in)
+        if self.use_bias:
+            out_shape, out_names = self.shape[self.num_in :], self.names[self.num_in :]
+            y = y + self.param("bias", zeros_init(out_names), out_shape, pdtype).astype(dtype)
+        return y
+
+
+def _norm(cfg: ModernBertConfig, name: str) -> nn.LayerNorm:
+    return layer_norm(cfg, name, epsilon=cfg.norm_eps, use_bias=cfg.norm_bias)
+
+
+def rope_tables(position_ids: Array, head_dim: int, theta: float) -> tuple[Array, Array]:
+    """cos, sin [batch or 1, seq, head_dim] float32 of rotary embeddings at ``position_ids``."""
+    inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+    freqs = position_ids[..., None].astype(jnp.float32) * jnp.asarray(inv_freq, jnp.float32)
+    angles = jnp.concatenate([freqs, freqs], axis=-1)  # [batch, seq, head_dim]
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def apply_rope(x: Array, rope: tuple[Array, Array]) -> Array:
+    """Rotates x [batch, seq, heads, head_dim] (in float32, as HF does) by cos/sin tables."""
+    cos, sin = (t[:, :, None, :] for t in rope)  # [batch, seq, 1, head_dim]
+    xf = x.astype(jnp.float32)
+    x1, x2 = jnp.split(xf, 2, axis=-1)
+    rotated = jnp.concatenate([-x2, x1], axis=-1)
+    return (xf * cos + rotated * sin).astype(x.dtype)
+
+
+class ModernBertAttention(nn.Module):
+    """Fused-QKV self-attention with RoPE, global or sliding-window (``local``)."""
+
+    config: ModernBertConfig
+    local: bool
+
+    @nn.compact
+    def __call__(self, x, bias, rope, deterministic: bool, segment_ids=None) -> Array:
+        cfg = self.config
+        h, n, d = cfg.hidden_size, cfg.num_heads, cfg.head_dim
+        qkv = Linear(
+            cfg, (h, 3, n, d), ("embed", None, "heads", "kv"), 1, cfg.attention_bias, name="Wqkv"
+        )(x)  # [batch, seq, 3, heads, head_dim]
+        q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+        q, k = apply_rope(q, rope), apply_rope(k, rope)
+        q, k, v = (nn.with_logical_constraint(t, BATCH_LENGTH_HEADS_KV) for t in (q, k, v))
+        ctx = attend(
+            q,
+            k,
+            v,
+            bias,
+            impl=cfg.attention_impl,
+            dropout_rate=cfg.attention_dropout,
+            dropout_impl=cfg.dropout_impl,
+            deterministic=deterministic,
+            segment_ids=segment_ids,
+            local_window=cfg.local_attention if self.local else 0,
+        )  # [batch, seq, heads, head_dim]
+        ctx = nn.with_logical_constraint(ctx, BATCH_LENGTH_HEADS_KV)
+        out = Linear(
+            cfg,
+            (n, d, h),
+            ("heads", "kv", "embed"),
+            2,
+            cfg.attention_bias,
+            _out_std(cfg),
+            name="Wo",
+        )(ctx)
+        out = Dropout(cfg.attention_dropout, cfg.dropout_impl)(out, deterministic=deterministic)
+        return nn.with_logical_constraint(out, BATCH_LENGTH_EMBED)  # [batch, seq, hidden]
+
+
+class ModernBertMLP(nn.Module):
+    """GeGLU: Wo(dropout(act(input) * gate)) with (input, gate) = Wi(x)."""
+
+    config: ModernBertConfig
+
+    @nn.compact
+    def __call__(self, x: Array, deterministic: bool) -> Array:
+        cfg = self.config
+        h, i = cfg.hidden_size, cfg.intermediate_size
+        wi = Linear(cfg, (h, 2, i), ("embed", None, "mlp"), 1, cfg.mlp_bias, name="Wi")(x)
+        y = activation(cfg.hidden_act)(wi[..., 0, :]) * wi[..., 1, :]  # [batch, seq, mlp]
+        y = nn.with_logical_constraint(y, BATCH_LENGTH_MLP)
+        y = Dropout(cfg.hidden_dropout, cfg.dropout_impl)(y, deterministic=deterministic)
+        return Linear(cfg, (i, h), ("mlp", "embed"), 1, cfg.mlp_bias, _out_std(cfg), name="Wo")(y)
+
+
+class ModernBertLayer(nn.Module):
+    """Pre-LN layer: x += Attn(LN(x)) (no LN in layer 0); x += MLP(LN(x))."""
+
+    config: ModernBertConfig
+    layer_id: int
+
+    @nn.compact
+    def __call__(self, x, bias, rope, deterministic: bool, segment_ids=None) -> Array:
+        cfg = self.config
+        h = x if self.layer_id == 0 else _norm(cfg, "attn_norm")(x)
+        local = not cfg.is_global(self.layer_id)
+        x = x + ModernBertAttention(cfg, local, name="attn")(
+            h, bias, rope, deterministic, segment_ids
+        )
+        x = x + ModernBertMLP(cfg, name="mlp")(_norm(cfg, "mlp_norm")(x), deterministic)
+        return nn.with_logical_constraint(x, BATCH_LENGTH_EMBED)
+
+
+class ModernBertEmbeddings(nn.Module):
+    """Token embeddings, LayerNorm, dropout (no position or segment embeddings)."""
+
+    config: ModernBertConfig
+
+    @nn.compact
+    def __call__(self, input_ids: Array, deterministic: bool) -> Array:
+        cfg = self.config
+        words = nn.Embed(
+            cfg.vocab_size,
+            cfg.hidden_size,
+            dtype=dtype_of(cfg.dtype),
+            param_dtype=dtype_of(cfg.param_dtype),
+            embedding_init=normal_init(cfg, ("vocab", "embed")),
+            name="word_embeddings",
+        )
+        x = _norm(cfg, "norm")(words(input_ids))  # [batch, seq, hidden]
+        x = Dropout(cfg.hidden_dropout, cfg.dropout_impl)(x, deterministic=deterministic)
+        return nn.with_logical_constraint(x, BATCH_LENGTH_EMBED)
+
+
+def _transform(cfg: ModernBertConfig, x: Array) -> Array:
+    """HF's ModernBertPredictionHead inside the calling module: norm(act(dense(x)))."""
+    h = cfg.hidden_size
+    x = Linear(
+        cfg, (h, h), ("embed", "embed_out"), 1, cfg.classifier_bias, _out_std(cfg), name="dense"
+    )(x)
+    return _norm(cfg, "norm")(activation(cfg.classifier_activation)(x))
+
+
+class Pooler(nn.Module):
+    """Pools the [CLS] token or the masked mean (``classifier_pooling``), then dense + act + norm.
+
+    ``member`` [batch, k, seq] 0/1 says which tokens each pooled mean averages (mean pooling);
+    ``positions`` [batch, k] are the [CLS] positions (cls pooling)."""
+
+    config: ModernBertConfig
+
+    @nn.compact
+    def __call__(self, x: Array, positions: Array, member: Array) -> Array:
+        if self.config.classifier_pooling == "cls":
+            pooled = gather_positions(x, positions)  # [batch, k, hidden]
+        else:
+            member = member.astype(jnp.float32)
+            total = jnp.einsum("bks,bsh->bkh", member, x.astype(jnp.float32))
+            count = jnp.maximum(member.sum(-1, keepdims=True), 1.0)
+            pooled = (total / count).astype(x.dtype)  # [batch, k, hidden]
+        return _transform(self.config, pooled)
+
+
+class ModernBertModel(nn.Module):
+    """The ModernBERT encoder (embeddings, layers, final norm) with the optional pooler.
+
+    ``attention_mask`` [batch, seq] (1 = token, 0 = padding). Packed rows pass ``pack_ids``
+    [batch, seq] (1..n per sequence, 0 = padding; attention becomes block diagonal and
+    ``attention_mask`` is unused) and ``position_ids`` [batch, seq] restarting at 0 per sequence
+    (RoPE positions; default 0..seq-1). ``pool_positions`` [batch, k] pools at those positions
+    (cls), or over the sequence starting there (mean, with ``pack_ids``): pooled_output
+    [batch, k, hidden]; without them pooled_output is [batch, hidden]. ``token_type_ids`` are
+    accepted and ignored. ``hidden_states`` (when asked): the embeddings, every layer's output
+    but the last, and the sequence output (the last layer's after the final norm), as HF's.
+    """
+
+    config: ModernBertConfig
+    add_pooler: bool = True
+
+    @nn.compact
+    def __call__(
+        self,
+        input_ids: Array,
+        token_type_ids: Array | None = None,
+        attention_mask: Array | None = None,
+        *,
+        deterministic: bool = True,
+        output_hidden_states: bool = False,
+        position_ids: Array | None = None,
+        pack_ids: Array | None = None,
+        pool_positions: Array | None = None,
+    ) -> EncoderOutput:
+        del token_type_ids  # ModernBERT has no segment embeddings
+        cfg = self.config
+        batch, seq_len = input_ids.shape
+        if seq_len > cfg.max_position_embeddings:
+            raise ValueError(
+                f"sequence length {seq_len} exceeds max_position_embeddings="
+                f"{cfg.max_position_embeddings} of the model"
+            )
+        if attention_mask is None:
+            attention_mask = jnp.ones_like(input_ids)
+        x = ModernBertEmbeddings(cfg, name="embeddings")(input_ids, deterministic)
+        bias = attention_bias(attention_mask, jnp.float32, pack_ids)  # [batch, 1, 1 or q, k]
+        segment_ids = None
+        if cfg.attention_impl == "splash":
+            segment_ids = segment_ids_from_mask(attention_mask, pack_ids)
+        if position_ids is None:
+            position_ids = jnp.arange(seq_len)[None, :]  # [1, seq]
+        thetas = {True: cfg.global_rope_theta, False: cfg.local_rope_theta}
+        ropes = {g: rope_tables(position_ids, cfg.head_dim, t) for g, t in thetas.items()}
+        # static_argnums counts self: (self, x, bias, rope, deterministic, segment_ids)
+        layer_cls = remat(ModernBertLayer, cfg.remat, static_argnums=(4,))
+        hidden_states = [x]
+        for i in range(cfg.num_layers):
+            rope = ropes[cfg.is_global(i)]
+            x = layer_cls(cfg, i, name=f"layer_{i}")(x, bias, rope, deterministic, segment_ids)
+            hidden_states.append(x)
+        x = _norm(cfg, "final_norm")(x)  # [batch, seq, hidden]
+        pooled = None
+        if self.add_pooler:
+            positions = (
+                jnp.zeros((batch, 1), jnp.int32) if pool_positions is None else pool_positions
+            )
+            if pack_ids is not None and pool_positions is not None:
+                ids = jnp.take_along_axis(pack_ids, positions, axis=1)  # [batch, k]
+                member = pack_ids[:, None, :] == ids[:, :, None]  # [batch, k, seq]
+            else:
+                tokens = attention_mask if pack_ids is None else pack_ids
+                member = jnp.broadcast_to(
+                    (tokens > 0)[:, None, :], (batch, positions.shape[1], seq_len)
+                )
+            pooled = Pooler(cfg, name="pooler")(x, positions, member)
+            if pool_positions is None:
+                pooled = pooled[:, 0]  # [batch, hidden]
+        hidden = (*hidden_states[:-1], x) if output_hidden_states else ()
+        return EncoderOutput(sequence_output=x, pooled_output=pooled, hidden_states=hidden)
+
+
+class MaskedLMHead(nn.Module):
+    """HF's MLM head: dense + ``classifier_activation`` + norm, then the decoder tied to the word
+    embeddings with ``output_bias`` [vocab] when ``decoder_bias``: [..., H] -> [..., V] float32."""
+
+    config: ModernBertConfig
+
+    @nn.compact
+    def __call__(self, x: Array, word_embeddings: Array) -> Array:
+        cfg = self.config
+        x = _transform(cfg, x)
+        if cfg.decoder_bias:
+            bias = self.param("output_bias", zeros_init(("vocab",)), (cfg.vocab_size,))
+        else:
+            bias = jnp.zeros((cfg.vocab_size,), jnp.float32)
+        embeddings = word_embeddings.astype(dtype_of(cfg.dtype))
+        return fast_ops.tied_decoder(x, embeddings, bias)  # [..., vocab]
+
+
+def forward_flops_per_sequence(cfg: ModernBertConfig, seq_len: int, num_masked: int) -> float:
+    """Forward FLOPs of one pretraining sequence (encoder + MLM head at ``num_masked`` positions).
+
+    Multiply-add = 2 FLOPs; per token and layer: Wqkv and Wo 8*H^2, GeGLU Wi (input and gate) and
+    Wo 6*H*I, attention scores and context 4*K*H with K keys: the sequence in global layers,
+    ``min(seq, 2 * (local_attention // 2) + 1)`` in sliding-window layers. Embedding gathers,
+    norms, RoPE and activations are not counted; no pooler in pretraining; the MLM head
+    (transform H^2 + decoder H*V) only at masked positions.
+    """
+    h, i, v, layers = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.num_layers
+    num_global = len(range(0, layers, cfg.global_attn_every_n_layers))
+    local_keys = min(seq_len, 2 * (cfg.local_attention // 2) + 1)
+    keys = num_global * seq_len + (layers - num_global) * local_keys  # summed over layers
+    per_token = layers * 2 * (4 * h * h + 3 * h * i) + 4 * h * keys
+    return float(seq_len * per_token + num_masked * 2 * (h * h + h * v))
+
+
+Config = ModernBertConfig
+Encoder = ModernBertModel
