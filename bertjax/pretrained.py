@@ -21,6 +21,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import traverse_util
 
 from bertjax import models
 from bertjax.convert import Checkpoint, layout, load_checkpoint, unflatten_params
@@ -291,3 +292,83 @@ def load_pretrained(
     """
     ckpt = load_checkpoint(path, fmt, vocab)
     return pretrained_from_checkpoint(ckpt, heads=heads, dtype=dtype, seed=seed)
+
+
+# config.model keys that may change a checkpoint's model config (numerics, not architecture).
+NUMERIC_MODEL_KEYS = (
+    "dtype",
+    "hidden_dropout",
+    "attention_dropout",
+    "dropout_impl",
+    "attention_impl",
+    "remat",
+    "scan_layers",
+)
+
+
+def init_model_config(ckpt_config: Any, model: Any, source: str) -> Any:
+    """The model config of a run that starts from a checkpoint: the checkpoint's architecture with
+    the experiment's ``config.model`` numerics (NUMERIC_MODEL_KEYS); other keys set to a different
+    value are ignored with a warning naming them."""
+    if model.get("architecture") not in (None, ckpt_config.architecture):
+        raise ValueError(
+            f"config key model.architecture={model.architecture!r} but the init checkpoint "
+            f"{source} is {ckpt_config.architecture!r}"
+        )
+    values = {**model.to_dict(), "architecture": ckpt_config.architecture}
+    _, overrides = models.model_overrides(values, ckpt_config.vocab_size)
+    fixed = sorted(
+        k
+        for k, v in overrides.items()
+        if k not in NUMERIC_MODEL_KEYS and v != getattr(ckpt_config, k)
+    )
+    if fixed:  # the checkpoint defines the architecture; only numerics may change
+        log.warning(
+            "init checkpoint %s defines the architecture: config keys %s ignored",
+            source,
+            ", ".join(f"model.{k}" for k in fixed),
+        )
+    return ckpt_config.replace(**{k: v for k, v in overrides.items() if k in NUMERIC_MODEL_KEYS})
+
+
+def merge_encoder(fresh: Any, source: Any, source_name: str, encoder_name: str = "bert") -> Any:
+    """The fresh encoder param tree (subtree ``encoder_name``) with every tensor taken from
+    ``source`` (the same subtree of a checkpoint, with unrolled ``layer_{i}``), stacked onto a
+    leading axis where ``fresh`` scans its layers.
+
+    A pooler absent from ``source`` stays fresh; any other absent tensor or a shape mismatch is a
+    ValueError naming the parameter.
+    """
+    src = {"/".join(k): v for k, v in traverse_util.flatten_dict(source).items()}
+    out = {}
+    kept_fresh = []
+    for path, leaf in traverse_util.flatten_dict(fresh).items():
+        name = "/".join(path)
+        if path[:2] == ("encoder", "layers"):  # scanned: [layers, ...]
+            rest = "/".join(path[2:])
+            names = [f"encoder/layer_{i}/{rest}" for i in range(leaf.shape[0])]
+            if all(n in src for n in names):
+                value = np.stack([np.asarray(src[n]) for n in names])
+            else:
+                value = None
+        else:
+            value = src.get(name)
+        if value is None:
+            if path[0] == "pooler":
+                kept_fresh.append(name)
+                out[path] = leaf
+                continue
+            raise ValueError(
+                f"init checkpoint {source_name} has no parameter {encoder_name}/{name}"
+            )
+        value = np.asarray(value)
+        if value.shape != tuple(leaf.shape):
+            raise ValueError(
+                f"init checkpoint {source_name}: {encoder_name}/{name} has shape {value.shape}, "
+                f"the model "
+                f"wants {tuple(leaf.shape)}"
+            )
+        out[path] = value.astype(leaf.dtype)
+    if kept_fresh:
+        log.info("init checkpoint %s has no pooler: it stays freshly initialised", source_name)
+    return traverse_util.unflatten_dict(out)

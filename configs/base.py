@@ -9,6 +9,9 @@ from bertjax.sharding import RULES
 def get_config() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     c.task = "pretrain"  # a name from the task registry (bertjax.tasks.registry)
+    # A HF / Google / bertjax checkpoint to start from (continued pretraining, fine-tuning): it
+    # defines the architecture; config.model may change only numerics (dtype, dropout, kernels).
+    c.init_checkpoint = ""
 
     # Model: an architecture (bertjax.models), a named preset of it, and any field of its config
     # (every field of every architecture is defined here unset: None keeps the preset's value).
@@ -69,7 +72,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.train.peak_tflops = 0.0  # per-device peak for MFU on unknown devices (e.g. CPU)
 
     c.optimizer = ml_collections.ConfigDict()
-    c.optimizer.name = "adamw"  # adamw | lamb
+    c.optimizer.name = "adamw"  # adamw | lamb | stableadamw (AdamW with update clipping)
     c.optimizer.learning_rate = 1e-4
     c.optimizer.warmup_steps = 10_000
     c.optimizer.b1 = 0.9
@@ -78,6 +81,11 @@ def get_config() -> ml_collections.ConfigDict:
     c.optimizer.weight_decay = 0.01
     c.optimizer.grad_clip_norm = 1.0
     c.optimizer.end_lr_factor = 0.0
+    c.optimizer.schedule = (
+        "linear"  # linear (BERT: warmup, linear decay) | wsd (warmup-stable-decay)
+    )
+    c.optimizer.decay_fraction = 0.1  # wsd: the last fraction of the steps decays
+    c.optimizer.decay_shape = "linear"  # wsd: linear | 1-sqrt
 
     c.mesh = ml_collections.ConfigDict()
     c.mesh.data = -1

@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
+from bertjax import models
 from bertjax.models import model_config_from
-from bertjax.models.bert import get_preset
 from bertjax.tools import plot
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -40,7 +40,9 @@ def test_config_parses_and_builds_a_model_config(path):
     for key in ("data", "fsdp", "tensor"):
         assert key in config.mesh, key
     model = model_config_from(config.model, vocab_size=30522)
-    assert model.hidden_size == get_preset(config.model.preset).hidden_size
+    arch = config.model.architecture or "bert"
+    assert model.architecture == arch
+    assert model.num_layers == models.get_preset(config.model.preset, arch).num_layers
 
 
 def test_paper_recipe_in_bert_base_config():

@@ -498,3 +498,72 @@ def test_real_glue_dev_files_build_features(shared_data, uncased_vocab, tmp_path
             assert set(np.unique(dev["label"])) == {0, 1}
         if name == "mrpc":  # pairs: segment 1 present, 68% positive as in the official dev set
             assert dev["segment_ids"].max() == 1 and round(dev["label"].mean(), 2) == 0.68
+
+
+MODERNBERT = {
+    "model.architecture": "modernbert",
+    "model.preset": "modernbert-tiny",
+    "model.num_heads": 2,
+    "model.intermediate_size": 48,
+    "model.local_attention": 8,  # shorter than the sequences: sliding-window layers matter
+}
+
+
+@pytest.mark.parametrize(
+    "task,config,data_dir,extra",
+    [
+        ("glue/sst2", glue_config, "glue", {}),
+        ("squad/v1.1", squad_config, "squad", {"data.max_query_length": 10, "data.doc_stride": 8}),
+        ("ner/conll2003", ner_config, "ner", {}),
+        ("swag", swag_config, "swag", {}),
+    ],
+)
+def test_every_task_fine_tunes_a_modernbert(files, tmp_path, task, config, data_dir, extra):
+    c = _small(config.get_config(), files, data_dir, task=task, **MODERNBERT, **extra)
+    result = train.train_and_evaluate(c, str(tmp_path))
+    final = _results(tmp_path)
+    assert result["step"] == 3 and final["dev"]
+    setup = train.build(c, str(tmp_path))
+    assert setup.model.config.architecture == "modernbert"
+    assert "model" in setup.abstract_state.params  # the ModernBERT encoder's subtree
+
+
+def test_modernbert_init_checkpoint_from_transformers_fine_tunes(files, tmp_path):
+    """A transformers ModernBERT directory is the init checkpoint: its architecture is taken from
+    the checkpoint and the encoder's params are the checkpoint's, bit for bit."""
+    transformers = pytest.importorskip("transformers")
+    torch = pytest.importorskip("torch")
+    n_vocab = len((files / "vocab.txt").read_text().split())
+    hf_config = transformers.ModernBertConfig(
+        vocab_size=n_vocab,
+        hidden_size=32,
+        num_hidden_layers=3,
+        num_attention_heads=2,
+        intermediate_size=40,
+        max_position_embeddings=64,
+        global_attn_every_n_layers=2,
+        local_attention=8,
+        pad_token_id=0,
+        cls_token_id=2,
+        sep_token_id=3,
+        bos_token_id=2,
+        eos_token_id=3,
+    )
+    torch.manual_seed(0)
+    transformers.ModernBertForMaskedLM(hf_config).save_pretrained(tmp_path / "ckpt")
+    shutil.copy(files / "vocab.txt", tmp_path / "ckpt" / "vocab.txt")
+    c = _small(glue_config.get_config(), files, "glue", init_checkpoint=str(tmp_path / "ckpt"))
+    task = get_task(c.task, c, str(tmp_path / "run"))
+    task.after_prepare()
+    setup = train.build(c, str(tmp_path / "run"), task)
+    assert setup.model.config.architecture == "modernbert"
+    assert setup.model.config.num_layers == 3  # from the checkpoint, not config.model
+    state = setup.init_state(jax.random.key_data(jax.random.key(0)))
+    want = task.pretrained.encoder_params
+    got = state.params["model"]
+    for (path, a), (_, b) in zip(
+        jax.tree_util.tree_leaves_with_path(want), jax.tree_util.tree_leaves_with_path(got)
+    ):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=str(path))
+    result = train.train_and_evaluate(c, str(tmp_path / "run"))
+    assert result["step"] == 3

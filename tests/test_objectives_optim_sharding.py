@@ -182,3 +182,55 @@ def test_fsdp_shards_parameters_and_optimizer_state():
         totals[name] = sharding.per_device_bytes(state)
     ratio = totals["fsdp"] / totals["data"]
     assert ratio < 0.2, ratio  # ~1/8, plus a few small replicated vectors
+
+
+def test_stableadamw_matches_a_numpy_reference_over_steps():
+    """Two steps of StableAdamW against the update written out in NumPy: Adam with bias
+    correction, each tensor's update divided by max(1, sqrt(mean(g^2 / v_hat))), decoupled decay
+    on kernels only."""
+    b1, b2, eps, wd, lr = 0.9, 0.98, 1e-6, 0.1, 0.01
+    cfg = _opt_config(name="stableadamw", b1=b1, b2=b2, eps=eps, weight_decay=wd, learning_rate=lr)
+    cfg.optimizer.grad_clip_norm = 0.0
+    cfg.optimizer.schedule = "wsd"
+    cfg.optimizer.decay_fraction = 0.0  # constant lr: the reference needs no schedule
+    tx, _ = optim.create_optimizer(cfg, total_steps=10)
+    params = {"d": {"kernel": jnp.asarray([[1.0, -2.0, 0.5]]), "bias": jnp.asarray([0.3])}}
+    grads = [
+        {"d": {"kernel": jnp.asarray([[3.0, 4.0, -1.0]]), "bias": jnp.asarray([0.2])}},
+        {"d": {"kernel": jnp.asarray([[30.0, -0.1, 2.0]]), "bias": jnp.asarray([-5.0])}},
+    ]
+    state = tx.init(params)
+    ref = {k: np.asarray(v, np.float64) for k, v in params["d"].items()}
+    m = {k: np.zeros_like(v) for k, v in ref.items()}
+    v = {k: np.zeros_like(x) for k, x in ref.items()}
+    clipped = False
+    for t, g in enumerate(grads, start=1):
+        updates, state = tx.update(g, state, params)
+        params = optax.apply_updates(params, updates)
+        for k in ref:
+            gk = np.asarray(g["d"][k], np.float64)
+            m[k] = b1 * m[k] + (1 - b1) * gk
+            v[k] = b2 * v[k] + (1 - b2) * gk**2
+            m_hat, v_hat = m[k] / (1 - b1**t), v[k] / (1 - b2**t)
+            rms = np.sqrt(np.mean(gk**2 / np.maximum(v_hat, eps**2)))
+            clipped |= rms > 1
+            step = m_hat / (np.sqrt(v_hat) + eps) / max(1.0, rms)
+            decay = wd * ref[k] if k == "kernel" else 0.0
+            ref[k] = ref[k] - lr * (step + decay)
+        for k in ref:
+            np.testing.assert_allclose(params["d"][k], ref[k], rtol=1e-5, atol=1e-7)
+    assert clipped  # the second step's jump in the gradient is clipped
+
+
+def test_wsd_schedule_warms_up_holds_and_decays():
+    sched = optim.wsd_schedule(1.0, warmup_steps=10, total_steps=100, decay_fraction=0.2)
+    values = np.array([float(sched(s)) for s in (0, 5, 10, 50, 80, 90, 100)])
+    np.testing.assert_allclose(values, [0.0, 0.5, 1.0, 1.0, 1.0, 0.5, 0.0], atol=1e-6)
+    sqrt = optim.wsd_schedule(1.0, 0, 100, decay_fraction=0.5, end_factor=0.1, shape="1-sqrt")
+    np.testing.assert_allclose(float(sqrt(75)), 0.1 + 0.9 * (1 - np.sqrt(0.5)), rtol=1e-6)
+    with pytest.raises(ValueError, match="optimizer.decay_shape='cosine'"):
+        optim.wsd_schedule(1.0, 0, 10, shape="cosine")
+    with pytest.raises(ValueError, match="optimizer.schedule='cosine'"):
+        cfg = _opt_config()
+        cfg.optimizer.schedule = "cosine"
+        optim.create_optimizer(cfg, total_steps=10)

@@ -6,9 +6,10 @@ from __future__ import annotations
 import flax.linen as nn
 import jax
 import numpy as np
+from flax import traverse_util
 
 from bertjax.convert import bert_layout
-from bertjax.convert.checkpoint import HEADS, Entry, flatten_params, head_of
+from bertjax.convert.checkpoint import HEADS, Entry, head_of
 from bertjax.models.heads import PreTrainingModel
 
 
@@ -20,7 +21,7 @@ def param_layout(config, num_labels: int = 0) -> list[Entry]:
     shapes = jax.eval_shape(
         lambda: PreTrainingModel(config, nsp=True).init(jax.random.key(0), ids, ids, ids)
     )
-    flat = flatten_params(nn.meta.unbox(shapes["params"]))
+    flat = traverse_util.flatten_dict(nn.meta.unbox(shapes["params"]), sep="/")
     entries = [Entry(p, p, tuple(a.shape), "copy", head_of(p)) for p, a in flat.items()]
     if num_labels:
         h = config.hidden_size

@@ -31,26 +31,16 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import traverse_util
 
 from bertjax import models
 from bertjax.data import packing
 from bertjax.data.pipeline import ArrayData
+from bertjax.pretrained import init_model_config, load_pretrained, merge_encoder
 from bertjax.tasks.base import Phase, Task
 from bertjax.text import load_tokenizer
 
 log = logging.getLogger("bertjax")
 
-# config.model keys that may change a checkpoint's model config (numerics, not architecture).
-NUMERIC_MODEL_KEYS = (
-    "dtype",
-    "hidden_dropout",
-    "attention_dropout",
-    "dropout_impl",
-    "attention_impl",
-    "remat",
-    "scan_layers",
-)
 INPUT_KEYS = ("input_ids", "input_mask", "segment_ids")
 
 
@@ -78,49 +68,6 @@ def subset(examples: list, limit: int, seed: int | None = 0) -> list:
         return list(examples[:limit])
     keep = np.sort(np.random.default_rng(seed).choice(len(examples), limit, replace=False))
     return [examples[i] for i in keep]
-
-
-def merge_encoder(fresh: Any, source: Any, source_name: str, encoder_name: str = "bert") -> Any:
-    """The fresh encoder param tree (subtree ``encoder_name``) with every tensor taken from
-    ``source`` (the same subtree of a checkpoint, with unrolled ``layer_{i}``), stacked onto a
-    leading axis where ``fresh`` scans its layers.
-
-    A pooler absent from ``source`` stays fresh; any other absent tensor or a shape mismatch is a
-    ValueError naming the parameter.
-    """
-    src = {"/".join(k): v for k, v in traverse_util.flatten_dict(source).items()}
-    out = {}
-    kept_fresh = []
-    for path, leaf in traverse_util.flatten_dict(fresh).items():
-        name = "/".join(path)
-        if path[:2] == ("encoder", "layers"):  # scanned: [layers, ...]
-            rest = "/".join(path[2:])
-            names = [f"encoder/layer_{i}/{rest}" for i in range(leaf.shape[0])]
-            if all(n in src for n in names):
-                value = np.stack([np.asarray(src[n]) for n in names])
-            else:
-                value = None
-        else:
-            value = src.get(name)
-        if value is None:
-            if path[0] == "pooler":
-                kept_fresh.append(name)
-                out[path] = leaf
-                continue
-            raise ValueError(
-                f"init checkpoint {source_name} has no parameter {encoder_name}/{name}"
-            )
-        value = np.asarray(value)
-        if value.shape != tuple(leaf.shape):
-            raise ValueError(
-                f"init checkpoint {source_name}: {encoder_name}/{name} has shape {value.shape}, "
-                f"the model "
-                f"wants {tuple(leaf.shape)}"
-            )
-        out[path] = value.astype(leaf.dtype)
-    if kept_fresh:
-        log.info("init checkpoint %s has no pooler: it stays freshly initialised", source_name)
-    return traverse_util.unflatten_dict(out)
 
 
 class FinetuneTask(Task):
@@ -195,8 +142,6 @@ class FinetuneTask(Task):
         cfg = self.config
         lower = cfg.get("do_lower_case")
         if cfg.init_checkpoint:
-            from bertjax.pretrained import load_pretrained
-
             self.pretrained = load_pretrained(cfg.init_checkpoint, vocab=cfg.vocab or None)
             ckpt_tok = self.pretrained.tokenizer
             if lower is None and ckpt_tok is not None:
@@ -274,29 +219,9 @@ class FinetuneTask(Task):
     def model_config(self):
         self.after_prepare()
         if self.pretrained is not None:
-            cfg = self.pretrained.config
-            model = self.config.model
-            if model.get("architecture") not in (None, cfg.architecture):
-                raise ValueError(
-                    f"config key model.architecture={model.architecture!r} but the init "
-                    f"checkpoint {self.config.init_checkpoint} is {cfg.architecture!r}"
-                )
-            _, overrides = models.model_overrides(
-                {**model.to_dict(), "architecture": cfg.architecture}, cfg.vocab_size
+            cfg = init_model_config(
+                self.pretrained.config, self.config.model, self.config.init_checkpoint
             )
-            fixed = sorted(
-                k
-                for k, v in overrides.items()
-                if k not in NUMERIC_MODEL_KEYS and v != getattr(cfg, k)
-            )
-            if fixed:  # the checkpoint defines the architecture; only numerics may change
-                log.warning(
-                    "init checkpoint %s defines the architecture: config keys %s ignored",
-                    self.config.init_checkpoint,
-                    ", ".join(f"model.{k}" for k in fixed),
-                )
-            overrides = {k: v for k, v in overrides.items() if k in NUMERIC_MODEL_KEYS}
-            cfg = cfg.replace(**overrides)
         else:
             cfg = models.model_config_from(self.config.model, self.tokenizer.vocab_size)
         seq = self.train_features["input_ids"].shape[-1]

@@ -9,7 +9,6 @@ feeds their ``pack_ids`` / ``position_ids`` to the model; the masked positions a
 
 from __future__ import annotations
 
-import glob
 import logging
 import os
 
@@ -19,11 +18,14 @@ import tensorflow as tf
 
 from bertjax import flops, losses, models
 from bertjax.data import pipeline
+from bertjax.data.demo_corpus import build_demo_corpus
 from bertjax.data.prepare import prepare
 from bertjax.data.streams import StreamedData
 from bertjax.models.heads import PreTrainingModel
+from bertjax.pretrained import init_model_config, load_pretrained, merge_encoder
 from bertjax.tasks.base import Phase, Task, register
 from bertjax.text import load_tokenizer
+from bertjax.text.vocab import train_vocab
 
 log = logging.getLogger("bertjax")
 
@@ -47,6 +49,7 @@ class PretrainingTask(Task):
         super().__init__(config, workdir)
         self.tokenizer = None
         self.fixed_vocab_size = vocab_size
+        self.pretrained = None  # bertjax.pretrained.Pretrained of config.init_checkpoint
         d = config.data
         self.prepared_root = d.prepared_dir or os.path.join(workdir, "data")
         self.packing = bool(d.get("packing", False))
@@ -87,8 +90,6 @@ class PretrainingTask(Task):
     def _corpus_files(self) -> tuple[str, str]:
         d = self.config.data
         if d.demo_corpus:
-            from bertjax.data.demo_corpus import build_demo_corpus
-
             corpus_dir = os.path.join(self.prepared_root, "demo_corpus")
             files = build_demo_corpus(corpus_dir)
             return ",".join(files), "bert"
@@ -121,28 +122,19 @@ class PretrainingTask(Task):
         corpus, fmt = None, None
         vocab = self._vocab_path()
         if not d.vocab and not tf.io.gfile.exists(vocab):
-            from bertjax.text.vocab import train_vocab
-
             corpus, fmt = self._corpus_files()
-            if corpus.startswith("tfds:"):
-                raise ValueError("data.vocab must be set when data.corpus is a TFDS dataset")
-            files = sorted(f for pattern in corpus.split(",") for f in glob.glob(pattern)) or [
-                corpus
-            ]
             log.info(
-                "training a %s vocabulary of %d tokens on %d files",
-                d.vocab_kind,
-                d.vocab_size,
-                len(files),
+                "training a %s vocabulary of %d tokens on %s", d.vocab_kind, d.vocab_size, corpus
             )
             tf.io.gfile.makedirs(self.prepared_root)
             train_vocab(
-                files,
+                corpus,
                 os.path.splitext(vocab)[0] if d.vocab_kind == "sentencepiece" else vocab,
                 d.vocab_size,
                 kind=d.vocab_kind,
                 do_lower_case=d.do_lower_case,
                 seed=self.config.data.seed,
+                corpus_format=fmt,
             )
         tokenizer = load_tokenizer(vocab, do_lower_case=d.do_lower_case)
         for spec in self._phase_specs():
@@ -201,7 +193,17 @@ class PretrainingTask(Task):
     # ---- model ---------------------------------------------------------------------------------
     def model_config(self):
         vocab_size = self.fixed_vocab_size or self.tokenizer.vocab_size
-        cfg = models.model_config_from(self.config.model, vocab_size)
+        source = self.config.get("init_checkpoint")
+        if source:
+            self.pretrained = self.pretrained or load_pretrained(source)
+            cfg = init_model_config(self.pretrained.config, self.config.model, source)
+            if cfg.vocab_size != vocab_size:
+                raise ValueError(
+                    f"init checkpoint {source} embeds {cfg.vocab_size} tokens but the vocabulary "
+                    f"{self._vocab_path()} has {vocab_size}"
+                )
+        else:
+            cfg = models.model_config_from(self.config.model, vocab_size)
         longest = max(s["max_seq_length"] for s in self._phase_specs())
         if longest > cfg.max_position_embeddings:
             raise ValueError(
@@ -212,6 +214,20 @@ class PretrainingTask(Task):
 
     def build_model(self, model_config):
         return PreTrainingModel(model_config, nsp=self.config.data.nsp)
+
+    def init_params(self, model, params):
+        """With ``init_checkpoint``: the encoder (and the MLM head, when the checkpoint has one)
+        from the checkpoint; heads it lacks stay freshly initialised."""
+        if self.pretrained is None:
+            return params
+        source = self.config.init_checkpoint
+        name = models.architecture(self.pretrained.config).ENCODER_NAME
+        params = dict(params)
+        params[name] = merge_encoder(params[name], self.pretrained.encoder_params, source, name)
+        if "predictions" in self.pretrained.params and "predictions" in params:
+            params["predictions"] = self.pretrained.params["predictions"]
+        log.info("continued pretraining from %s (heads: %s)", source, self.pretrained.heads)
+        return params
 
     def phases(self) -> list[Phase]:
         return [

@@ -14,52 +14,25 @@ import collections
 import io
 from collections.abc import Iterator, Sequence
 
-import tensorflow as tf
-
 from bertjax import atomic
+from bertjax.data import corpus
 from bertjax.text import load_tokenizer, tokenization
 
 KINDS = ("wordpiece", "sentencepiece")
 
 
-def expand_inputs(patterns: Sequence[str]) -> list[str]:
-    """Globs (tf.io.gfile, so gs:// works; comma-separated allowed) -> sorted file list.
-
-    Raises FileNotFoundError naming the first pattern that matches nothing.
-    """
-    files: list[str] = []
-    for pattern in patterns:
-        for part in str(pattern).split(","):
-            part = part.strip()
-            if not part:
-                continue
-            matched = sorted(tf.io.gfile.glob(part))
-            if not matched:
-                raise FileNotFoundError(f"{part}: no input file matches")
-            files.extend(matched)
-    if not files:
-        raise ValueError("no input files given")
-    return files
-
-
-def iter_lines(files: Sequence[str], max_lines: int | None = None) -> Iterator[str]:
-    """Streams non-blank lines (without line endings) from files, stopping after max_lines.
-
-    Raises ValueError naming file and line for invalid UTF-8.
-    """
+def corpus_lines(
+    spec: str | Sequence[str], corpus_format: str = "bert", max_lines: int | None = None
+) -> Iterator[str]:
+    """The sentences of a corpus, read exactly as ``prepare`` reads it (``bertjax.data.corpus``:
+    globs, ``gs://``, ``tfds:``; formats bert / text), stopping after ``max_lines``."""
     count = 0
-    for path in files:
-        with tf.io.gfile.GFile(path, "rb") as f:
-            for lineno, raw in enumerate(f, start=1):
-                if max_lines is not None and count >= max_lines:
-                    return
-                try:
-                    line = raw.decode("utf-8").rstrip("\r\n")
-                except UnicodeDecodeError as e:
-                    raise ValueError(f"{path}:{lineno}: invalid UTF-8 ({e.reason})") from None
-                if line.strip():
-                    count += 1
-                    yield line
+    for document in corpus.iter_documents(spec, corpus_format):
+        for sentence in document:
+            if max_lines is not None and count >= max_lines:
+                return
+            count += 1
+            yield sentence
 
 
 def count_words(lines: Iterator[str], do_lower_case: bool) -> collections.Counter:
@@ -266,8 +239,10 @@ def train_vocab(
     do_lower_case: bool = True,
     max_lines: int | None = None,
     seed: int = 0,
+    corpus_format: str = "bert",
 ) -> str:
-    """Trains a vocabulary on text files (globs allowed) and returns the written path.
+    """Trains a vocabulary on a corpus (files, globs, ``gs://``, ``tfds:``; read as ``prepare``
+    reads it, in ``corpus_format``) and returns the written path.
 
     kind "wordpiece": writes `output` as a BERT vocab.txt of exactly `vocab_size` tokens.
     kind "sentencepiece": writes `output`.model and `output`.vocab (a trailing ".model" on `output`
@@ -283,14 +258,13 @@ def train_vocab(
         )
     if max_lines is not None and max_lines <= 0:
         raise ValueError(f"max_lines={max_lines} must be positive")
-    paths = expand_inputs(files)
-    lines = iter_lines(paths, max_lines)
+    lines = corpus_lines(files, corpus_format, max_lines)
     if kind == "sentencepiece":
         prefix = output.removesuffix(".model")
         return _train_sentencepiece(lines, prefix, vocab_size, do_lower_case, seed)
     counts = count_words(lines, do_lower_case)
     if not counts:
-        raise ValueError(f"no text in the vocabulary training input ({', '.join(paths)})")
+        raise ValueError(f"no text in the vocabulary training input ({files})")
     vocab = _learn_wordpiece(counts, vocab_size)
     atomic.write_text(output, "".join(t + "\n" for t in vocab))
     return output
@@ -313,6 +287,10 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--nolower_case", dest="lower_case", action="store_false")
     parser.add_argument("--max_lines", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--format", default="bert", choices=corpus.FORMATS,
+        help="corpus format, as for `bertjax prepare` (bert: one sentence per line)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     path = train_vocab(
         args.input,
@@ -322,6 +300,7 @@ def main(argv: list[str]) -> None:
         do_lower_case=args.lower_case,
         max_lines=args.max_lines,
         seed=args.seed,
+        corpus_format=args.format,
     )
     tok = load_tokenizer(path, None if args.kind == "sentencepiece" else args.lower_case)
     print(f"wrote {path} ({tok.kind}, {tok.vocab_size} tokens, do_lower_case={tok.do_lower_case})")

@@ -1,0 +1,95 @@
+"""ModernBERT through bertjax's user-facing paths: ``load_pretrained`` and ``convert`` on a
+directory written by transformers, and continued pretraining from it."""
+
+import jax
+import numpy as np
+import pytest
+from train_fixtures import read_metrics, tiny_config, write_vocab
+
+import bertjax
+from bertjax import train
+from bertjax.convert import load_checkpoint, save_checkpoint
+
+transformers = pytest.importorskip("transformers")
+torch = pytest.importorskip("torch")
+
+
+def _hf_dir(path, vocab_size=40, **extra):
+    """A random transformers ModernBertForMaskedLM (odd sizes, window shorter than the input)."""
+    config = transformers.ModernBertConfig(
+        vocab_size=vocab_size,
+        hidden_size=48,
+        num_hidden_layers=3,
+        num_attention_heads=3,
+        intermediate_size=56,
+        max_position_embeddings=64,
+        global_attn_every_n_layers=2,
+        local_attention=6,
+        pad_token_id=0,
+        cls_token_id=2,
+        sep_token_id=3,
+        bos_token_id=2,
+        eos_token_id=3,
+        **extra,
+    )
+    torch.manual_seed(0)
+    model = transformers.ModernBertForMaskedLM(config).eval()
+    model.save_pretrained(path)
+    return model
+
+
+def _batch(vocab_size):
+    rng = np.random.default_rng(0)
+    ids = rng.integers(5, vocab_size, (2, 20)).astype(np.int64)
+    mask = np.ones_like(ids)
+    mask[1, 13:] = 0
+    ids[1, 13:] = 0
+    return ids, mask
+
+
+def _torch_logits(model, ids, mask):
+    with torch.no_grad():
+        out = model(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask))
+    return out.logits.numpy()
+
+
+def test_load_pretrained_matches_transformers_and_converts_both_ways(tmp_path):
+    model = _hf_dir(tmp_path / "hf")
+    ids, mask = _batch(40)
+    want = _torch_logits(model, ids, mask)
+    bert = bertjax.load_pretrained(str(tmp_path / "hf"))
+    assert bert.config.architecture == "modernbert" and "mlm" in bert.heads
+    got = np.asarray(bert(ids, attention_mask=mask).mlm_logits)
+    real = mask.astype(bool)
+    np.testing.assert_allclose(got[real], want[real], atol=1e-4)
+    # hf -> bertjax -> hf: transformers loads the result and computes the same logits
+    save_checkpoint(load_checkpoint(str(tmp_path / "hf")), str(tmp_path / "bj"), "bertjax")
+    save_checkpoint(load_checkpoint(str(tmp_path / "bj")), str(tmp_path / "back"), "hf")
+    again = transformers.ModernBertForMaskedLM.from_pretrained(tmp_path / "back").eval()
+    np.testing.assert_allclose(_torch_logits(again, ids, mask)[real], want[real], atol=1e-5)
+
+
+def test_continued_pretraining_starts_from_the_checkpoint(tmp_path):
+    """pretrain --config.init_checkpoint=<HF ModernBERT>: step-0 MLM loss equals the checkpoint's
+    own loss on the same batch, and training goes on from there."""
+    vocab = write_vocab(tmp_path / "vocab.txt")
+    size = len(vocab.read_text().split())
+    _hf_dir(tmp_path / "hf", vocab_size=size)
+    c = tiny_config(tmp_path, steps=2)
+    c.init_checkpoint = str(tmp_path / "hf")
+    c.data.nsp = False
+    c.model.preset = "base"  # ignored: the checkpoint defines the architecture
+    c.train.eval_every = 1
+    c.train.eval_steps = 1
+    train.train_and_evaluate(c, str(tmp_path / "run"))
+    first = read_metrics(tmp_path / "run", "eval")[0]
+    task = train.prepared_task(c, str(tmp_path / "run"))
+    setup = train.build(c, str(tmp_path / "run"), task)
+    assert setup.model.config.architecture == "modernbert"
+    assert setup.model.config.num_layers == 3
+    assert np.isfinite(first["mlm_loss"]) and first["step"] == 0
+    state = setup.init_state(jax.random.key_data(jax.random.key(0)))
+    want = task.pretrained.params
+    for head in ("model", "predictions"):  # the encoder and the MLM head come from the checkpoint
+        for a, b in zip(jax.tree.leaves(want[head]), jax.tree.leaves(state.params[head])):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
