@@ -11,11 +11,16 @@ from __future__ import annotations
 
 import json
 import logging
+import math
+import os
+import time
 from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
+import tensorflow as tf
 from etils import epath
+from jax.experimental import multihost_utils
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +70,45 @@ class Checkpointer:
         )
         return restored["state"], dict(restored["data"] or {}), dict(restored["config"] or {}), step
 
+    def restore_newest(self, abstract_state: Any) -> tuple[Any, dict, dict, int]:
+        """Like :meth:`restore` from the newest step that restores: a step that does not (a
+        truncated or corrupted file) is logged in one line with the reason and moved aside to
+        ``{step}.unrestorable-{time}`` (kept, never deleted; its step is then saved afresh). When
+        no step restores: a one-line :class:`CheckpointRestoreError` naming each step's reason."""
+        failures = []
+        for step in sorted(self.all_steps(), reverse=True):
+            try:
+                restored = self.restore(abstract_state, step)
+            except Exception as err:  # noqa: BLE001  (any failure: try the next older step)
+                failures.append((step, _why_unrestorable(str(self.directory / str(step)), err)))
+                log.warning(
+                    "checkpoint step %d in %s does not restore (%s); trying an older one",
+                    step,
+                    self.directory,
+                    failures[-1][1],
+                )
+                continue
+            if failures:
+                self._move_aside([s for s, _ in failures])
+            return restored
+        if not failures:
+            raise FileNotFoundError(f"no complete checkpoint in {self.directory}")
+        reasons = "; ".join(f"step {s}: {why}" for s, why in failures)
+        raise CheckpointRestoreError(f"no checkpoint in {self.directory} restores: {reasons}")
+
+    def _move_aside(self, steps: list[int]) -> None:
+        """Renames unrestorable steps out of the manager's sight (process 0; all wait)."""
+        if jax.process_index() == 0:
+            stamp = time.strftime("%Y%m%d-%H%M%S")
+            for step in steps:
+                old = str(self.directory / str(step))
+                new = f"{old}.unrestorable-{stamp}"
+                tf.io.gfile.rename(old, new)
+                log.warning("kept the unrestorable checkpoint step %d as %s", step, new)
+        if jax.process_count() > 1:
+            multihost_utils.sync_global_devices("bertjax: unrestorable checkpoints moved aside")
+        self.manager.reload()
+
     def read_data(self, step: int | None = None) -> dict:
         """The ``data`` item (JSON) of a step (default: the newest)."""
         step = self.latest_step() if step is None else step
@@ -85,6 +129,93 @@ class Checkpointer:
     def close(self) -> None:
         self.manager.wait_until_finished()
         self.manager.close()
+
+
+class CheckpointRestoreError(ValueError):
+    """No checkpoint of a directory restores (the message names each step's reason)."""
+
+
+_JSON_FILES = ("_CHECKPOINT_METADATA", "state/_METADATA", "state/_sharding", "data/metadata")
+
+
+def _why_unrestorable(step_dir: str, err: BaseException) -> str:
+    """One line saying why a step does not restore, naming the bad file where it can be found."""
+    if isinstance(err, json.JSONDecodeError):  # Orbax's own JSON files carry no path in the error
+        for name in (*_JSON_FILES, "config/metadata"):
+            path = f"{step_dir}/{name}"
+            if not tf.io.gfile.exists(path):
+                continue
+            try:
+                with tf.io.gfile.GFile(path, "rb") as f:
+                    json.loads(f.read())
+            except ValueError as bad:
+                return f"{path}: invalid JSON ({bad})"
+    chain = [err]
+    while len(chain) < 10 and (chain[-1].__cause__ or chain[-1].__context__) is not None:
+        chain.append(chain[-1].__cause__ or chain[-1].__context__)
+    # The innermost error naming the step (TensorStore's: the file and what is wrong with it); the
+    # outer ones dump a whole TensorStore spec.
+    chosen = next((e for e in reversed(chain) if step_dir in str(e)), err)
+    text = str(chosen).split("See full TensorStore details")[0].strip()
+    line = text.splitlines()[0] if text else ""
+    return f"{type(chosen).__name__}: {line}"[:500]
+
+
+class BestCheckpoint:
+    """Keeps the params of the best evaluation in WORKDIR/best.
+
+    ``metric`` is (eval metric name, "max"|"min") or None (nothing is kept).
+    """
+
+    def __init__(self, metric: tuple[str, str] | None, workdir: str):
+        self.metric = metric
+        self.directory = os.path.join(workdir, "best")
+        self.value = None
+        if self.metric and tf.io.gfile.isdir(self.directory):
+            ckpt = Checkpointer(self.directory, keep=1, async_save=False)
+            if ckpt.latest_step() is not None:
+                self.value = ckpt.read_data().get("value")
+            ckpt.close()
+
+    def better(self, value: float) -> bool:
+        """Whether ``value`` beats the kept one; a NaN (diverged) value never does, and any other
+        value beats a kept NaN."""
+        if math.isnan(value):
+            return False
+        if self.value is None or math.isnan(self.value):
+            return True
+        return value > self.value if self.metric[1] == "max" else value < self.value
+
+    def update(self, step: int, metrics: dict, params: Any, config_json: str) -> None:
+        if not self.metric or self.metric[0] not in metrics:
+            return
+        value = float(metrics[self.metric[0]])
+        if not self.better(value):
+            return
+        self.value = value
+        ckpt = Checkpointer(self.directory, keep=1, async_save=False)
+        ckpt.save(
+            step,
+            {"params": params},
+            {"metric": self.metric[0], "value": value, "step": step, "eval": metrics},
+            config_json,
+            force=True,
+        )
+        ckpt.close()
+        log.info(
+            "new best %s=%.4f at step %d (kept in %s)", self.metric[0], value, step, self.directory
+        )
+
+    def params(self, abstract_params, shardings) -> Any | None:
+        if not self.metric or not tf.io.gfile.isdir(self.directory):
+            return None
+        ckpt = Checkpointer(self.directory, keep=1, async_save=False)
+        try:
+            if ckpt.latest_step() is None:
+                return None
+            return ckpt.restore_params(abstract_like(abstract_params, shardings))
+        finally:
+            ckpt.close()
 
 
 def abstract_like(tree: Any, shardings: Any) -> Any:

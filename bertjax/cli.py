@@ -8,8 +8,10 @@
 from __future__ import annotations
 
 import importlib
+import json
 import logging
 import os
+import re
 import sys
 
 COMMANDS = {
@@ -20,6 +22,10 @@ COMMANDS = {
     "vocab": ("bertjax.text.vocab:main", "train a WordPiece or SentencePiece vocabulary"),
     "plot": ("bertjax.tools.plot:main", "write a PNG of a run's metric curves"),
     "evaluate": ("bertjax.tools.score:main", "official SQuAD / GLUE metrics of a predictions file"),
+    "evaluate-mlm": (
+        "bertjax.tools.mlm_eval:main",
+        "held-out MLM loss of any checkpoint on records",
+    ),
     "convert": ("bertjax.convert:main", "convert checkpoints between HF, TF and bertjax"),
     "extract-features": (
         "bertjax.tools.extract_features:main",
@@ -62,8 +68,35 @@ def _add_config_root_to_path(argv: list[str]) -> None:
                 sys.path.insert(0, root)
 
 
+def _one_line(err: BaseException) -> str:
+    """An exception as one line (whitespace and newlines collapsed)."""
+    return " ".join(str(err).split()) or type(err).__name__
+
+
+def _fail(err: BaseException, verbose: bool) -> None:
+    """Exits with ``bertjax: error: <one line>``; with --verbose re-raises (full traceback)."""
+    if verbose:
+        raise err
+    sys.exit(f"bertjax: error: {_one_line(err)}")
+
+
+def _config_override_error(err: BaseException, args: list[str]) -> str:
+    """ml_collections' error for a bad ``--config.`` key (a KeyError/AttributeError holding only
+    the last name and a hint) as one line naming the whole key."""
+    text = " ".join(str(err.args[0] if err.args else err).split())
+    missing = re.search(r"[A-Za-z_]\w*", text)  # the first name in the message is the bad one
+    keys = [a[2:].split("=", 1)[0] for a in args if a.startswith("--config.")]
+    culprit = next((k for k in keys if missing and missing[0] in k.split(".")[1:]), None)
+    if culprit is None:
+        return f"bad --config override: {text}"
+    hint = re.search(r'Did you mean "([^"]+)"', text)
+    suggestion = f' (did you mean "{hint[1]}"?)' if hint else ""
+    return f"unknown config key {culprit.removeprefix('config.')}{suggestion}"
+
+
 def train_command(argv: list[str], command: str) -> None:
     """pretrain / finetune / compile: absl flags, a locked config file, then the library call."""
+    # Imported here, not at the top: `bertjax --help` and the light commands stay instant.
     from absl import app, flags
     from ml_collections import config_flags
 
@@ -75,6 +108,19 @@ def train_command(argv: list[str], command: str) -> None:
     )
     flags.DEFINE_string("workdir", None, "run directory: checkpoints, metrics, data")
     flags.DEFINE_bool("dry_run", False, "only compile the train step and print its memory")
+    flags.DEFINE_bool("verbose", False, "full tracebacks for errors (default: one line)")
+    verbose = "--verbose" in argv or "--verbose=true" in argv
+
+    def parse(args: list[str]) -> list[str]:
+        try:
+            return flags.FLAGS(args)
+        except flags.Error as err:
+            _fail(err, verbose)
+        except (AttributeError, KeyError, TypeError, ValueError) as err:  # a --config. override
+            if verbose:
+                raise
+            sys.exit(f"bertjax: error: {_config_override_error(err, args)}")
+
     distributed.define_flags()
     flags.mark_flags_as_required(["config", "workdir"])
 
@@ -87,29 +133,40 @@ def train_command(argv: list[str], command: str) -> None:
             distributed.initialize_from_flags()
         except distributed.DistributedStartupError as err:
             sys.exit(f"bertjax: error: {err}")
+        import tensorflow as tf
+
+        from bertjax import compile as aot
         from bertjax import train
+        from bertjax.preemption import PreemptionRequested
+        from bertjax.workdir_lock import WorkdirLockedError
 
         config, workdir = config_flag.value, flags.FLAGS.workdir
-        if command == "compile" or flags.FLAGS.dry_run:
-            import json
-
-            print(json.dumps(train.compile_train_step(config, workdir), indent=2))
-            return
         if command == "finetune" and config.task == "pretrain":
             raise app.UsageError("finetune needs --config.task=<a fine-tuning task>")
         try:
+            if command == "compile" or flags.FLAGS.dry_run:
+                print(json.dumps(aot.compile_train_step(config, workdir), indent=2))
+                return
             if command == "finetune":
                 from bertjax import multiseed as finetune
 
                 result = finetune.run(config, workdir)
             else:
                 result = train.train_and_evaluate(config, workdir)
-        except train.PreemptionRequested as stopped:
+        except PreemptionRequested as stopped:
             logging.getLogger("bertjax").warning("%s", stopped)
             sys.exit(0)
+        except (
+            ValueError,
+            OSError,
+            FloatingPointError,
+            WorkdirLockedError,
+            tf.errors.OpError,
+        ) as err:
+            _fail(err, flags.FLAGS.verbose)
         logging.getLogger("bertjax").info("done: %s", result.get("eval") or result.get("train"))
 
-    app.run(run, argv=[f"bertjax {command}", *argv])
+    app.run(run, argv=[f"bertjax {command}", *argv], flags_parser=parse)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -129,7 +186,11 @@ def main(argv: list[str] | None = None) -> None:
         train_command(rest, command)
     else:
         setup_logging()
-        func(rest)
+        verbose = "--verbose" in rest
+        try:
+            func([a for a in rest if a != "--verbose"])
+        except (ValueError, OSError) as err:
+            _fail(err, verbose)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ Fine-tuning on small data is unstable (BERT paper, Sec. 4.1: for BERT-Large on s
 from __future__ import annotations
 
 import logging
+import math
 import os
 import statistics
 from typing import Any
@@ -30,25 +31,43 @@ def _with_seed(config: ml_collections.ConfigDict, seed: int) -> ml_collections.C
     return config
 
 
+def _median(values: list[float]) -> float:
+    """The median, NaN when a value is NaN (as numpy.median; statistics.median would sort NaN
+    arbitrarily)."""
+    return float("nan") if any(math.isnan(v) for v in values) else statistics.median(values)
+
+
 def summarize(per_seed: dict[int, dict], main_metric: str) -> dict[str, Any]:
-    """Median of every dev metric over seeds and the best seed's run by ``main_metric`` (max)."""
+    """Median of every dev metric over seeds and the best seed's run by ``main_metric`` (max).
+
+    A seed whose main metric is NaN (a diverged run) is never the best unless every seed is NaN;
+    such seeds are listed under ``nan_seeds``."""
     devs = {s: r.get("dev", {}) for s, r in per_seed.items()}
     missing = [s for s, d in devs.items() if main_metric not in d]
     if missing:
         raise ValueError(f"seed(s) {missing} report no dev metric {main_metric!r}")
     keys = sorted(set.intersection(*(set(d) for d in devs.values())))
     median = {
-        k: statistics.median(float(d[k]) for d in devs.values())
+        k: _median([float(d[k]) for d in devs.values()])
         for k in keys
         if all(isinstance(d[k], int | float) for d in devs.values())
     }
-    best_seed = max(devs, key=lambda s: (float(devs[s][main_metric]), -s))
+    nan_seeds = sorted(s for s, d in devs.items() if math.isnan(float(d[main_metric])))
+    if nan_seeds:
+        log.warning("seed(s) %s: dev %s is NaN (diverged); not selected", nan_seeds, main_metric)
+
+    def rank(s: int) -> tuple[bool, float, int]:
+        value = float(devs[s][main_metric])
+        return (not math.isnan(value), -math.inf if math.isnan(value) else value, -s)
+
+    best_seed = max(devs, key=rank)
     return {
         "main_metric": main_metric,
         "seeds": {str(s): per_seed[s] for s in per_seed},
         "median": median,
         "best_seed": best_seed,
         "best": devs[best_seed],
+        "nan_seeds": nan_seeds,
         "selection": SELECTION,
     }
 

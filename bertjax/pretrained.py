@@ -331,7 +331,7 @@ def init_model_config(ckpt_config: Any, model: Any, source: str) -> Any:
     return ckpt_config.replace(**{k: v for k, v in overrides.items() if k in NUMERIC_MODEL_KEYS})
 
 
-def merge_encoder(fresh: Any, source: Any, source_name: str, encoder_name: str = "bert") -> Any:
+def merge_encoder(fresh: Any, source: Any, source_name: str, encoder_name: str) -> Any:
     """The fresh encoder param tree (subtree ``encoder_name``) with every tensor taken from
     ``source`` (the same subtree of a checkpoint, with unrolled ``layer_{i}``), stacked onto a
     leading axis where ``fresh`` scans its layers.

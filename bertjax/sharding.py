@@ -126,6 +126,13 @@ def batch_sharding(mesh: Mesh, rules=RULES) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec(axes))
 
 
+def batch_devices(mesh: Mesh, rules=RULES) -> int:
+    """How many devices split the batch dimension (the product of the ``batch`` rule's axes)."""
+    axes = dict(rules).get("batch", ("data", "fsdp"))
+    axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
+    return int(np.prod([mesh.shape[a] for a in axes], dtype=np.int64))
+
+
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
 

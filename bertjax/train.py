@@ -11,7 +11,6 @@ import dataclasses
 import logging
 import math
 import os
-import signal
 import time
 from collections.abc import Callable
 from typing import Any
@@ -30,8 +29,10 @@ from jax.sharding import NamedSharding, PartitionSpec
 from bertjax import atomic, checkpointing, flops, sharding
 from bertjax.metrics_logging import MetricsWriter, Throughput
 from bertjax.optim import create_optimizer, global_norm
+from bertjax.preemption import PreemptionRequested, StopFlag
 from bertjax.tasks.base import Phase, Task
 from bertjax.tasks.registry import get_task
+from bertjax.workdir_lock import WorkdirLock
 
 log = logging.getLogger("bertjax")
 
@@ -46,13 +47,9 @@ class TrainState:
     rng: jax.Array  # [2] uint32, raw key data (per-step keys are fold_in(rng, step))
 
 
-class PreemptionRequested(Exception):
-    """Raised after the checkpoint that SIGTERM (or a preemption notice) asked for is saved."""
-
-
 @dataclasses.dataclass
 class Setup:
-    """The pieces ``train_and_evaluate`` and ``compile_train_step`` share."""
+    """The pieces ``train_and_evaluate`` and ``bertjax.compile.compile_train_step`` share."""
 
     task: Task
     model: nn.Module
@@ -69,6 +66,7 @@ class Setup:
 
 def build(config: ml_collections.ConfigDict, workdir: str, task: Task | None = None) -> Setup:
     """Creates the task, model, mesh, optimizer and the (abstract) sharded train state."""
+    _check_batch_size("train.global_batch_size", config.train.global_batch_size)
     task = task or get_task(config.task, config, workdir)
     model_cfg = task.model_config()
     model = task.build_model(model_cfg)
@@ -77,6 +75,8 @@ def build(config: ml_collections.ConfigDict, workdir: str, task: Task | None = N
     mesh = sharding.create_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor, devices)
     rules = sharding.rules_from_config(config.mesh.get("rules"))
     phases = task.phases()
+    for phase in phases:
+        _check_batch_size("train.global_batch_size", phase.global_batch_size, mesh, rules)
     total_steps = phases[-1].until_step
     tx, schedule = create_optimizer(config, total_steps, task.warmup_steps(total_steps))
     init_batch = task.init_batch(phases[0], 1)
@@ -109,11 +109,7 @@ def build(config: ml_collections.ConfigDict, workdir: str, task: Task | None = N
             state = jax.device_put(state, state_shardings)
         return state
 
-    eval_fn = jax.jit(
-        lambda params, batch: task.eval_outputs(model, params, batch),
-        in_shardings=(state_shardings.params, sharding.batch_sharding(mesh, rules)),
-        out_shardings=sharding.replicated(mesh),
-    )
+    eval_fn = _jit_eval(task, model, state_shardings, mesh, rules)
     return Setup(
         task,
         model,
@@ -127,6 +123,51 @@ def build(config: ml_collections.ConfigDict, workdir: str, task: Task | None = N
         init_state,
         eval_fn,
     )
+
+
+def _jit_eval(task: Task, model: nn.Module, state_shardings, mesh, rules) -> Callable:
+    """``task.eval_outputs(params, batch)`` jitted: batch sharded, outputs replicated."""
+    return jax.jit(
+        lambda params, batch: task.eval_outputs(model, params, batch),
+        in_shardings=(state_shardings.params, sharding.batch_sharding(mesh, rules)),
+        out_shardings=sharding.replicated(mesh),
+    )
+
+
+def phase_setup(setup: Setup, phase: Phase) -> Setup:
+    """The setup of one phase: the task's model for it (``Task.phase_model``, e.g. a larger RoPE
+    base for context extension) with its eval function. The phase model must have exactly the
+    parameters of the run's model (same names and shapes): a ValueError says which differ."""
+    model = setup.task.phase_model(setup.model, phase)
+    if model is setup.model:
+        return setup
+    init_batch = setup.task.init_batch(phase, 1)
+
+    def shapes(m):
+        return jax.eval_shape(lambda: setup.task.initial_params(m, jax.random.key(0), init_batch))
+
+    want, got = nn.meta.unbox(shapes(setup.model)), nn.meta.unbox(shapes(model))  # no mesh: shapes
+    if jax.tree.structure(want) != jax.tree.structure(got) or any(
+        a.shape != b.shape for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got))
+    ):
+        raise ValueError(
+            f"phase until step {phase.until_step}: its model options change the parameters "
+            "(only numerics such as RoPE bases, windows and kernels may change between phases)"
+        )
+    eval_fn = _jit_eval(setup.task, model, setup.state_shardings, setup.mesh, setup.rules)
+    return dataclasses.replace(setup, model=model, eval_fn=eval_fn)
+
+
+def _check_batch_size(key: str, value, mesh=None, rules=None) -> None:
+    """One-line ValueError naming ``key`` for a batch that is not a positive integer or that the
+    devices sharding the batch do not divide."""
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value <= 0:
+        raise ValueError(f"config key {key}={value!r} must be a positive integer")
+    if mesh is not None and value % (devices := sharding.batch_devices(mesh, rules)):
+        raise ValueError(
+            f"config key {key}={value} is not divisible by the {devices} devices that shard the "
+            f"batch (mesh {dict(mesh.shape)}); use a multiple of {devices}"
+        )
 
 
 def make_train_step(setup: Setup, accum_steps: int) -> Callable:
@@ -207,76 +248,6 @@ def prepared_task(config: ml_collections.ConfigDict, workdir: str) -> Task:
     return task
 
 
-def compile_train_step(
-    config: ml_collections.ConfigDict, workdir: str, task: Task | None = None
-) -> dict[str, Any]:
-    """Lowers and compiles the first phase's step ahead of time; returns XLA's memory analysis.
-
-    Catches out-of-memory and sharding errors before a job pays for hardware.
-    """
-    setup = build(config, workdir, task or prepared_task(config, workdir))
-    phase = setup.phases[0]
-    batch = setup.task.init_batch(phase, phase.global_batch_size)
-    batch_sharding = sharding.batch_sharding(setup.mesh, setup.rules)
-    abstract_batch = {
-        k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=batch_sharding) for k, v in batch.items()
-    }
-    abstract_state = checkpointing.abstract_like(setup.abstract_state, setup.state_shardings)
-    step = jit_train_step(setup, config.train.grad_accum_steps)
-    t0 = time.perf_counter()
-    with jax.set_mesh(setup.mesh), nn.logical_axis_rules(setup.rules):
-        compiled = step.lower(abstract_state, abstract_batch).compile()
-    mem = compiled.memory_analysis()
-    state_bytes = sum(
-        int(np.prod(s.shard_shape(x.shape))) * x.dtype.itemsize
-        for x, s in zip(
-            jax.tree.leaves(setup.abstract_state), jax.tree.leaves(setup.state_shardings)
-        )
-    )
-    report = {
-        "compile_seconds": time.perf_counter() - t0,
-        "devices": len(setup.mesh.devices.flat),
-        "mesh": dict(setup.mesh.shape),
-        "state_bytes_per_device": state_bytes,
-    }
-    for key in (
-        "argument_size_in_bytes",
-        "output_size_in_bytes",
-        "temp_size_in_bytes",
-        "alias_size_in_bytes",
-        "generated_code_size_in_bytes",
-    ):
-        report[key] = int(getattr(mem, key, 0) or 0) if mem is not None else None
-    return report
-
-
-class _StopFlag:
-    """Set by SIGTERM; checked once per step (agreed across hosts through JAX's sync point)."""
-
-    def __init__(self):
-        self.requested = False
-        self._previous = None
-
-    def install(self):
-        try:
-            self._previous = signal.signal(signal.SIGTERM, self._handle)
-        except ValueError:  # not the main thread
-            self._previous = None
-
-    def _handle(self, signum, frame):
-        log.warning("SIGTERM received: saving a checkpoint, then exiting")
-        self.requested = True
-
-    def restore(self):
-        if self._previous is not None:
-            signal.signal(signal.SIGTERM, self._previous)
-
-    def should_stop(self, step: int) -> bool:
-        if jax.process_count() > 1:
-            return self.requested or multihost_utils.reached_preemption_sync_point(step)
-        return self.requested
-
-
 def _host_metrics(sums: dict, count: int) -> dict[str, float]:
     values = jax.device_get(sums)
     return {k: float(v) / count for k, v in values.items()}
@@ -285,9 +256,15 @@ def _host_metrics(sums: dict, count: int) -> dict[str, float]:
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     """Trains (resuming from WORKDIR if it holds a checkpoint), evaluates, checkpoints.
 
-    Returns the last train and eval metrics.
+    Returns the last train and eval metrics. WORKDIR is locked for the run (``WorkdirLock``).
     """
+    _check_batch_size("train.global_batch_size", config.train.global_batch_size)  # before prepare
     tf.io.gfile.makedirs(workdir)
+    with WorkdirLock(workdir):
+        return _train_and_evaluate(config, workdir)
+
+
+def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     task = prepared_task(config, workdir)
     setup = build(config, workdir, task)
     tcfg = config.train
@@ -302,7 +279,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     data_state: dict = {}
     if ckpt.latest_step() is not None:
         abstract = checkpointing.abstract_like(setup.abstract_state, setup.state_shardings)
-        state, data_state, _, start = ckpt.restore(abstract)
+        state, data_state, _, start = ckpt.restore_newest(abstract)
         writer.truncate_after(start)
         log.info("resumed from %s at step %d", ckpt.directory, start)
     else:
@@ -316,8 +293,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
         dict(setup.mesh.shape),
         total_steps,
     )
-    best = _BestKeeper(task, workdir)
-    stop = _StopFlag()
+    best = checkpointing.BestCheckpoint(task.best_metric(), workdir)
+    stop = StopFlag()
     stop.install()
     result: dict[str, Any] = {}
     step = start
@@ -355,7 +332,7 @@ class _Run:
     config: ml_collections.ConfigDict
     writer: MetricsWriter
     ckpt: checkpointing.Checkpointer
-    stop: _StopFlag
+    stop: StopFlag
     config_json: str
     t_start: float
     first_step: int
@@ -366,6 +343,7 @@ class _Run:
 def _run_phase(run: _Run, phase, phase_index, state, step, data_state) -> dict:
     """Runs one phase (fixed shapes) from ``step`` to ``phase.until_step``."""
     setup, config, writer, ckpt, stop = run.setup, run.config, run.writer, run.ckpt, run.stop
+    setup = phase_setup(setup, phase)
     config_json, t_start, first_step, peak, best = (
         run.config_json,
         run.t_start,
@@ -474,57 +452,13 @@ def _runner(setup: Setup, params):
     return run
 
 
-class _BestKeeper:
-    """Keeps the params of the best evaluation (task.best_metric) in WORKDIR/best."""
-
-    def __init__(self, task: Task, workdir: str):
-        self.metric = task.best_metric()
-        self.directory = os.path.join(workdir, "best")
-        self.value = None
-        if self.metric and _isdir(self.directory):
-            ckpt = checkpointing.Checkpointer(self.directory, keep=1, async_save=False)
-            if ckpt.latest_step() is not None:
-                self.value = ckpt.read_data().get("value")
-            ckpt.close()
-
-    def better(self, value: float) -> bool:
-        if self.value is None:
-            return True
-        return value > self.value if self.metric[1] == "max" else value < self.value
-
-    def update(self, step: int, metrics: dict, params: Any, config_json: str) -> None:
-        if not self.metric or self.metric[0] not in metrics:
-            return
-        value = float(metrics[self.metric[0]])
-        if not self.better(value):
-            return
-        self.value = value
-        ckpt = checkpointing.Checkpointer(self.directory, keep=1, async_save=False)
-        ckpt.save(
-            step,
-            {"params": params},
-            {"metric": self.metric[0], "value": value, "step": step, "eval": metrics},
-            config_json,
-            force=True,
-        )
-        ckpt.close()
-        log.info(
-            "new best %s=%.4f at step %d (kept in %s)", self.metric[0], value, step, self.directory
-        )
-
-    def params(self, abstract_params, shardings) -> Any | None:
-        if not self.metric or not _isdir(self.directory):
-            return None
-        ckpt = checkpointing.Checkpointer(self.directory, keep=1, async_save=False)
-        try:
-            if ckpt.latest_step() is None:
-                return None
-            return ckpt.restore_params(checkpointing.abstract_like(abstract_params, shardings))
-        finally:
-            ckpt.close()
-
-
-def _finalize(setup: Setup, state: TrainState, best: _BestKeeper, workdir: str, config_json: str):
+def _finalize(
+    setup: Setup,
+    state: TrainState,
+    best: checkpointing.BestCheckpoint,
+    workdir: str,
+    config_json: str,
+):
     """Runs task.finalize with the best (or last) params and writes WORKDIR/eval_results.json."""
     params = best.params(setup.abstract_state.params, setup.state_shardings.params)
     chosen = "best" if params is not None else "last"
@@ -541,7 +475,3 @@ def _finalize(setup: Setup, state: TrainState, best: _BestKeeper, workdir: str, 
     if jax.process_index() == 0:
         atomic.write_json(os.path.join(workdir, "eval_results.json"), final)
     return final
-
-
-def _isdir(path: str) -> bool:
-    return tf.io.gfile.isdir(path)

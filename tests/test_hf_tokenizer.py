@@ -325,3 +325,58 @@ def test_errors(tmp_path, modernbert_dir):
     tok = load_hf_tokenizer(modernbert_dir, do_lower_case=False)
     with pytest.raises(IndexError, match="outside the vocabulary"):
         tok.decode([tok.vocab_size])
+
+
+def test_prepare_and_pretrain_with_a_bpe_tokenizer_json(modernbert_dir, train_text, tmp_path):
+    """A ModernBERT-style tokenizer.json drives `prepare` (whole-word masking at BPE word starts)
+    and a modernbert pretraining run, with ids equal to the tokenizer's own."""
+    import sys
+
+    from bertjax import train
+    from bertjax.data import prepare
+    from bertjax.text import load_tokenizer
+
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent.parent))
+    from configs import base
+
+    corpus = tmp_path / "corpus.txt"
+    docs = [" ".join(p.split()) for p in train_text.split("\n\n") if len(p.split()) > 8][:300]
+    corpus.write_text("\n\n".join(d.replace(". ", ".\n") for d in docs) + "\n")
+    tok = load_tokenizer(str(modernbert_dir / "tokenizer.json"))
+    assert tok.kind == "hf"
+    meta = prepare.prepare(
+        str(corpus), str(tmp_path / "data"), tok, corpus_format="bert", max_seq_length=32,
+        max_predictions_per_seq=10, masked_lm_prob=0.3, nsp=False, whole_word_mask=True,
+        dupe_factor=1, num_shards=1, eval_fraction=0.1, num_workers=1, show_progress=False,
+    )  # fmt: skip
+    assert meta["vocab_size"] == tok.vocab_size and meta["examples"]["train"] > 20
+    starts = tok.word_start_table()
+    record = next(
+        iter(tf.data.TFRecordDataset(str(tmp_path / "data" / meta["shard_files"]["train"][0])))
+    )
+    example = tf.train.Example.FromString(record.numpy()).features.feature
+    ids = list(example["input_ids"].int64_list.value)
+    positions = [p for p in example["masked_lm_positions"].int64_list.value if p]
+    labels = list(example["masked_lm_ids"].int64_list.value)[: len(positions)]
+    original = list(ids)
+    for p, label in zip(positions, labels):
+        original[p] = label
+    for p in positions:  # whole words: a masked continuation's word start is masked too
+        q = p
+        while q > 0 and not starts[original[q]] and original[q - 1] not in (tok.cls_id, tok.sep_id):
+            q -= 1
+            assert q in positions, (p, q)
+    c = base.get_config()
+    c.model.architecture, c.model.preset = "modernbert", "modernbert-tiny"
+    c.data.prepared_dir, c.data.vocab = (
+        str(tmp_path / "data"),
+        str(modernbert_dir / "tokenizer.json"),
+    )
+    c.data.nsp, c.data.max_seq_length, c.data.max_predictions_per_seq = False, 32, 10
+    c.data.masked_lm_prob = 0.3
+    c.train.steps, c.train.global_batch_size, c.train.log_every = 2, 4, 1
+    c.train.eval_every, c.train.eval_steps, c.train.async_checkpoints = 0, 0, False
+    c.mesh.num_devices = 1
+    c.tensorboard = False
+    result = train.train_and_evaluate(c, str(tmp_path / "run"))
+    assert result["step"] == 2 and np.isfinite(result["train"]["loss"])

@@ -228,3 +228,18 @@ def test_ner_metrics_hand_case():
     assert out["per_type"]["PER"]["f1"] == 100.0 and out["per_type"]["LOC"]["recall"] == 0.0
     with pytest.raises(ValueError, match="sentence 0"):
         m.ner_metrics([["O"]], [["O", "O"]])
+
+
+def test_nan_predictions_give_nan_metrics_as_scipy_does():
+    labels = [0.0, 1.0, 2.0, 3.0]
+    nans = [float("nan")] * 4
+    assert np.isnan(stats.spearmanr(labels, nans).statistic)
+    assert np.isnan(m.spearman(labels, nans)) and np.isnan(m.pearson(labels, nans))
+    some = [0.1, float("nan"), 2.2, 2.9]  # one diverged prediction
+    assert np.isnan(stats.spearmanr(labels, some).statistic)
+    assert np.isnan(m.spearman(labels, some)) and np.isnan(m.pearson(labels, some))
+    stsb = m.glue_metrics("stsb", labels, some)
+    assert all(np.isnan(v) for v in stsb.values())
+    for fn in (m.accuracy, m.binary_f1, m.matthews_corrcoef):
+        assert np.isnan(fn([0, 1, 1, 0], [0.0, 1.0, float("nan"), 0.0])), fn.__name__
+    assert m.accuracy([0, 1], [0, 0]) == 0.5  # integer inputs are untouched

@@ -4,11 +4,13 @@ directory written by transformers, and continued pretraining from it."""
 import jax
 import numpy as np
 import pytest
-from train_fixtures import read_metrics, tiny_config, write_vocab
+from train_fixtures import read_metrics, tiny_config, write_prepared, write_vocab
 
 import bertjax
 from bertjax import train
 from bertjax.convert import load_checkpoint, save_checkpoint
+from bertjax.data import pipeline
+from bertjax.tools.mlm_eval import evaluate_mlm
 
 transformers = pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
@@ -93,3 +95,59 @@ def test_continued_pretraining_starts_from_the_checkpoint(tmp_path):
     for head in ("model", "predictions"):  # the encoder and the MLM head come from the checkpoint
         for a, b in zip(jax.tree.leaves(want[head]), jax.tree.leaves(state.params[head])):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_context_extension_phase_changes_the_rope_base_not_the_params(tmp_path):
+    """data.phases with model options: phase 2 trains the same params with a larger global RoPE
+    base (ModernBERT's context extension); an option that changes parameter shapes is refused."""
+    c = tiny_config(tmp_path, steps=4)
+    write_prepared(tmp_path / "prepared" / "seq16")
+    write_prepared(tmp_path / "prepared" / "seq32", seq=32, pred=6)
+    c.model.architecture = "modernbert"
+    c.model.preset = "modernbert-tiny"
+    c.model.max_position_embeddings = None
+    c.model.global_rope_theta = 10_000.0
+    c.data.phases = (
+        dict(until_step=2, max_seq_length=16, max_predictions_per_seq=3),
+        dict(
+            until_step=4,
+            max_seq_length=32,
+            max_predictions_per_seq=6,
+            model=dict(global_rope_theta=160_000.0),
+        ),
+    )
+    task = train.prepared_task(c, str(tmp_path / "run"))
+    setup = train.build(c, str(tmp_path / "run"), task)
+    first, second = (train.phase_setup(setup, p) for p in setup.phases)
+    assert first.model.config.global_rope_theta == 10_000.0
+    assert second.model.config.global_rope_theta == 160_000.0
+    result = train.train_and_evaluate(c, str(tmp_path / "run"))
+    assert result["step"] == 4 and np.isfinite(result["train"]["loss"])
+    bad = task.phases()[1]
+    bad.options["model"] = dict(num_layers=1)
+    with pytest.raises(ValueError, match="change the parameters"):
+        train.phase_setup(setup, bad)
+
+
+def test_evaluate_mlm_compares_checkpoints_on_the_same_records(tmp_path):
+    """evaluate-mlm of a transformers ModernBERT on prepared records equals the loss computed
+    from transformers' own logits at the masked positions."""
+    vocab = write_vocab(tmp_path / "vocab.txt")
+    size = len(vocab.read_text().split())
+    model = _hf_dir(tmp_path / "hf", vocab_size=size)
+    data = write_prepared(tmp_path / "prepared")
+    got = evaluate_mlm(str(tmp_path / "hf"), str(data), batch_size=8)
+    batches = pipeline.PretrainingData(
+        str(data), "eval", 8, seed=0, process_index=0, process_count=1,
+        repeat=False, shuffle=False, drop_remainder=False,
+    )  # fmt: skip
+    nll, weight = 0.0, 0.0
+    for b in batches:
+        logits = _torch_logits(model, b["input_ids"].astype(np.int64), b["input_mask"])
+        logp = torch.log_softmax(torch.tensor(logits), -1).numpy()  # [b, seq, vocab]
+        at = np.take_along_axis(logp, b["masked_lm_positions"][..., None], 1)  # [b, k, vocab]
+        picked = np.take_along_axis(at, b["masked_lm_ids"][..., None], -1)[..., 0]  # [b, k]
+        nll -= float((picked * b["masked_lm_weights"]).sum())
+        weight += float(b["masked_lm_weights"].sum())
+    np.testing.assert_allclose(got["mlm_loss"], nll / weight, rtol=1e-4)
+    assert got["masked_positions"] == int(weight)

@@ -461,3 +461,26 @@ def test_records_prepared_from_real_text(shared_data, uncased_vocab, tmp_path, m
         assert (masked_tokens[real] == tok.mask_id).mean() > 0.6
         assert not np.isin(b["masked_lm_ids"][real], [tok.cls_id, tok.sep_id, tok.pad_id]).any()
         assert (b["input_ids"][:, 0] == tok.cls_id).all()
+
+
+@pytest.mark.parametrize("fault", ["truncate", "flip"])
+def test_a_corrupted_shard_is_named(tmp_path, fault):
+    root = write_prepared(tmp_path / "data")
+    bad = root / "train-00001-of-00004.tfrecord"
+    data = bytearray(bad.read_bytes())
+    if fault == "truncate":
+        data = data[: len(data) // 2]
+    else:
+        data[len(data) // 2] ^= 0xFF
+    bad.write_bytes(bytes(data))
+    it = pipeline.PretrainingData(
+        str(root), "train", 8, seed=0, process_index=0, process_count=1, shuffle_buffer=4
+    )
+    with pytest.raises(pipeline.ShardCorruptedError) as err:
+        for _ in range(20):
+            next(it)
+    message = str(err.value)
+    assert (
+        message.startswith(f"{bad}: corrupted or truncated TFRecord shard (")
+        and "\n" not in message
+    )

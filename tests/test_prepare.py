@@ -1,5 +1,6 @@
 """Pretraining data preparation: the original instance algorithm, records, determinism, errors."""
 
+import hashlib
 import json
 import os
 
@@ -7,7 +8,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from bertjax.data import masking, prepare
+from bertjax.data import masking, pipeline, prepare
 from bertjax.text import load_tokenizer
 
 WORDS = (
@@ -415,3 +416,57 @@ def test_real_gutenberg_sample(tmp_path, uncased_vocab, shared_data):
     assert 0.4 < np.mean([r["next_sentence_labels"][0] for r in records]) < 0.6
     text = " ".join(tokenizer.decode(_check_static_record(r, meta, tokenizer)) for r in records)
     assert "elizabeth" in text and "[UNK]" not in text and "project gutenberg" not in text
+
+
+def test_prepare_empty_eval_split_writes_empty_shards_and_metadata(tmp_path, tok, caplog):
+    _write_corpus(tmp_path / "corpus", num_files=1, docs_per_file=4)
+    with caplog.at_level("WARNING"):
+        meta = prepare.prepare(
+            f"{tmp_path}/corpus/*.txt", str(tmp_path / "out"), tok, max_seq_length=32,
+            dupe_factor=1, num_shards=2, eval_fraction=0.02, num_workers=1, show_progress=False,
+        )  # fmt: skip
+    assert meta["documents"]["eval"] == 0 and meta["examples"] == {
+        "train": meta["examples"]["train"],
+        "eval": 0,
+    }
+    assert "the eval shards are empty" in caplog.text
+    assert json.loads((tmp_path / "out" / "metadata.json").read_text()) == meta
+    eval_shard = tmp_path / "out" / "eval-00000-of-00001.tfrecord"
+    assert eval_shard.exists() and meta["shards"][eval_shard.name] == 0
+    assert _read(str(eval_shard), meta) == []
+    assert not [n for n in os.listdir(tmp_path / "out") if n.endswith(".tmp")]
+    assert pipeline.split_is_empty(str(tmp_path / "out"), "eval")
+    assert not pipeline.split_is_empty(str(tmp_path / "out"), "train")
+
+
+def test_prepare_records_the_vocabulary_hash(tmp_path, tiny_vocab):
+    _write_corpus(tmp_path / "corpus", num_files=1, docs_per_file=4)
+    kw = dict(max_seq_length=32, dupe_factor=1, num_shards=1, num_workers=1, show_progress=False)
+    vocab = tmp_path / "vocab.txt"
+    vocab.write_bytes(open(tiny_vocab, "rb").read())
+    tok = load_tokenizer(str(vocab), do_lower_case=True)
+    meta = prepare.prepare(f"{tmp_path}/corpus/*.txt", str(tmp_path / "out"), tok, **kw)
+    assert meta["vocab_sha256"] == hashlib.sha256(vocab.read_bytes()).hexdigest()
+    lines = vocab.read_text().splitlines()
+    lines[7], lines[8] = lines[8], lines[7]  # same file, same size, other ids
+    vocab.write_text("\n".join(lines) + "\n")
+    swapped = load_tokenizer(str(vocab), do_lower_case=True)
+    assert swapped.vocab_size == tok.vocab_size
+    with pytest.raises(ValueError, match=r"\(differs in vocab_sha256 \(the vocabulary file's"):
+        prepare.prepare(f"{tmp_path}/corpus/*.txt", str(tmp_path / "out"), swapped, **kw)
+
+
+def test_prepare_warns_when_nsp_has_no_real_next_segment(tmp_path, tok, caplog):
+    docs = [" ".join(WORDS[i : i + 8]) + "." for i in range(0, 40, 4)]  # one sentence each
+    (tmp_path / "one_sentence.txt").write_text("\n\n".join(docs) + "\n")
+    kw = dict(max_seq_length=32, dupe_factor=1, num_shards=1, num_workers=1, show_progress=False)
+    with caplog.at_level("WARNING"):
+        meta = prepare.prepare(str(tmp_path / "one_sentence.txt"), str(tmp_path / "o1"), tok, **kw)
+    records = _read(str(tmp_path / "o1" / "train-00000-of-00001.tfrecord"), meta)
+    assert records and all(r["next_sentence_labels"][0] == 1 for r in records)
+    assert f"nsp: none of the {len(records)} instances has a real next segment" in caplog.text
+    caplog.clear()
+    _write_corpus(tmp_path / "corpus", num_files=1, docs_per_file=4)
+    with caplog.at_level("WARNING"):
+        prepare.prepare(f"{tmp_path}/corpus/*.txt", str(tmp_path / "o2"), tok, **kw)
+    assert "real next segment" not in caplog.text

@@ -93,13 +93,25 @@ def heads_in(head_of: dict[str, str], names) -> tuple[str, ...]:
     return tuple(h for h in HEADS if h in found)
 
 
-def _fmt_shape(shape) -> str:
+def fmt_shape(shape) -> str:
     return "[" + ", ".join(str(s) for s in shape) + "]"
 
 
-def _listing(items: list[str], limit: int = 12) -> str:
+def listing(items: list[str], limit: int = 12) -> str:
     shown = ", ".join(items[:limit])
     return shown + (f", ... ({len(items) - limit} more)" if len(items) > limit else "")
+
+
+def mismatch_report(missing: list[str], extra: list[str], bad: list[str]) -> str:
+    """One line listing missing, unexpected and mis-shaped tensors ("" when all match)."""
+    problems = []
+    if missing:
+        problems.append(f"missing {len(missing)} tensor(s): {listing(missing)}")
+    if extra:
+        problems.append(f"unexpected {len(extra)} tensor(s): {listing(extra)}")
+    if bad:
+        problems.append(f"shape mismatch in {len(bad)} tensor(s): {listing(bad)}")
+    return "; ".join(problems)
 
 
 def match_tensors(
@@ -113,22 +125,16 @@ def match_tensors(
     """
     heads = heads_in({k: e.head for k, e in entries_by_name.items()}, named)
     wanted = {k: e for k, e in entries_by_name.items() if e.head == "encoder" or e.head in heads}
-    missing = [f"{k} {_fmt_shape(shape_of(e))}" for k, e in wanted.items() if k not in named]
-    extra = [f"{k} {_fmt_shape(a.shape)}" for k, a in named.items() if k not in wanted]
+    missing = [f"{k} {fmt_shape(shape_of(e))}" for k, e in wanted.items() if k not in named]
+    extra = [f"{k} {fmt_shape(a.shape)}" for k, a in named.items() if k not in wanted]
     bad = [
-        f"{k} {_fmt_shape(named[k].shape)} (config implies {_fmt_shape(shape_of(e))})"
+        f"{k} {fmt_shape(named[k].shape)} (config implies {fmt_shape(shape_of(e))})"
         for k, e in wanted.items()
         if k in named and tuple(named[k].shape) != shape_of(e)
     ]
-    problems = []
-    if missing:
-        problems.append(f"missing {len(missing)} tensor(s): {_listing(missing)}")
-    if extra:
-        problems.append(f"unexpected {len(extra)} tensor(s): {_listing(extra)}")
-    if bad:
-        problems.append(f"shape mismatch in {len(bad)} tensor(s): {_listing(bad)}")
-    if problems:
-        raise ValueError(f"{source}: checkpoint does not match its config: " + "; ".join(problems))
+    report = mismatch_report(missing, extra, bad)
+    if report:
+        raise ValueError(f"{source}: checkpoint does not match its config: {report}")
     return {e.path: named[k] for k, e in wanted.items()}
 
 
@@ -160,7 +166,7 @@ def check_vocab(ckpt: Checkpoint) -> None:
     if size != shape[0]:
         raise ValueError(
             f"{ckpt.vocab_file}: vocabulary has {size} tokens but the checkpoint {ckpt.source} has "
-            f"{table.rsplit('/', 1)[0]} {_fmt_shape(shape)}"
+            f"{table.rsplit('/', 1)[0]} {fmt_shape(shape)}"
         )
 
 

@@ -8,7 +8,7 @@ import jax
 import numpy as np
 from flax import traverse_util
 
-from bertjax.convert import bert_layout
+from bertjax.convert.bert_layout import layout as bert_layout
 from bertjax.convert.checkpoint import HEADS, Entry, head_of
 from bertjax.models.heads import PreTrainingModel
 
@@ -16,7 +16,7 @@ from bertjax.models.heads import PreTrainingModel
 def param_layout(config, num_labels: int = 0) -> list[Entry]:
     """Entries (path, shape, head) of the encoder and every head a checkpoint may hold."""
     if config.architecture == "bert":
-        return bert_layout.layout(config, HEADS, num_labels)
+        return bert_layout(config, HEADS, num_labels)
     ids = np.zeros((1, 2), np.int32)
     shapes = jax.eval_shape(
         lambda: PreTrainingModel(config, nsp=True).init(jax.random.key(0), ids, ids, ids)

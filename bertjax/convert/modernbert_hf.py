@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 from safetensors.numpy import load_file, save_file
 
+from bertjax.convert.checkpoint import fmt_shape, listing, mismatch_report
 from bertjax.models.modernbert import ModernBertConfig
 
 HEADS = ("pooler", "mlm", "classifier")
@@ -280,15 +281,6 @@ def _from_hf(x: np.ndarray, transform: str, shape: tuple) -> np.ndarray:
     return np.ascontiguousarray(x.reshape(shape))
 
 
-def _listing(items: list[str], limit: int = 12) -> str:
-    shown = ", ".join(items[:limit])
-    return shown + (f", ... ({len(items) - limit} more)" if len(items) > limit else "")
-
-
-def _fmt(shape) -> str:
-    return "[" + ", ".join(str(s) for s in shape) + "]"
-
-
 def from_hf_tensors(
     cfg: ModernBertConfig,
     named: dict[str, np.ndarray],
@@ -312,7 +304,7 @@ def from_hf_tensors(
         words = state.get(_WORDS)
         if words is None or tied.shape != words.shape or not np.array_equal(tied, words):
             raise ValueError(
-                f"{source}: {_TIED} {_fmt(tied.shape)} is not tied to {_WORDS} "
+                f"{source}: {_TIED} {fmt_shape(tied.shape)} is not tied to {_WORDS} "
                 "(untied MLM decoders are not supported)"
             )
     has_head = any(k.startswith("head.") for k in state)
@@ -329,25 +321,19 @@ def from_hf_tensors(
     num_labels = int(labels.shape[0]) if labels is not None and labels.ndim else 0
     wanted = {name: (path, tf, shape) for path, name, tf, shape in _entries(cfg, heads, num_labels)}
     missing = [
-        f"{k} {_fmt(_hf_shape(tf, s))}" for k, (_, tf, s) in wanted.items() if k not in state
+        f"{k} {fmt_shape(_hf_shape(tf, s))}" for k, (_, tf, s) in wanted.items() if k not in state
     ]
-    extra = [f"{k} {_fmt(a.shape)}" for k, a in state.items() if k not in wanted]
+    extra = [f"{k} {fmt_shape(a.shape)}" for k, a in state.items() if k not in wanted]
     bad = [
-        f"{k} {_fmt(state[k].shape)} (config implies {_fmt(_hf_shape(tf, s))})"
+        f"{k} {fmt_shape(state[k].shape)} (config implies {fmt_shape(_hf_shape(tf, s))})"
         for k, (_, tf, s) in wanted.items()
         if k in state and tuple(state[k].shape) != _hf_shape(tf, s)
     ]
-    problems = []
-    if missing:
-        problems.append(f"missing {len(missing)} tensor(s): {_listing(missing)}")
-    if extra:
-        problems.append(f"unexpected {len(extra)} tensor(s): {_listing(extra)}")
-    if bad:
-        problems.append(f"shape mismatch in {len(bad)} tensor(s): {_listing(bad)}")
-    if problems:
+    report = mismatch_report(missing, extra, bad)
+    if report:
         raise ValueError(
             f"{source}: ModernBERT checkpoint (heads {list(heads)}) does not match its config: "
-            + "; ".join(problems)
+            + report
         )
     flat = {path: _from_hf(state[k], tf, s) for k, (path, tf, s) in wanted.items()}
     return flat, heads
@@ -365,7 +351,7 @@ def to_hf_tensors(
     entries = _entries(cfg, heads, num_labels)
     missing = [path for path, *_ in entries if path not in flat]
     if missing:
-        raise ValueError(f"to_hf_tensors: missing bertjax tensors {_listing(missing)}")
+        raise ValueError(f"to_hf_tensors: missing bertjax tensors {listing(missing)}")
     out = {name: _to_hf(np.asarray(flat[path]), tf) for path, name, tf, _ in entries}
     if "mlm" in heads:
         out[_TIED] = out[_WORDS]

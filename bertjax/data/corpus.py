@@ -159,9 +159,9 @@ def _tfds_sources(entry: str, data_dir: str | None) -> list[Source]:
 
 
 def list_sources(spec: str | Sequence[str], *, tfds_data_dir: str | None = None) -> list[Source]:
-    """Expands a corpus spec (comma-separated entries, or a list of them) into ordered work units."""
-    entries = [e.strip() for e in spec.split(",")] if isinstance(spec, str) else list(spec)
-    entries = [e for e in entries if e]
+    """Expands a corpus spec (comma-separated entries, or a list of such) into ordered work units."""
+    parts = [spec] if isinstance(spec, str) else list(spec)
+    entries = [e.strip() for part in parts for e in str(part).split(",") if e.strip()]
     if not entries:
         raise ValueError("empty corpus spec: give --input as files, globs or tfds:NAME:SPLIT")
     sources: list[Source] = []

@@ -7,16 +7,57 @@ algorithm and the differences from google-research/bert.
 from __future__ import annotations
 
 import collections
+import dataclasses
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
 
 import numpy as np
 import tensorflow as tf
 
-from bertjax.data import masking, packing
+from bertjax.data import corpus, masking, packing
 
-if TYPE_CHECKING:
-    from bertjax.data.prepare import PrepareConfig
+
+@dataclasses.dataclass(frozen=True)
+class PrepareConfig:
+    """Every option that changes the records (num_workers does not)."""
+
+    max_seq_length: int = 128
+    max_predictions_per_seq: int = 20
+    masked_lm_prob: float = 0.15
+    short_seq_prob: float = 0.1
+    dupe_factor: int = 5
+    nsp: bool = True
+    masking: str = "static"
+    whole_word_mask: bool = False
+    seed: int = 12345
+    num_shards: int = 16
+    eval_fraction: float = 0.0
+    random_document_buffer: int = 1000
+    corpus_format: str = "bert"
+    packing: bool = False
+
+    def validate(self) -> None:
+        """One-line ValueError naming the first bad option."""
+        checks = [
+            ("max_seq_length", self.max_seq_length >= (5 if self.nsp else 4), "too small"),
+            ("max_predictions_per_seq", self.max_predictions_per_seq >= 1, "must be >= 1"),
+            ("masked_lm_prob", 0.0 < self.masked_lm_prob < 1.0, "must be in (0, 1)"),
+            ("short_seq_prob", 0.0 <= self.short_seq_prob <= 1.0, "must be in [0, 1]"),
+            ("dupe_factor", self.dupe_factor >= 1, "must be >= 1"),
+            ("masking", self.masking in ("static", "dynamic"), "must be 'static' or 'dynamic'"),
+            ("num_shards", self.num_shards >= 1, "must be >= 1"),
+            ("eval_fraction", 0.0 <= self.eval_fraction < 1.0, "must be in [0, 1)"),
+            ("random_document_buffer", self.random_document_buffer >= 1, "must be >= 1"),
+            ("corpus_format", self.corpus_format in corpus.FORMATS, f"not in {corpus.FORMATS}"),
+            ("packing", not (self.packing and self.nsp), "needs nsp=False (pairs are not packed)"),
+        ]
+        for name, ok, why in checks:
+            if not ok:
+                raise ValueError(f"prepare option {name}={getattr(self, name)!r}: {why}")
+
+    def shard_counts(self) -> dict[str, int]:
+        """Number of shards per split (eval: about eval_fraction of num_shards, at least 1)."""
+        num_eval = max(1, round(self.num_shards * self.eval_fraction)) if self.eval_fraction else 0
+        return {"train": self.num_shards, "eval": num_eval}
 
 
 def truncate_seq_pair(tokens_a: list, tokens_b: list, max_num_tokens: int, rng) -> None:

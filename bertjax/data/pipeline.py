@@ -41,6 +41,7 @@ _DYNAMIC_MASKING_KEYS = (
 ).split()
 
 _accelerators_hidden = False
+_warned_empty: set[tuple[str, str]] = set()  # (data_dir, split) found empty, warned once
 
 
 def hide_accelerators_from_tf() -> None:
@@ -97,6 +98,31 @@ def list_shards(data_dir: str, split: str) -> list[str]:
     if len(counts) != 1 or len(paths) != counts.pop():
         raise ValueError(f"{pattern}: found {len(paths)} shards whose '-of-' counts disagree")
     return paths
+
+
+def split_is_empty(data_dir: str, split: str) -> bool:
+    """Whether metadata.json records no examples for ``split`` (no shards, or only empty ones),
+    e.g. an eval split to which eval_fraction assigned no document. Every host reads the same
+    metadata, so all agree. Logs a warning the first time a (data_dir, split) is found empty."""
+    meta = read_metadata(data_dir)
+    table = meta.get("shards")
+    if not isinstance(table, Mapping):
+        raise ValueError(
+            f"{data_dir}/{METADATA_FILE}: key 'shards' must map shard file names to example counts"
+        )
+    names = [n for n in table if (m := _SHARD_RE.match(n)) and m["split"] == split]
+    if sum(int(table[n]) for n in names):
+        return False
+    if (str(data_dir), split) not in _warned_empty:
+        _warned_empty.add((str(data_dir), split))
+        logging.warning(
+            "%s/%s: the %s split has no examples (%d shard(s)); skipping it",
+            data_dir,
+            METADATA_FILE,
+            split,
+            len(names),
+        )
+    return True
 
 
 def host_shards(shards: Sequence[str], process_index: int, process_count: int) -> list[str]:
@@ -350,6 +376,24 @@ def pretraining_dataset(
     return ds.with_options(options).prefetch(tf.data.AUTOTUNE)
 
 
+class ShardCorruptedError(ValueError):
+    """A TFRecord shard is truncated or corrupted (the message names the file)."""
+
+
+def _name_bad_shard(files: Sequence[str], err: tf.errors.DataLossError) -> str:
+    """One line naming the shard behind a DataLossError (the interleaved stream loses the name):
+    each file is read through until one fails."""
+    reason = " ".join(str(err.message).split())
+    for path in files:
+        try:
+            for _ in tf.data.TFRecordDataset(path):
+                pass
+        except tf.errors.DataLossError as bad:
+            reason = " ".join(str(bad.message).split())
+            return f"{path}: corrupted or truncated TFRecord shard ({reason}); prepare it again"
+    return f"one of {len(files)} shard(s) is corrupted or truncated ({reason}): {files}"
+
+
 def _to_numpy(batch: Mapping[str, tf.Tensor]) -> dict[str, np.ndarray]:
     return {k: v.numpy() for k, v in batch.items()}
 
@@ -388,6 +432,7 @@ class PretrainingData:
         # Every argument is passed on to `pretraining_dataset` when the iterator is (re)built.
         self._args = {k: v for k, v in locals().items() if k != "self"}
         files = host_shards(list_shards(data_dir, split), process_index, process_count)
+        self._files = files
         self._epoch_examples = sum(shard_example_counts(read_metadata(data_dir), files))
         self._batches_consumed = 0
         self._iterator: Iterator | None = None
@@ -400,7 +445,10 @@ class PretrainingData:
             self._iterator = iter(
                 pretraining_dataset(**self._args, start_batch=self._batches_consumed)
             )
-        batch = next(self._iterator)
+        try:
+            batch = next(self._iterator)
+        except tf.errors.DataLossError as err:
+            raise ShardCorruptedError(_name_bad_shard(self._files, err)) from err
         self._batches_consumed += 1
         return _to_numpy(batch)
 

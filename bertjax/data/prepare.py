@@ -34,7 +34,8 @@ Output in output_dir:
     format_version, max_seq_length, max_predictions_per_seq, masked_lm_prob, masking ("static" |
     "dynamic"), whole_word_mask, nsp, packing, short_seq_prob, dupe_factor, seed,
     random_document_buffer, eval_fraction, corpus_format, input (list of corpus spec entries),
-    sources (work unit names), vocab_file, vocab_size, tokenizer_kind, do_lower_case, special_ids ({pad, unk, cls, sep, mask}),
+    sources (work unit names), vocab_file, vocab_size, vocab_sha256 (of the vocabulary file's bytes;
+    training refuses data prepared with another vocabulary), tokenizer_kind, do_lower_case, special_ids ({pad, unk, cls, sep, mask}),
     shards ({file name: example count} over both splits), shard_files ({split: [file names]}),
     examples ({split: count}), documents ({split: count}), sentences, tokens, input_bytes, seconds,
     docs_per_second, mb_per_second.
@@ -46,6 +47,7 @@ import argparse
 import collections
 import dataclasses
 import functools
+import hashlib
 import json
 import logging
 import multiprocessing
@@ -64,6 +66,7 @@ from bertjax import atomic
 from bertjax.data import corpus
 from bertjax.data.instances import (  # noqa: F401  (re-exported)
     DocumentWindow,
+    PrepareConfig,
     create_instances_from_document,
     instance_to_example,
     packed_to_example,
@@ -83,50 +86,6 @@ _SETTINGS = (
 ).split()
 _SETTING_DEFAULTS = {"packing": False}  # settings added later: their value in older metadata
 log = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(frozen=True)
-class PrepareConfig:
-    """Every option that changes the records (num_workers does not)."""
-
-    max_seq_length: int = 128
-    max_predictions_per_seq: int = 20
-    masked_lm_prob: float = 0.15
-    short_seq_prob: float = 0.1
-    dupe_factor: int = 5
-    nsp: bool = True
-    masking: str = "static"
-    whole_word_mask: bool = False
-    seed: int = 12345
-    num_shards: int = 16
-    eval_fraction: float = 0.0
-    random_document_buffer: int = 1000
-    corpus_format: str = "bert"
-    packing: bool = False
-
-    def validate(self) -> None:
-        """One-line ValueError naming the first bad option."""
-        checks = [
-            ("max_seq_length", self.max_seq_length >= (5 if self.nsp else 4), "too small"),
-            ("max_predictions_per_seq", self.max_predictions_per_seq >= 1, "must be >= 1"),
-            ("masked_lm_prob", 0.0 < self.masked_lm_prob < 1.0, "must be in (0, 1)"),
-            ("short_seq_prob", 0.0 <= self.short_seq_prob <= 1.0, "must be in [0, 1]"),
-            ("dupe_factor", self.dupe_factor >= 1, "must be >= 1"),
-            ("masking", self.masking in ("static", "dynamic"), "must be 'static' or 'dynamic'"),
-            ("num_shards", self.num_shards >= 1, "must be >= 1"),
-            ("eval_fraction", 0.0 <= self.eval_fraction < 1.0, "must be in [0, 1)"),
-            ("random_document_buffer", self.random_document_buffer >= 1, "must be >= 1"),
-            ("corpus_format", self.corpus_format in corpus.FORMATS, f"not in {corpus.FORMATS}"),
-            ("packing", not (self.packing and self.nsp), "needs nsp=False (pairs are not packed)"),
-        ]
-        for name, ok, why in checks:
-            if not ok:
-                raise ValueError(f"prepare option {name}={getattr(self, name)!r}: {why}")
-
-    def shard_counts(self) -> dict[str, int]:
-        """Number of shards per split (eval: about eval_fraction of num_shards, at least 1)."""
-        num_eval = max(1, round(self.num_shards * self.eval_fraction)) if self.eval_fraction else 0
-        return {"train": self.num_shards, "eval": num_eval}
 
 
 # Per-process state of a worker: the tokenizer (loaded once) and the shared progress counters.
@@ -210,12 +169,13 @@ def _process_source(task) -> dict:
     num_shards, writers = cfg.shard_counts(), {}
     examples = {split: collections.Counter() for split in SPLITS}
     written = collections.Counter()
-    stats = {"documents": dict.fromkeys(SPLITS, 0), "sentences": 0, "tokens": 0}
+    stats = {"documents": dict.fromkeys(SPLITS, 0), "sentences": 0, "tokens": 0, "real_next": 0}
     cache_path = os.path.join(tmp_dir, f"cache-{index:06d}.pkl")
 
     def make_instances(split: str, rng: np.random.Generator, pool, i: int) -> None:
         kw = dict(max_seq_length=cfg.max_seq_length, short_seq_prob=cfg.short_seq_prob, nsp=cfg.nsp)
         for a, b, is_random in create_instances_from_document(pool, i, rng=rng, **kw):
+            stats["real_next"] += not is_random
             if not cfg.packing:
                 write(split, instance_to_example(a, b, is_random, cfg=cfg, consts=consts, rng=rng))
                 continue
@@ -311,6 +271,15 @@ def _run_units(tasks: list, num_workers: int, total_bytes: int | None, show_prog
         bar.close()
 
 
+def vocab_sha256(path: str) -> str:
+    """SHA-256 of a vocabulary file's bytes (vocab.txt, *.model or tokenizer.json; gs:// too)."""
+    digest = hashlib.sha256()
+    with tf.io.gfile.GFile(str(path), "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
 def _settings(cfg: PrepareConfig, entries: list[str], sources: list, tok) -> dict:
     return {
         "format_version": FORMAT_VERSION,
@@ -319,6 +288,7 @@ def _settings(cfg: PrepareConfig, entries: list[str], sources: list, tok) -> dic
         "sources": [s.name for s in sources],
         "vocab_file": str(tok.vocab_file),
         "vocab_size": int(tok.vocab_size),
+        "vocab_sha256": vocab_sha256(tok.vocab_file),
         "tokenizer_kind": tok.kind,
         "do_lower_case": bool(tok.do_lower_case),
         "special_ids": {
@@ -373,6 +343,8 @@ def prepare(
     existing = read_metadata(output_dir, missing_ok=True)
     if existing is not None:
         differ = [k for k in _SETTINGS if existing.get(k, _SETTING_DEFAULTS.get(k)) != settings[k]]
+        if existing.get("vocab_sha256", settings["vocab_sha256"]) != settings["vocab_sha256"]:
+            differ.append("vocab_sha256 (the vocabulary file's contents)")  # older: no hash
         if differ:
             raise ValueError(
                 f"{_join(output_dir, METADATA_FILE)} was written for other settings (differs in "
@@ -435,6 +407,14 @@ def _check_documents(cfg: PrepareConfig, sources: list, results: list, documents
             f"corpus {shown}: only 1 document; next-sentence prediction needs at least 2 "
             "(add documents or pass nsp=False / --nsp=false)"
         )
+    instances = sum(sum(c.values()) for r in results for c in r["examples"].values())
+    if cfg.nsp and instances and not sum(r["real_next"] for r in results):
+        log.warning(
+            "nsp: none of the %d instances has a real next segment (every document has one "
+            "sentence?): every next_sentence_label is 1 (random), so NSP learns nothing; split "
+            "documents into sentences (one per line) or pass nsp=False",
+            instances,
+        )
     if cfg.eval_fraction and documents["eval"] == 0:
         log.warning(
             "eval_fraction=%s chose no document: the eval shards are empty", cfg.eval_fraction
@@ -458,6 +438,7 @@ def _merge_parts(cfg: PrepareConfig, output_dir: str, tmp_dir: str, num_units: i
             name = _shard_name(split, shard, count)
             final = _join(output_dir, name)
             with tf.io.gfile.GFile(f"{final}.tmp", "wb") as out:
+                out.write(b"")  # GFile creates the file on the first write: an empty shard too
                 for index in range(num_units):
                     part = os.path.join(tmp_dir, _part_name(split, shard, index))
                     if os.path.exists(part):

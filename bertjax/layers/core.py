@@ -7,8 +7,10 @@ The functions that take a ``config`` read only the fields every model config has
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-from typing import Any
+import json
+from typing import Any, ClassVar
 
 import flax.linen as nn
 import flax.struct
@@ -168,3 +170,34 @@ class EncoderOutput:
     sequence_output: Array
     pooled_output: Array
     hidden_states: tuple = ()  # embeddings + every layer's output when asked
+
+
+class EncoderConfig:
+    """What every architecture's frozen config dataclass shares (mixed in): the head size, copies
+    with changes, and the dict/JSON form with its ``architecture``."""
+
+    architecture: ClassVar[str]
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    def replace(self, **changes: Any):
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"architecture": self.architecture, **dataclasses.asdict(self)}
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]):
+        """Builds a config from a dict (``architecture`` ignored); unknown keys are an error."""
+        values = {k: v for k, v in values.items() if k != "architecture"}
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"model config: unknown keys {unknown}; known keys: {sorted(known)}")
+        return cls(**values)

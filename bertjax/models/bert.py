@@ -26,7 +26,6 @@ Every kernel carries logical axis names; ``bertjax.sharding.RULES`` maps them on
 from __future__ import annotations
 
 import dataclasses
-import json
 from typing import Any, ClassVar
 
 import flax.linen as nn
@@ -39,6 +38,7 @@ from bertjax.layers.core import (
     BATCH_LENGTH_EMBED,
     BATCH_LENGTH_HEADS_KV,
     BATCH_LENGTH_MLP,
+    EncoderConfig,
     EncoderOutput,
     activation,
     attention_bias,
@@ -64,7 +64,7 @@ POOLER_IN_PRETRAINING = True
 
 
 @dataclasses.dataclass(frozen=True)
-class BertConfig:
+class BertConfig(EncoderConfig):
     """Architecture and numerics of a BERT encoder (field names follow the paper, not a framework)."""
 
     vocab_size: int = 30522
@@ -101,30 +101,6 @@ class BertConfig:
                 f"model config: max_position_embeddings={self.max_position_embeddings} and "
                 f"type_vocab_size={self.type_vocab_size} must be >= 2 and >= 1"
             )
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
-
-    def replace(self, **changes: Any) -> BertConfig:
-        """A copy with some fields changed (validated again)."""
-        return dataclasses.replace(self, **changes)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"architecture": self.architecture, **dataclasses.asdict(self)}
-
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
-
-    @classmethod
-    def from_dict(cls, values: dict[str, Any]) -> BertConfig:
-        """Builds a config from a dict; unknown keys are an error that names them."""
-        values = {k: v for k, v in values.items() if k != "architecture"}
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(f"model config: unknown keys {unknown}; known keys: {sorted(known)}")
-        return cls(**values)
 
     def num_params(self, include_heads: bool = True) -> int:
         """Analytic parameter count (encoder + pooler, plus MLM/NSP heads when asked)."""

@@ -28,7 +28,6 @@ Dropout: ``hidden_dropout`` after the embeddings, inside the MLP and in the task
 from __future__ import annotations
 
 import dataclasses
-import json
 from typing import Any, ClassVar
 
 import flax.linen as nn
@@ -43,6 +42,7 @@ from bertjax.layers.core import (
     BATCH_LENGTH_EMBED,
     BATCH_LENGTH_HEADS_KV,
     BATCH_LENGTH_MLP,
+    EncoderConfig,
     EncoderOutput,
     activation,
     attention_bias,
@@ -65,7 +65,7 @@ POOLER_IN_PRETRAINING = False  # ModernBERT pretrains with MLM only; the pooler 
 
 
 @dataclasses.dataclass(frozen=True)
-class ModernBertConfig:
+class ModernBertConfig(EncoderConfig):
     """Architecture and numerics of a ModernBERT encoder (defaults: answerdotai/ModernBERT-base)."""
 
     vocab_size: int = 50368
@@ -127,33 +127,9 @@ class ModernBertConfig:
             if getattr(self, key) <= 0:
                 bad(key, "must be positive")
 
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
-
     def is_global(self, layer: int) -> bool:
         """Whether layer ``layer`` attends globally (else within the sliding window)."""
         return layer % self.global_attn_every_n_layers == 0
-
-    def replace(self, **changes: Any) -> ModernBertConfig:
-        """A copy with some fields changed (validated again)."""
-        return dataclasses.replace(self, **changes)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"architecture": self.architecture, **dataclasses.asdict(self)}
-
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
-
-    @classmethod
-    def from_dict(cls, values: dict[str, Any]) -> ModernBertConfig:
-        """Builds a config from a dict (``architecture`` ignored); unknown keys are an error."""
-        values = {k: v for k, v in values.items() if k != "architecture"}
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(f"model config: unknown keys {unknown}; known keys: {sorted(known)}")
-        return cls(**values)
 
     def num_params(self, include_heads: bool = True, include_pooler: bool = False) -> int:
         """Analytic parameter count: the encoder, plus the MLM head (``include_heads``: what

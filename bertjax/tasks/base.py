@@ -66,6 +66,10 @@ class Task:
         cfg = self.config.train
         return [Phase(until_step=cfg.steps, global_batch_size=cfg.global_batch_size)]
 
+    def phase_model(self, model: nn.Module, phase: Phase) -> nn.Module:
+        """The model a phase trains (default: the run's); it must keep the run's parameters."""
+        return model
+
     def init_batch(self, phase: Phase, batch_size: int) -> Batch:
         """A NumPy batch with the phase's shapes (used to initialise and compile)."""
         raise NotImplementedError

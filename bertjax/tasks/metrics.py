@@ -35,15 +35,26 @@ def _pair(labels: Sequence, preds: Sequence, dtype=None) -> tuple[np.ndarray, np
     return y, p
 
 
+def _has_nan(*arrays: np.ndarray) -> bool:
+    """Whether a floating input holds a NaN (a diverged model): its metric is then NaN, as SciPy's
+    statistics are with nan_policy='propagate', so that NaN never scores and never wins a selection."""
+    return any(np.issubdtype(a.dtype, np.floating) and bool(np.isnan(a).any()) for a in arrays)
+
+
 def accuracy(labels: Sequence, preds: Sequence) -> float:
-    """Fraction of predictions equal to the label."""
+    """Fraction of predictions equal to the label (NaN when a prediction is NaN)."""
     y, p = _pair(labels, preds)
+    if _has_nan(y, p):
+        return float("nan")
     return float(np.mean(y == p))
 
 
 def binary_f1(labels: Sequence[int], preds: Sequence[int], positive: int = 1) -> float:
-    """F1 of the `positive` class (sklearn `f1_score(average="binary")`; 0.0 when undefined)."""
+    """F1 of the `positive` class (sklearn `f1_score(average="binary")`; 0.0 when undefined, NaN
+    when a prediction is NaN)."""
     y, p = _pair(labels, preds)
+    if _has_nan(y, p):
+        return float("nan")
     tp = int(np.sum((p == positive) & (y == positive)))
     fp = int(np.sum((p == positive) & (y != positive)))
     fn = int(np.sum((p != positive) & (y == positive)))
@@ -53,8 +64,11 @@ def binary_f1(labels: Sequence[int], preds: Sequence[int], positive: int = 1) ->
 
 
 def matthews_corrcoef(labels: Sequence[int], preds: Sequence[int]) -> float:
-    """Matthews correlation coefficient, multi-class form (sklearn; 0.0 when a marginal is constant)."""
+    """Matthews correlation coefficient, multi-class form (sklearn; 0.0 when a marginal is constant,
+    NaN when a prediction is NaN)."""
     y, p = _pair(labels, preds)
+    if _has_nan(y, p):
+        return float("nan")
     classes, inverse = np.unique(np.concatenate([y, p]), return_inverse=True)
     k, n = len(classes), len(y)
     confusion = np.zeros((k, k), dtype=np.float64)  # [true, predicted]
@@ -71,8 +85,11 @@ def matthews_corrcoef(labels: Sequence[int], preds: Sequence[int]) -> float:
 
 
 def pearson(x: Sequence[float], y: Sequence[float]) -> float:
-    """Pearson correlation (scipy.stats.pearsonr statistic; NaN when either input is constant)."""
+    """Pearson correlation (scipy.stats.pearsonr statistic; NaN when either input is constant or
+    holds a NaN)."""
     a, b = _pair(x, y, dtype=np.float64)
+    if _has_nan(a, b):
+        return float("nan")
     a = a - a.mean()
     b = b - b.mean()
     denom = np.sqrt(np.dot(a, a) * np.dot(b, b))
@@ -97,8 +114,11 @@ def _average_ranks(x: np.ndarray) -> np.ndarray:
 
 
 def spearman(x: Sequence[float], y: Sequence[float]) -> float:
-    """Spearman rank correlation with average ranks for ties (scipy.stats.spearmanr statistic)."""
+    """Spearman rank correlation with average ranks for ties (scipy.stats.spearmanr statistic; NaN
+    when an input holds a NaN, which ranking would otherwise order arbitrarily)."""
     a, b = _pair(x, y, dtype=np.float64)
+    if _has_nan(a, b):
+        return float("nan")
     return pearson(_average_ranks(a), _average_ranks(b))
 
 

@@ -19,7 +19,7 @@ import tensorflow as tf
 from bertjax import flops, losses, models
 from bertjax.data import pipeline
 from bertjax.data.demo_corpus import build_demo_corpus
-from bertjax.data.prepare import prepare
+from bertjax.data.prepare import prepare, vocab_sha256
 from bertjax.data.streams import StreamedData
 from bertjax.models.heads import PreTrainingModel
 from bertjax.pretrained import init_model_config, load_pretrained, merge_encoder
@@ -99,6 +99,12 @@ class PretrainingTask(Task):
             )
         return d.corpus, d.corpus_format
 
+    def _load_tokenizer(self, vocab: str):
+        """The run's tokenizer; a tokenizer.json carries its own case handling (its normalizer),
+        so data.do_lower_case applies to WordPiece/SentencePiece vocabularies only."""
+        lower = None if vocab.endswith(".json") else self.config.data.do_lower_case
+        return load_tokenizer(vocab, do_lower_case=lower)
+
     def _vocab_path(self) -> str:
         d = self.config.data
         if d.vocab:
@@ -136,7 +142,7 @@ class PretrainingTask(Task):
                 seed=self.config.data.seed,
                 corpus_format=fmt,
             )
-        tokenizer = load_tokenizer(vocab, do_lower_case=d.do_lower_case)
+        tokenizer = self._load_tokenizer(vocab)
         for spec in self._phase_specs():
             out = self.data_dir(spec["max_seq_length"])
             if tf.io.gfile.exists(os.path.join(out, pipeline.METADATA_FILE)):
@@ -166,9 +172,7 @@ class PretrainingTask(Task):
     def after_prepare(self) -> None:
         if self.fixed_vocab_size:
             return
-        self.tokenizer = load_tokenizer(
-            self._vocab_path(), do_lower_case=self.config.data.do_lower_case
-        )
+        self.tokenizer = self._load_tokenizer(self._vocab_path())
         for spec in self._phase_specs():
             meta = pipeline.read_metadata(self.data_dir(spec["max_seq_length"]))
             if meta.get("vocab_size") not in (None, self.tokenizer.vocab_size):
@@ -177,6 +181,7 @@ class PretrainingTask(Task):
                     f"{meta['vocab_size']} but the vocabulary {self._vocab_path()} has "
                     f"{self.tokenizer.vocab_size} tokens; delete the prepared data or fix data.vocab"
                 )
+            self._check_vocab_hash(meta, self.data_dir(spec["max_seq_length"]))
             if meta["max_seq_length"] != spec["max_seq_length"]:
                 raise ValueError(
                     f"{self.data_dir(spec['max_seq_length'])}/metadata.json: "
@@ -189,6 +194,23 @@ class PretrainingTask(Task):
                     f"{bool(meta.get('packing', False))} but config key data.packing="
                     f"{self.packing}; delete the prepared data or fix data.packing"
                 )
+
+    def _check_vocab_hash(self, meta: dict, data_dir: str) -> None:
+        """Prepared data must come from this very vocabulary (same size is not enough)."""
+        recorded, vocab = meta.get("vocab_sha256"), self._vocab_path()
+        if recorded is None:
+            log.warning(
+                "%s/metadata.json records no vocabulary hash (prepared by an older bertjax): "
+                "cannot check that it was made with %s",
+                data_dir,
+                vocab,
+            )
+        elif recorded != (digest := vocab_sha256(vocab)):
+            raise ValueError(
+                f"{data_dir}/metadata.json: prepared with another vocabulary (sha256 "
+                f"{recorded[:12]}...) than {vocab} (sha256 {digest[:12]}...); delete the prepared "
+                "data or fix data.vocab"
+            )
 
     # ---- model ---------------------------------------------------------------------------------
     def model_config(self):
@@ -228,6 +250,21 @@ class PretrainingTask(Task):
             params["predictions"] = self.pretrained.params["predictions"]
         log.info("continued pretraining from %s (heads: %s)", source, self.pretrained.heads)
         return params
+
+    def phase_model(self, model, phase):
+        """A phase's ``model`` options (e.g. ``dict(global_rope_theta=160_000.0)`` for context
+        extension) applied to the run's model config; keys name fields of the architecture."""
+        overrides = dict(phase.options.get("model") or {})
+        if not overrides:
+            return model
+        fields = models.config_fields(model.config.architecture)
+        unknown = sorted(set(overrides) - set(fields))
+        if unknown:
+            raise ValueError(
+                f"config key data.phases[...].model: {unknown} are not fields of the "
+                f"{model.config.architecture} config"
+            )
+        return self.build_model(model.config.replace(**overrides))
 
     def phases(self) -> list[Phase]:
         return [
@@ -348,6 +385,8 @@ class PretrainingTask(Task):
         steps = self.config.train.eval_steps
         if steps <= 0:
             return
+        if pipeline.split_is_empty(self.data_dir(phase.options["max_seq_length"]), "eval"):
+            return  # warned once: eval_fraction chose no document
         data = self._data(phase, "eval", process_index, process_count, shuffle=False)
         for _ in range(steps):
             yield next(data)

@@ -21,6 +21,7 @@ import numpy as np
 
 from bertjax import atomic
 from bertjax.tasks.squad_data import SquadExample, SquadFeatures
+from bertjax.text.chars import basic_tokenize
 
 
 @dataclasses.dataclass
@@ -48,8 +49,6 @@ def _strip_spaces(text: str) -> tuple[str, dict[int, int]]:
 
 
 def _default_basic_tokenize() -> Callable[[str, bool], list[str]]:
-    from bertjax.text.tokenization import basic_tokenize
-
     return basic_tokenize
 
 

@@ -21,116 +21,26 @@ original BERT; transformers instead keeps them as special tokens. The Rust BertT
 per character, so an upper-case final sigma gives "σ" there and "ς" here (and in the Python one).
 """
 
-import functools
-import unicodedata
 from collections.abc import Iterable, Sequence
 
 import numpy as np
 import tensorflow as tf
 
+from bertjax.text.chars import (  # noqa: F401  (re-exported: the rules' public names)
+    SUBWORD_PREFIX,
+    basic_split_word,
+    basic_tokenize,
+    is_cjk_char,
+    is_punctuation_char,
+    is_removed_char,
+    is_whitespace_char,
+    whitespace_words,
+)
+from bertjax.text.tf_wordpiece import WordPieceGraph
+
 SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
-SUBWORD_PREFIX = "##"
 SP_SPACE = "\u2581"  # SentencePiece's word-start marker "▁"
 _CACHE_LIMIT = 1 << 20  # entries in the word -> ids cache before it is cleared
-
-# CJK Unified Ideographs blocks, as BERT defines "Chinese character".
-_CJK_RANGES = ((0x4E00, 0x9FFF), (0x3400, 0x4DBF), (0x20000, 0x2A6DF), (0x2A700, 0x2B73F),
-               (0x2B740, 0x2B81F), (0x2B820, 0x2CEAF), (0xF900, 0xFAFF), (0x2F800, 0x2FA1F))  # fmt: skip
-
-
-# Character classes (BERT definitions).
-def is_cjk_char(char: str) -> bool:
-    """True for a CJK ideograph, which BERT always treats as a word of its own."""
-    cp = ord(char)
-    return any(lo <= cp <= hi for lo, hi in _CJK_RANGES)
-
-
-def is_removed_char(char: str) -> bool:
-    """True for a character that BERT's text cleaning drops (NUL, U+FFFD, Unicode "C*" controls)."""
-    if char in "\t\n\r":
-        return False
-    return char in "\x00\ufffd" or unicodedata.category(char).startswith("C")
-
-
-def is_whitespace_char(char: str) -> bool:
-    """True for a character that BERT's text cleaning maps to a space."""
-    return char in " \t\n\r" or unicodedata.category(char) == "Zs"
-
-
-def is_punctuation_char(char: str) -> bool:
-    """True for BERT punctuation: Unicode "P*" and every ASCII character that is not alphanumeric."""
-    cp = ord(char)
-    if 33 <= cp <= 47 or 58 <= cp <= 64 or 91 <= cp <= 96 or 123 <= cp <= 126:
-        return True
-    return unicodedata.category(char).startswith("P")
-
-
-class _CleanTable(dict):
-    """str.translate table for BERT's cleaning + CJK spacing, filled lazily per character."""
-
-    def __missing__(self, cp: int) -> str | None:
-        char = chr(cp)
-        if is_removed_char(char):
-            out = None
-        elif is_whitespace_char(char):
-            out = " "
-        elif is_cjk_char(char):
-            out = f" {char} "
-        else:
-            out = char
-        self[cp] = out
-        return out
-
-
-_CLEAN = _CleanTable()
-# ASCII fast path: only C0 controls and DEL are removed (tab/newline/return are split on later).
-_ASCII_CLEAN = {cp: None for cp in [*range(0, 9), 11, 12, *range(14, 32), 127]}
-
-
-def whitespace_words(text: str) -> list[str]:
-    """Steps 1-3: clean, space out CJK ideographs, NFC (as transformers does) and split on spaces."""
-    if text.isascii():
-        return text.translate(_ASCII_CLEAN).split()
-    return unicodedata.normalize("NFC", text.translate(_CLEAN)).split()
-
-
-def _strip_accents(text: str) -> str:
-    """NFD, then drop combining marks (category Mn)."""
-    return "".join(c for c in unicodedata.normalize("NFD", text) if unicodedata.category(c) != "Mn")
-
-
-def _split_punctuation(text: str) -> list[str]:
-    """Splits every punctuation character into a word of its own."""
-    out: list[str] = []
-    word: list[str] = []
-    for char in text:
-        if is_punctuation_char(char):
-            if word:
-                out.append("".join(word))
-                word = []
-            out.append(char)
-        else:
-            word.append(char)
-    if word:
-        out.append("".join(word))
-    return out
-
-
-def basic_split_word(word: str, do_lower_case: bool) -> list[str]:
-    """Steps 4-5 on one whitespace-delimited word."""
-    if do_lower_case:
-        word = word.lower()
-        if not word.isascii():
-            word = _strip_accents(word)
-    if word.isascii() and word.isalnum():
-        return [word]
-    # Lower-casing or accent stripping can, in rare cases, leave whitespace: split on it again.
-    return [piece for part in _split_punctuation(word) for piece in part.split()]
-
-
-def basic_tokenize(text: str, do_lower_case: bool) -> list[str]:
-    """BERT's BasicTokenizer: clean, split CJK, whitespace, lower+strip accents, punctuation."""
-    return [w for word in whitespace_words(text) for w in basic_split_word(word, do_lower_case)]
 
 
 # Vocabulary files.
@@ -313,7 +223,7 @@ class WordPieceTokenizer(TokenizerBase):
         """In-graph encode: texts [n] string -> [n, None] int64 ids, equal to `encode`."""
         if self._tf_graph is None:
             with tf.init_scope():  # tables and char classes are built eagerly, once
-                self._tf_graph = _WordPieceGraph(self)
+                self._tf_graph = WordPieceGraph(self)
         return self._tf_graph(texts)
 
 
@@ -412,137 +322,3 @@ class SentencePieceTokenizer(TokenizerBase):
                     model=self._model_proto, out_type=tf.int32
                 )
         return tf.cast(self._tf_tokenizer.tokenize(texts), tf.int64)
-
-
-@functools.cache
-def _char_class_ranges(predicate_name: str) -> tuple[tuple[int, int], ...]:
-    """Inclusive code-point ranges where a predicate of this module holds (for in-graph regexes)."""
-    predicate = globals()[predicate_name]
-    ranges: list[tuple[int, int]] = []
-    start = None
-    for cp in range(0x110000):
-        if 0xD800 <= cp <= 0xDFFF:  # surrogates cannot occur in valid UTF-8
-            hit = False
-        else:
-            hit = predicate(chr(cp))
-        if hit and start is None:
-            start = cp
-        elif not hit and start is not None:
-            ranges.append((start, cp - 1))
-            start = None
-    if start is not None:
-        ranges.append((start, 0x10FFFF))
-    return tuple(ranges)
-
-
-def _is_split_space(char: str) -> bool:
-    """Characters Python's str.split() splits on that survive BERT's cleaning."""
-    return char.isspace() and not is_removed_char(char)
-
-
-def _is_combining_mark(char: str) -> bool:
-    return unicodedata.category(char) == "Mn"
-
-
-def _is_cased(char: str) -> bool:
-    """Unicode "Cased" and not "Case_Ignorable", as Python's str.lower() sees it (final sigma)."""
-    return ("1" + char + "\u03a3").lower()[-1] == "\u03c2"
-
-
-def _is_case_ignorable(char: str) -> bool:
-    """Unicode "Case_Ignorable", as Python's str.lower() sees it (final sigma)."""
-    return ("\u0391" + char + "\u03a3").lower()[-1] == "\u03c2" and not _is_cased(char)
-
-
-def _regex_class(predicate_name: str) -> str:
-    """An RE2 character class matching exactly the code points where the predicate holds."""
-    parts = (
-        f"\\x{{{lo:X}}}" if lo == hi else f"\\x{{{lo:X}}}-\\x{{{hi:X}}}"
-        for lo, hi in _char_class_ranges(predicate_name)
-    )
-    return "[" + "".join(parts) + "]"
-
-
-class _WordPieceGraph:
-    """tensorflow-text version of `WordPieceTokenizer.encode` (same rules, same ids)."""
-
-    def __init__(self, tok: WordPieceTokenizer):
-        import tensorflow_text as tf_text  # noqa: PLC0415
-
-        self._tf_text = tf_text
-        self.do_lower_case = tok.do_lower_case
-        self.max_chars = tok.max_chars_per_word
-        self.removed = _regex_class("is_removed_char")
-        self.space = _regex_class("_is_split_space")
-        self.punct = _regex_class("is_punctuation_char")
-        self.marks = _regex_class("_is_combining_mark")
-        self.cjk = "([" + "".join(f"\\x{{{lo:X}}}-\\x{{{hi:X}}}" for lo, hi in _CJK_RANGES) + "])"
-        self.lower_fixes = _lower_fixes(tok.vocab) if tok.do_lower_case else ()
-        if tok.do_lower_case:
-            cased, ignorable = _regex_class("_is_cased"), _regex_class("_is_case_ignorable")
-            neither = "[^" + cased[1:-1] + ignorable[1:-1] + "]"
-            # Σ -> ς when: cased, case-ignorable*, Σ, not followed by (case-ignorable*, cased).
-            self.final_sigma = f"({cased}{ignorable}*)\u03a3({ignorable}*(?:{neither}|$))"
-        table = tf.lookup.StaticHashTable(
-            tf.lookup.KeyValueTensorInitializer(
-                tf.constant(tok.vocab), tf.range(len(tok.vocab), dtype=tf.int64)
-            ),
-            default_value=-1,
-        )
-        self.wordpiece = tf_text.WordpieceTokenizer(
-            table,
-            suffix_indicator=SUBWORD_PREFIX,
-            max_bytes_per_word=4 * self.max_chars,  # words over max_chars are [UNK] beforehand
-            token_out_type=tf.int64,
-            unknown_token="[UNK]",
-        )
-
-    def __call__(self, texts: tf.Tensor) -> tf.RaggedTensor:
-        texts = tf.convert_to_tensor(texts, dtype=tf.string)
-        scalar = texts.shape.rank == 0
-        texts = tf.reshape(texts, [-1])  # [n]
-        t = tf.strings.regex_replace(texts, self.removed, "")
-        t = tf.strings.regex_replace(t, self.cjk, r" \1 ")
-        t = self._tf_text.normalize_utf8(t, "NFC")
-        words = self._tf_text.regex_split(t, self.space)  # [n, (words)]
-        flat = words.flat_values  # [words]
-        if self.do_lower_case:
-            # Python's final-sigma rule with Python's Unicode tables (ICU's are another version).
-            flat = tf.strings.regex_replace(flat, self.final_sigma, "\\1\u03c2\\2")
-            flat = tf.strings.regex_replace(flat, "\u03a3", "\u03c3")
-            for char, lowered in self.lower_fixes:
-                flat = tf.strings.regex_replace(flat, f"\\x{{{ord(char):X}}}", lowered)
-            flat = tf.strings.lower(flat, encoding="utf-8")
-            flat = self._tf_text.normalize_utf8(flat, "NFD")
-            flat = tf.strings.regex_replace(flat, self.marks, "")
-        pieces = self._tf_text.regex_split(
-            flat, f"{self.punct}|{self.space}", keep_delim_regex_pattern=self.punct
-        )  # [words, (pieces)]
-        values = pieces.flat_values
-        too_long = tf.strings.length(values, unit="UTF8_CHAR") > self.max_chars
-        values = tf.where(too_long, tf.constant("[UNK]"), values)
-        ids = self.wordpiece.tokenize(values)  # [pieces, (ids)]
-        ids = words.with_flat_values(pieces.with_flat_values(ids))  # [n, words, pieces, ids]
-        ids = ids.merge_dims(1, -1)  # [n, (ids)]
-        return ids[0] if scalar else ids
-
-
-def _lower_fixes(vocab: Sequence[str]) -> tuple[tuple[str, str], ...]:
-    """Characters whose ICU lower-casing (tf.strings.lower) differs from Python's str.lower().
-
-    ICU and Python ship different Unicode versions; only characters that reach the vocabulary
-    matter (any other makes its word [UNK] either way), so those are patched before lower-casing.
-    """
-    vocab_chars = {c for token in vocab for c in token}
-    candidates = [
-        chr(cp)
-        for cp in range(0x110000)
-        if not 0xD800 <= cp <= 0xDFFF
-        and chr(cp).lower() != chr(cp)
-        and (chr(cp) in vocab_chars or not vocab_chars.isdisjoint(chr(cp).lower()))
-        and not is_removed_char(chr(cp))
-    ]
-    if not candidates:
-        return ()
-    icu = tf.strings.lower([c.encode() for c in candidates], encoding="utf-8").numpy()
-    return tuple((c, c.lower()) for c, got in zip(candidates, icu) if got.decode() != c.lower())

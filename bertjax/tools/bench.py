@@ -63,6 +63,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument(
         "--preset", default="small", help="model preset (tiny/mini/small/base/L4_H512...)"
     )
+    p.add_argument(
+        "--architecture", default="bert", help="bert (MLM + NSP) | modernbert (MLM only)"
+    )
     p.add_argument("--vocab_size", type=int, default=30522)
     p.add_argument("--batch", type=int, default=32, help="global batch size")
     p.add_argument("--seq", type=int, default=128)
@@ -109,10 +112,12 @@ def bench_config(args: argparse.Namespace):
         k: getattr(args, k)
         for k in ("dtype", "attention_impl", "remat", "scan_layers", "dropout_impl")
     }
-    model = dict(preset=args.preset, max_position_embeddings=max(512, args.seq), **switches)
+    bert = args.architecture == "bert"
+    model = dict(architecture=args.architecture, preset=args.preset, **switches)
+    model["max_position_embeddings"] = max(512 if bert else 8192, args.seq)
     attention_dropout = args.dropout if args.attention_dropout is None else args.attention_dropout
     model.update(hidden_dropout=args.dropout, attention_dropout=attention_dropout)
-    data = dict(max_seq_length=args.seq, max_predictions_per_seq=args.masked, nsp=True, phases=())
+    data = dict(max_seq_length=args.seq, max_predictions_per_seq=args.masked, nsp=bert, phases=())
     optimizer = dict(name="adamw", learning_rate=1e-4, warmup_steps=10_000, grad_clip_norm=1.0)
     optimizer.update(b1=0.9, b2=0.999, eps=1e-6, weight_decay=0.01, end_lr_factor=0.0)
     mesh = dict(data=-1, fsdp=1, tensor=1, num_devices=args.devices)
@@ -271,6 +276,7 @@ def measure_step(args: argparse.Namespace) -> dict[str, Any]:
             k: getattr(model_cfg, k)
             for k in ("num_layers", "hidden_size", "num_heads", "intermediate_size", "vocab_size")
         },
+        "model_config": model_cfg.to_dict(),
         "compile_s": compile_s,
         "step_time_s": step_s,
         "step_time_s_min": min(times),
@@ -296,7 +302,7 @@ def measure_step(args: argparse.Namespace) -> dict[str, Any]:
 
 # ---- data: prepare and the tf.data pipeline ------------------------------------------------------
 def measure_peers(args, result: dict) -> dict[str, Any]:
-    """Runs both peers on the model's shapes; adds bertjax's speed-up over each."""
+    """Runs the peers of the architecture on the model's shapes; adds bertjax's speed-up."""
     python = args.peers_python or bench_peers.default_peer_python()
     if not os.path.exists(python):
         return {"skipped": f"no peer virtualenv python at {python}"}
@@ -312,9 +318,13 @@ def measure_peers(args, result: dict) -> dict[str, Any]:
         masked=args.masked,
         steps=args.peer_steps,
         warmup=2,
+        dropout=args.dropout,
     )
+    if args.architecture == "modernbert":
+        c = result["model_config"]  # the window and layer pattern of the bertjax model
+        shape.update(window=c["local_attention"], global_every=c["global_attn_every_n_layers"])
     peers = {}
-    for framework in bench_peers.PEER_FRAMEWORKS:
+    for framework in bench_peers.PEERS[args.architecture]:
         peer = bench_peers.run_peer(python, framework, shape)
         peer["bertjax_speedup"] = result["tokens_per_sec"] / peer["tokens_per_sec"]
         peer["bertjax_speedup_cpu_time"] = peer["step_cpu_s"] / result["step_cpu_s"]

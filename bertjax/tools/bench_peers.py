@@ -27,7 +27,8 @@ import subprocess
 import sys
 import time
 
-PEER_FRAMEWORKS = ("flax", "torch")
+PEER_FRAMEWORKS = ("flax", "torch", "torch-modernbert")
+PEERS = {"bert": ("flax", "torch"), "modernbert": ("torch-modernbert",)}  # per architecture
 
 
 def default_peer_python() -> str:
@@ -92,8 +93,8 @@ def _hf_config(a):
         num_attention_heads=a.heads,
         intermediate_size=a.intermediate,
         hidden_act="gelu",
-        hidden_dropout_prob=0.1,
-        attention_probs_dropout_prob=0.1,
+        hidden_dropout_prob=a.dropout,
+        attention_probs_dropout_prob=a.dropout,
         max_position_embeddings=max(512, a.seq),
     )
 
@@ -224,6 +225,58 @@ def bench_torch(a) -> dict:
     }
 
 
+def bench_torch_modernbert(a) -> dict:
+    """Eager PyTorch ModernBertForMaskedLM (its defaults: full-sequence logits, its own MLM loss
+    from ``labels``), clip_grad_norm_ and AdamW."""
+    import torch
+    from transformers import ModernBertConfig, ModernBertForMaskedLM
+
+    torch.manual_seed(0)
+    config = ModernBertConfig(
+        vocab_size=a.vocab,
+        hidden_size=a.hidden,
+        num_hidden_layers=a.layers,
+        num_attention_heads=a.heads,
+        intermediate_size=a.intermediate,
+        max_position_embeddings=max(8192, a.seq),
+        local_attention=a.window,
+        global_attn_every_n_layers=a.global_every,
+        embedding_dropout=a.dropout,
+        mlp_dropout=a.dropout,
+        attention_dropout=a.dropout,
+        pad_token_id=0,
+    )
+    model = ModernBertForMaskedLM(config)
+    model.train()
+    decay = [p for n, p in model.named_parameters() if not ("bias" in n or "norm" in n)]
+    no_decay = [p for n, p in model.named_parameters() if "bias" in n or "norm" in n]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=1e-4,
+        eps=1e-6,
+    )
+    hf = synthetic_batch(a.batch, a.seq, a.masked, a.vocab)
+    batch = {k: torch.as_tensor(hf[k]) for k in ("input_ids", "attention_mask", "labels")}
+
+    def run():
+        loss = model(**batch).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    times, cpu_times, first = _time_steps(run, a.steps, a.warmup)
+    return {
+        "framework": "transformers-torch-modernbert",
+        "times": times,
+        "cpu_times": cpu_times,
+        "first_step_s": first,
+        "attn_implementation": model.config._attn_implementation,
+        "threads": torch.get_num_threads(),
+        "versions": {"torch": torch.__version__, "transformers": _version("transformers")},
+    }
+
+
 def _version(name: str) -> str:
     from importlib.metadata import version
 
@@ -244,10 +297,14 @@ def main(argv: list[str] | None = None) -> None:
         ("masked", 20),
         ("steps", 10),
         ("warmup", 2),
+        ("window", 128),
+        ("global_every", 3),
     ):
         p.add_argument(f"--{name}", type=int, default=default)
+    p.add_argument("--dropout", type=float, default=0.1)
     a = p.parse_args(argv)
-    result = bench_flax(a) if a.framework == "flax" else bench_torch(a)
+    runners = {"flax": bench_flax, "torch": bench_torch, "torch-modernbert": bench_torch_modernbert}
+    result = runners[a.framework](a)
     result["step_time_s"] = statistics.median(result["times"])
     result["step_cpu_s"] = statistics.median(result["cpu_times"])
     result["tokens_per_sec"] = a.batch * a.seq / result["step_time_s"]
