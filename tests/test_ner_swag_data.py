@@ -1,42 +1,12 @@
 """CoNLL-2003 NER column files and word-piece labels; SWAG CSV files and choice encoding."""
 
-import re
-
 import numpy as np
 import pytest
+from tiny_tokenizer import TinyTokenizer
 
 from bertjax.tasks import metrics
 from bertjax.tasks import ner_data as td
 from bertjax.tasks import swag_data as cd
-
-
-class TinyTokenizer:
-    """Stand-in with the bertjax.text.tokenization interface: lower-case, punctuation split, WordPiece."""
-
-    def __init__(self, words):
-        self.vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *words]
-        self._ids = {t: i for i, t in enumerate(self.vocab)}
-        self.pad_id, self.unk_id, self.cls_id, self.sep_id, self.mask_id = 0, 1, 2, 3, 4
-
-    def tokenize(self, text):
-        out = []
-        for word in re.findall(r"\w+|[^\w\s]", text.lower()):
-            pieces, start = [], 0
-            while start < len(word):
-                for end in range(len(word), start, -1):
-                    piece = word[start:end] if start == 0 else "##" + word[start:end]
-                    if piece in self._ids:
-                        pieces.append(piece)
-                        start = end
-                        break
-                else:
-                    pieces, start = ["[UNK]"], len(word)
-            out.extend(pieces)
-        return out
-
-    def convert_tokens_to_ids(self, tokens):
-        return [self._ids.get(t, self.unk_id) for t in tokens]
-
 
 WORDS = ["eu", "rejects", "german", "call", "to", "boycott", "british", "lamb", ".", "peter", "black",
          "##burn", "he", "runs", "a", "man", "is", "sitting", "on", "the", "roof", "then", "jumps"]  # fmt: skip

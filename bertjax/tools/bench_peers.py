@@ -194,35 +194,8 @@ def bench_torch(a) -> dict:
 
     torch.manual_seed(0)
     model = BertForPreTraining(_hf_config(a))
-    model.train()
-    decay = [p for n, p in model.named_parameters() if not ("bias" in n or "LayerNorm" in n)]
-    no_decay = [p for n, p in model.named_parameters() if "bias" in n or "LayerNorm" in n]
-    opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=1e-4,
-        eps=1e-6,
-    )
-    batch = {
-        k: torch.as_tensor(v) for k, v in synthetic_batch(a.batch, a.seq, a.masked, a.vocab).items()
-    }
-
-    def run():
-        loss = model(**batch).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    times, cpu_times, first = _time_steps(run, a.steps, a.warmup)
-    return {
-        "framework": "transformers-torch",
-        "times": times,
-        "cpu_times": cpu_times,
-        "first_step_s": first,
-        "attn_implementation": model.config._attn_implementation,
-        "threads": torch.get_num_threads(),
-        "versions": {"torch": torch.__version__, "transformers": _version("transformers")},
-    }
+    batch = synthetic_batch(a.batch, a.seq, a.masked, a.vocab)
+    return _bench_torch_model(model, batch, a, "transformers-torch", no_decay=("bias", "LayerNorm"))
 
 
 def bench_torch_modernbert(a) -> dict:
@@ -247,16 +220,26 @@ def bench_torch_modernbert(a) -> dict:
         pad_token_id=0,
     )
     model = ModernBertForMaskedLM(config)
+    hf = synthetic_batch(a.batch, a.seq, a.masked, a.vocab)
+    batch = {k: hf[k] for k in ("input_ids", "attention_mask", "labels")}
+    return _bench_torch_model(model, batch, a, "transformers-torch-modernbert", ("bias", "norm"))
+
+
+def _bench_torch_model(model, batch: dict, a, name: str, no_decay: tuple[str, ...]) -> dict:
+    """Times eager PyTorch training steps of ``model`` on ``batch`` (its own loss from the labels):
+    backward, clip_grad_norm_(1.0), AdamW (weight decay 0.01 except parameters named ``no_decay``)."""
+    import torch
+
     model.train()
-    decay = [p for n, p in model.named_parameters() if not ("bias" in n or "norm" in n)]
-    no_decay = [p for n, p in model.named_parameters() if "bias" in n or "norm" in n]
+    params = list(model.named_parameters())
+    decay = [p for n, p in params if not any(k in n for k in no_decay)]
+    rest = [p for n, p in params if any(k in n for k in no_decay)]
     opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}],
+        [{"params": decay, "weight_decay": 0.01}, {"params": rest, "weight_decay": 0.0}],
         lr=1e-4,
         eps=1e-6,
     )
-    hf = synthetic_batch(a.batch, a.seq, a.masked, a.vocab)
-    batch = {k: torch.as_tensor(hf[k]) for k in ("input_ids", "attention_mask", "labels")}
+    batch = {k: torch.as_tensor(v) for k, v in batch.items()}
 
     def run():
         loss = model(**batch).loss
@@ -267,7 +250,7 @@ def bench_torch_modernbert(a) -> dict:
 
     times, cpu_times, first = _time_steps(run, a.steps, a.warmup)
     return {
-        "framework": "transformers-torch-modernbert",
+        "framework": name,
         "times": times,
         "cpu_times": cpu_times,
         "first_step_s": first,
