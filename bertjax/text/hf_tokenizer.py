@@ -14,6 +14,8 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 import tensorflow as tf
+from tokenizers import Tokenizer
+from tokenizers.decoders import ByteLevel
 
 from bertjax.text.tokenization import (
     SPECIAL_TOKENS,
@@ -79,8 +81,6 @@ class HFTokenizer(TokenizerBase):
     kind = "hf"
 
     def __init__(self, tokenizer_file: str):
-        from tokenizers import Tokenizer  # noqa: PLC0415
-
         self.vocab_file = str(tokenizer_file)
         if not tf.io.gfile.exists(self.vocab_file):
             raise FileNotFoundError(f"{self.vocab_file}: tokenizer file not found")
@@ -154,8 +154,6 @@ class HFTokenizer(TokenizerBase):
             )
         pre = self._spec.get("pre_tokenizer")
         if _find_types(pre, ("ByteLevel",)):
-            from tokenizers.decoders import ByteLevel  # noqa: PLC0415
-
             marker, byte_decoder = "\u0120", ByteLevel()
             texts = [byte_decoder.decode([t]) for t in self.vocab]
         elif metaspace := _find_types(pre, ("Metaspace",)):
