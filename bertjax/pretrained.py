@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import traverse_util
 
-from bertjax import models
+import bertjax.models as models
 from bertjax.convert import Checkpoint, layout, load_checkpoint, unflatten_params
 from bertjax.layers.core import output_dense
 from bertjax.models.heads import encoder, tied_word_embeddings

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from bertjax import models
+import bertjax.models as models
 from bertjax.text import load_tokenizer
 
 HEADS = ("pooler", "mlm", "nsp", "classifier")

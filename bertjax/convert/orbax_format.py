@@ -7,7 +7,7 @@ import os
 
 import ml_collections
 
-from bertjax import models
+import bertjax.models as models
 from bertjax.checkpointing import Checkpointer, restore_params
 from bertjax.convert.checkpoint import (
     Checkpoint,
