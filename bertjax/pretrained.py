@@ -163,6 +163,12 @@ class Pretrained:
 
     bert_params = encoder_params  # the name bertjax 0.1 gave it
 
+    def with_encoder(self, params: dict, source: str) -> dict:
+        """``params`` of a model built on this architecture with the encoder subtree replaced by
+        this checkpoint's (see :func:`merge_encoder`; ``source`` names it in errors)."""
+        name = models.architecture(self.config).ENCODER_NAME
+        return {**params, name: merge_encoder(params[name], self.encoder_params, source, name)}
+
     def encode_batch(
         self, texts_or_pairs: Sequence, max_length: int | None = None, pad_to_max_length=False
     ) -> dict[str, np.ndarray]:

@@ -35,7 +35,7 @@ import numpy as np
 from bertjax import models
 from bertjax.data import packing
 from bertjax.data.pipeline import ArrayData
-from bertjax.pretrained import init_model_config, load_pretrained, merge_encoder
+from bertjax.pretrained import init_model_config, load_pretrained
 from bertjax.tasks.base import Phase, Task
 from bertjax.text import load_tokenizer
 
@@ -235,12 +235,9 @@ class FinetuneTask(Task):
     def init_params(self, model, params):
         if self.pretrained is None:
             return params
-        name = models.architecture(self.pretrained.config).ENCODER_NAME
-        encoder = merge_encoder(
-            params[name], self.pretrained.encoder_params, self.config.init_checkpoint, name
-        )
+        params = self.pretrained.with_encoder(params, self.config.init_checkpoint)
         log.info("encoder initialised from %s", self.config.init_checkpoint)
-        return {**params, name: encoder}
+        return params
 
     def phases(self) -> list[Phase]:
         self.after_prepare()

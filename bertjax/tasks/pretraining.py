@@ -22,7 +22,7 @@ from bertjax.data.demo_corpus import build_demo_corpus
 from bertjax.data.prepare import prepare, vocab_sha256
 from bertjax.data.streams import StreamedData
 from bertjax.models.heads import PreTrainingModel
-from bertjax.pretrained import init_model_config, load_pretrained, merge_encoder
+from bertjax.pretrained import init_model_config, load_pretrained
 from bertjax.tasks.base import Phase, Task, register
 from bertjax.text import load_tokenizer
 from bertjax.text.vocab import train_vocab
@@ -243,9 +243,7 @@ class PretrainingTask(Task):
         if self.pretrained is None:
             return params
         source = self.config.init_checkpoint
-        name = models.architecture(self.pretrained.config).ENCODER_NAME
-        params = dict(params)
-        params[name] = merge_encoder(params[name], self.pretrained.encoder_params, source, name)
+        params = self.pretrained.with_encoder(params, source)
         if "predictions" in self.pretrained.params and "predictions" in params:
             params["predictions"] = self.pretrained.params["predictions"]
         log.info("continued pretraining from %s (heads: %s)", source, self.pretrained.heads)
