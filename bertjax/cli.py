@@ -14,6 +14,8 @@ import os
 import re
 import sys
 
+from bertjax import console
+
 COMMANDS = {
     "pretrain": ("bertjax.cli:train_command", "pretrain BERT (MLM + NSP) from a config"),
     "finetune": ("bertjax.cli:train_command", "fine-tune on GLUE/SQuAD/NER/SWAG from a config"),
@@ -171,6 +173,8 @@ def train_command(argv: list[str], command: str) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TensorFlow's C++ start-up chatter
+    if argv is None:  # the `bertjax` command (not a caller's in-process call)
+        console.quiet_native_logs()  # CPU-only machine: TF/CUDA/TPU start-up noise off stderr
     argv = list(sys.argv if argv is None else argv)
     if len(argv) < 2 or argv[1] in ("-h", "--help", "help"):
         print(_usage())

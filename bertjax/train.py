@@ -285,6 +285,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict
     else:
         state = setup.init_state(jax.random.key_data(jax.random.key(tcfg.seed)))
         start = 0
+        writer.truncate_after(-1)  # rows of an earlier run that saved no checkpoint: redone now
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(setup.abstract_state.params))
     log.info(
         "task %s: %s parameters, mesh %s, %d steps",
@@ -392,7 +393,7 @@ def _run_phase(run: _Run, phase, phase_index, state, step, data_state) -> dict:
         sums = metrics if sums is None else jax.tree.map(jnp.add, sums, metrics)
         count += 1
         is_last = step == phase.until_step
-        if step % tcfg.log_every == 0 or is_last:
+        if step % tcfg.log_every == 0 or is_last or step == 1:  # short runs: the first step too
             last_train = _host_metrics(sums, count)
             if not math.isfinite(last_train["loss"]):
                 raise FloatingPointError(

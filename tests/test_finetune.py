@@ -15,6 +15,7 @@ import pytest
 from bertjax import multiseed as finetune
 from bertjax import train
 from bertjax.tasks.registry import get_task
+from bertjax.tools import score as evaluate
 from configs import glue as glue_config
 from configs import ner as ner_config
 from configs import squad as squad_config
@@ -194,6 +195,11 @@ def test_glue_classification_trains_and_writes_submission(files, tmp_path):
     assert c.optimizer.warmup_steps == 0  # 10% of 3 steps
     evals = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in evals if r["split"] == "eval"] == [3]  # once per epoch
+    assert all(r["tflops_per_device"] > 0 for r in evals if r["split"] == "train")
+    dev_file = final["dev_predictions"]["dev"]  # the dev set's predictions, scored as written
+    assert dev_file == str(tmp_path / "dev_predictions" / "sst2-dev.tsv")
+    scored = evaluate.evaluate_glue_files("SST-2", str(files / "glue" / "SST-2"), dev_file)
+    assert scored["accuracy"] == pytest.approx(final["dev"]["accuracy"])
 
 
 def test_mnli_evaluates_matched_and_mismatched_and_ax_predicts_diagnostic(files, tmp_path):
@@ -207,6 +213,8 @@ def test_mnli_evaluates_matched_and_mismatched_and_ax_predicts_diagnostic(files,
     preds = {line.split("\t")[1] for line in ax.read_text().splitlines()[1:]}
     assert preds <= {"contradiction", "entailment", "neutral"}
     assert "mnli:test_matched" not in final["predictions"]  # no test files here: skipped
+    assert sorted(final["dev_predictions"]) == ["dev_matched", "dev_mismatched"]
+    assert len(pathlib.Path(final["dev_predictions"]["dev_mismatched"]).read_text().split()) > 5
 
 
 def test_squad_v2_trains_and_writes_official_predictions(files, tmp_path):

@@ -54,7 +54,6 @@ import multiprocessing
 import os
 import pickle
 import shutil
-import tempfile
 import time
 from collections.abc import Sequence
 
@@ -63,7 +62,7 @@ import tensorflow as tf
 import tqdm
 
 from bertjax import atomic
-from bertjax.data import corpus
+from bertjax.data import corpus, lifetime
 from bertjax.data.instances import (  # noqa: F401  (re-exported)
     DocumentWindow,
     PrepareConfig,
@@ -92,8 +91,10 @@ log = logging.getLogger(__name__)
 _WORKER: dict = {}
 
 
-def _init_worker(counters) -> None:
+def _init_worker(counters, parent_pid: int | None = None) -> None:
     _WORKER["counters"] = counters
+    if parent_pid is not None:  # a pool worker: ends when prepare is killed
+        lifetime.die_with_parent(parent_pid)
 
 
 def _tokenizer_for(spec):
@@ -117,6 +118,7 @@ class _Progress:
             self.flush()
 
     def flush(self) -> None:
+        lifetime.exit_if_orphaned()
         counters = _WORKER.get("counters")
         if counters is not None:
             for counter, value in zip(counters, (self.docs, self.bytes)):
@@ -259,7 +261,9 @@ def _run_units(tasks: list, num_workers: int, total_bytes: int | None, show_prog
                 update()
             _WORKER.pop("counters", None)
             return results
-        with ctx.Pool(num_workers, initializer=_init_worker, initargs=(counters,)) as pool:
+        with ctx.Pool(
+            num_workers, initializer=_init_worker, initargs=(counters, os.getpid())
+        ) as pool:
             pending = pool.map_async(_process_source, tasks, chunksize=1)
             while not pending.ready():
                 pending.wait(0.5)
@@ -360,7 +364,7 @@ def prepare(
         for path in tf.io.gfile.glob(_join(output_dir, f"{split}-*-of-*.tfrecord")):
             tf.io.gfile.remove(path)
     remote = "://" in output_dir
-    tmp_dir = tempfile.mkdtemp(prefix=".prepare-tmp-", dir=None if remote else output_dir)
+    tmp_dir = lifetime.make_tmp_dir(".prepare-tmp-", None if remote else output_dir)
     tok_spec = tokenizer
     num_workers = min(num_workers or os.cpu_count() or 1, len(sources))
     if num_workers > 1:

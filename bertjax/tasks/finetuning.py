@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bertjax import models
+from bertjax import flops, models
 from bertjax.data import packing
 from bertjax.data.pipeline import ArrayData
 from bertjax.pretrained import init_model_config, load_pretrained
@@ -269,6 +269,11 @@ class FinetuneTask(Task):
     def step_shape(self, phase):
         return phase.options["max_seq_length"], 0
 
+    def flops_per_step(self, model_config, phase):
+        """The encoder's training FLOPs (the small task head is not counted)."""
+        seq, _ = self.step_shape(phase)
+        return flops.train_flops_per_step(model_config, phase.global_batch_size, seq, 0)
+
     # ---- training ------------------------------------------------------------------------------
     def example_weights(self, batch) -> jax.Array:
         """Weight of every example: [b] (``mask``), or [b, k] when packed (0 for empty slots)."""
@@ -367,8 +372,20 @@ class FinetuneTask(Task):
     def best_metric(self):
         return (self.main_metric, "max")
 
+    def write_dev_predictions(self, eval_set: EvalSet, outputs: dict, workdir: str) -> str | None:
+        """Subclass hook for finalize: writes one eval set's predictions (process 0, atomically);
+        returns the file's path (None: the task writes none)."""
+        return None
+
     def finalize(self, run, params, workdir):
-        dev = self.evaluate(run, None)
+        dev, files = {}, {}
+        for eval_set in self.eval_sets:
+            outputs = self.predict(run, eval_set.features)
+            dev.update(self.score(eval_set, outputs))
+            if jax.process_index() == 0:
+                path = self.write_dev_predictions(eval_set, outputs, workdir)
+                if path:
+                    files[eval_set.name] = str(path)
         result = {
             "task": self.name,
             "main_metric": self.main_metric,
@@ -376,6 +393,8 @@ class FinetuneTask(Task):
             "num_train_examples": int(len(self.train_features["input_ids"])),
             "train_steps": self._total_steps,
         }
+        if files:
+            result["dev_predictions"] = files
         result.update(self.write_outputs(run, workdir))
         return result
 

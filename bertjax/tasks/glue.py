@@ -133,6 +133,14 @@ class GlueFinetune(FinetuneTask):
             return metrics
         return {f"{eval_set.name}/{k}": v for k, v in metrics.items()}
 
+    def write_dev_predictions(self, eval_set, outputs, workdir):
+        """``WORKDIR/dev_predictions/{task}-{split}.tsv`` (``index<TAB>prediction``, scored by
+        ``bertjax evaluate glue``)."""
+        folder = os.path.join(workdir, "dev_predictions")
+        name = f"{self.glue}-{eval_set.name}.tsv"
+        preds = outputs["prediction"].tolist()
+        return str(glue_data.write_glue_predictions(folder, self.glue, "", preds, file_name=name))
+
     def write_outputs(self, run, workdir):
         folder = os.path.join(workdir, "glue_predictions")
         files = {}

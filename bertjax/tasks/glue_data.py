@@ -328,16 +328,21 @@ def encode_examples(
 
 
 def write_glue_predictions(
-    output_dir: str | os.PathLike, task: str, split: str, predictions: Sequence
+    output_dir: str | os.PathLike,
+    task: str,
+    split: str,
+    predictions: Sequence,
+    file_name: str | None = None,
 ) -> pathlib.Path:
     """Write GLUE server predictions `{output_dir}/{TASK}.tsv` ("index\\tprediction" lines).
 
     `predictions` are label ids (classification; written as the label strings the server expects)
     or float scores (STS-B). `split` picks the file for MNLI ("test_matched" -> MNLI-m.tsv,
-    "test_mismatched" -> MNLI-mm.tsv); other tasks use "test". Returns the written path.
+    "test_mismatched" -> MNLI-mm.tsv); other tasks use "test". `file_name` writes that file
+    instead (any split, e.g. dev predictions). Returns the written path.
     """
     spec = get_task(task)
-    if split not in spec.submission:
+    if file_name is None and split not in spec.submission:
         raise ValueError(f"task {spec.name} submits splits {list(spec.submission)}, not {split!r}")
     lines = ["index\tprediction"]
     for i, pred in enumerate(predictions):
@@ -353,7 +358,7 @@ def write_glue_predictions(
         lines.append(f"{i}\t{value}")
     output_dir = pathlib.Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
-    path = output_dir / f"{spec.submission[split]}.tsv"
+    path = output_dir / (file_name or f"{spec.submission[split]}.tsv")
     atomic.write_text(path, "\n".join(lines) + "\n")
     return path
 

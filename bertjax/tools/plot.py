@@ -33,30 +33,46 @@ def read_records(workdir: str) -> list[dict]:
     return records
 
 
-def plot(workdir: str, output: str | None = None) -> str:
-    """Writes the curves (train lines, eval markers) to ``output`` (default WORKDIR/curves.png)."""
+FEW_POINTS = 20  # a train series with at most this many points is drawn with markers too
+
+
+def draw(records: list[dict]):
+    """The 2x2 figure of ``records`` (train lines, eval markers). A train series of few points
+    also gets markers, so a single point (a short run's learning rate or throughput) is visible."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    records = read_records(workdir)
-    output = output or os.path.join(workdir, "curves.png")
     fig, axes = plt.subplots(2, 2, figsize=(11, 7))
     for ax, (title, keys) in zip(axes.flat, PANELS):
-        for split, style in (("train", "-"), ("eval", "o--")):
+        for split in ("train", "eval"):
             for key in keys:
                 points = [
                     (r["step"], r[key]) for r in records if r.get("split") == split and key in r
                 ]
-                if points:
-                    xs, ys = zip(*points)
-                    ax.plot(xs, ys, style, label=f"{split} {key}", markersize=4)
+                if not points:
+                    continue
+                xs, ys = zip(*points)
+                style = "o--" if split == "eval" else ("o-" if len(xs) <= FEW_POINTS else "-")
+                ax.plot(xs, ys, style, label=f"{split} {key}", markersize=4)
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
         if ax.lines:
             ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def plot(workdir: str, output: str | None = None) -> str:
+    """Writes the curves of ``workdir`` (see :func:`draw`) to ``output`` (default
+    WORKDIR/curves.png)."""
+    import matplotlib.pyplot as plt
+
+    records = read_records(workdir)
+    output = output or os.path.join(workdir, "curves.png")
+    fig = draw(records)
     fig.suptitle(os.path.basename(os.path.abspath(workdir)))
     fig.tight_layout()
     with atomic.atomic_open(output, "wb") as f:

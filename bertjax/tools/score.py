@@ -43,6 +43,7 @@ def evaluate_squad_files(
     predictions = _load_json(predictions_path, "predictions")
     if not isinstance(predictions, dict):
         raise ValueError(f"{predictions_path}: predictions must be a JSON object of id -> answer")
+    _warn_unanswered(dataset, predictions, predictions_path)
     if version is None:
         declared = str(full.get("version", "1.1"))
         version = "2.0" if declared.lstrip("v").startswith("2") else "1.1"
@@ -58,6 +59,22 @@ def evaluate_squad_files(
         if missing:
             raise ValueError(f"{na_prob_path}: no probability for question {missing[0]}")
     return metrics.evaluate_squad_v2(dataset, predictions, na_probs)
+
+
+def _warn_unanswered(dataset: list, predictions: dict, predictions_path: str) -> int:
+    """Warns on stderr (one line, with the count) when questions of the dataset have no prediction
+    (the official scripts score them 0, one "Unanswered question" line each); returns the count."""
+    ids = [qa["id"] for article in dataset for p in article["paragraphs"] for qa in p["qas"]]
+    missing = sum(qid not in predictions for qid in ids)
+    if missing:
+        share = missing / max(len(ids), 1)
+        hint = " (a predictions file of another dataset or split?)" if share > 0.5 else ""
+        print(
+            f"bertjax evaluate: warning: {predictions_path}: {missing} of {len(ids)} questions "
+            f"({share:.0%}) have no prediction and score 0{hint}",
+            file=sys.stderr,
+        )
+    return missing
 
 
 def evaluate_glue_files(
