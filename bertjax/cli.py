@@ -19,7 +19,14 @@ from bertjax import console
 COMMANDS = {
     "pretrain": ("bertjax.cli:train_command", "pretrain BERT (MLM + NSP) from a config"),
     "finetune": ("bertjax.cli:train_command", "fine-tune on GLUE/SQuAD/NER/SWAG from a config"),
-    "compile": ("bertjax.cli:train_command", "compile the train step; print per-device memory"),
+    "compile": (
+        "bertjax.cli:train_command",
+        "compile the train step (--topology: for a TPU slice); memory, est. step time, MFU",
+    ),
+    "plan": (
+        "bertjax.cli:train_command",
+        "search mesh, remat, batch and kernels for a TPU slice; rank what fits",
+    ),
     "prepare": ("bertjax.data.prepare:main", "turn a corpus into pretraining TFRecords"),
     "vocab": ("bertjax.text.vocab:main", "train a WordPiece or SentencePiece vocabulary"),
     "plot": ("bertjax.tools.plot:main", "write a PNG of a run's metric curves"),
@@ -96,6 +103,51 @@ def _config_override_error(err: BaseException, args: list[str]) -> str:
     return f"unknown config key {culprit.removeprefix('config.')}{suggestion}"
 
 
+def _define_aot_flags(flags) -> None:
+    flags.DEFINE_string(
+        "topology", None, "TPU slice to compile for from any machine: v5p-8, v4-32, v5e:4x4, ..."
+    )
+    flags.DEFINE_integer("num_slices", 1, "slices of --topology (multi-slice)")
+    flags.DEFINE_integer("phase", 0, "which phase of data.phases to compile (0 = the first)")
+    flags.DEFINE_bool("json", False, "print one JSON object instead of a table")
+    flags.DEFINE_float("budget_seconds", 1800.0, "plan: stop compiling candidates after this")
+    flags.DEFINE_integer("max_candidates", 24, "plan: compile at most this many candidates")
+    flags.DEFINE_integer("jobs", 1, "plan: candidates compiled at once (processes)")
+
+
+def _aot_command(command: str, config, workdir: str, FLAGS) -> None:
+    """compile / plan / pretrain --dry_run: reports of the ahead-of-time compiled train step."""
+    from bertjax import compile as aot
+    from bertjax import topology
+
+    topo = getattr(FLAGS, "topology", None)
+    slice_ = topology.parse(topo, FLAGS.num_slices) if topo else None
+    if command == "plan":
+        from bertjax import plan
+
+        if slice_ is None:
+            raise ValueError("plan needs --topology (e.g. --topology=v5e-16)")
+        result = plan.run(
+            config,
+            workdir,
+            slice_,
+            phase_index=FLAGS.phase,
+            budget_seconds=FLAGS.budget_seconds,
+            max_candidates=FLAGS.max_candidates,
+            jobs=FLAGS.jobs,
+        )
+        print(json.dumps(result, indent=2) if FLAGS.json else plan.format_table(result))
+        return
+    devices = topology.devices(slice_) if slice_ else None
+    report = aot.compile_train_step(
+        config, workdir, devices=devices, phase_index=getattr(FLAGS, "phase", 0)
+    )
+    if slice_:
+        report["topology"] = slice_.describe()
+    as_json = getattr(FLAGS, "json", False) or command != "compile"
+    print(json.dumps(report, indent=2) if as_json else aot.format_report(report))
+
+
 def train_command(argv: list[str], command: str) -> None:
     """pretrain / finetune / compile: absl flags, a locked config file, then the library call."""
     # Imported here, not at the top: `bertjax --help` and the light commands stay instant.
@@ -111,6 +163,8 @@ def train_command(argv: list[str], command: str) -> None:
     flags.DEFINE_string("workdir", None, "run directory: checkpoints, metrics, data")
     flags.DEFINE_bool("dry_run", False, "only compile the train step and print its memory")
     flags.DEFINE_bool("verbose", False, "full tracebacks for errors (default: one line)")
+    if command in ("compile", "plan"):
+        _define_aot_flags(flags)
     verbose = "--verbose" in argv or "--verbose=true" in argv
 
     def parse(args: list[str]) -> list[str]:
@@ -137,7 +191,6 @@ def train_command(argv: list[str], command: str) -> None:
             sys.exit(f"bertjax: error: {err}")
         import tensorflow as tf
 
-        from bertjax import compile as aot
         from bertjax import train
         from bertjax.preemption import PreemptionRequested
         from bertjax.workdir_lock import WorkdirLockedError
@@ -146,8 +199,8 @@ def train_command(argv: list[str], command: str) -> None:
         if command == "finetune" and config.task == "pretrain":
             raise app.UsageError("finetune needs --config.task=<a fine-tuning task>")
         try:
-            if command == "compile" or flags.FLAGS.dry_run:
-                print(json.dumps(aot.compile_train_step(config, workdir), indent=2))
+            if command in ("compile", "plan") or flags.FLAGS.dry_run:
+                _aot_command(command, config, workdir, flags.FLAGS)
                 return
             if command == "finetune":
                 from bertjax import multiseed as finetune
@@ -175,6 +228,9 @@ def main(argv: list[str] | None = None) -> None:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TensorFlow's C++ start-up chatter
     if argv is None:  # the `bertjax` command (not a caller's in-process call)
         console.quiet_native_logs()  # CPU-only machine: TF/CUDA/TPU start-up noise off stderr
+    from bertjax import topology
+
+    topology.keep_libtpu_off_cpu_hosts()
     argv = list(sys.argv if argv is None else argv)
     if len(argv) < 2 or argv[1] in ("-h", "--help", "help"):
         print(_usage())

@@ -1,8 +1,16 @@
 """Ahead-of-time compilation of the train step (``bertjax compile`` / ``pretrain --dry_run``): the
-memory XLA will use per device, before a job pays for hardware."""
+memory XLA will use per device, and on a (simulated) TPU slice the TPU compiler's own estimate of
+the step time, before a job pays for hardware.
+
+With ``devices`` from :func:`bertjax.topology.devices` the real ``jit_train_step`` is lowered and
+compiled for any TPU slice on any machine. Every time and rate this module reports for such a
+compile comes from XLA's cost model (``cost_analysis()["optimal_seconds"]``): an estimate, labelled
+``est_`` in the report, never a measurement.
+"""
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
@@ -10,21 +18,71 @@ import flax.linen as nn
 import jax
 import ml_collections
 import numpy as np
+import tensorflow as tf
 
-from bertjax import checkpointing, sharding
+from bertjax import checkpointing, flops, sharding, topology
 from bertjax.tasks.base import Task
-from bertjax.train import build, jit_train_step, prepared_task
+from bertjax.train import build, jit_train_step, phase_setup, prepared_task
+
+ESTIMATE_NOTE = "est_* are XLA TPU cost-model estimates (compiled.cost_analysis), not measurements"
+MEMORY_KEYS = (
+    "argument_size_in_bytes",
+    "output_size_in_bytes",
+    "temp_size_in_bytes",
+    "alias_size_in_bytes",
+    "generated_code_size_in_bytes",
+)
+
+
+def shapes_only_task(config: ml_collections.ConfigDict, workdir: str) -> Task:
+    """The config's task for compiling: pretraining needs no corpus or prepared data (shapes come
+    from the config and the vocabulary's size); fine-tuning tasks read their data as in training."""
+    if config.task != "pretrain":
+        return prepared_task(config, workdir)
+    from bertjax.tasks.pretraining import PretrainingTask
+
+    return PretrainingTask(config, workdir, vocab_size=vocabulary_size(config))
+
+
+def vocabulary_size(config: ml_collections.ConfigDict) -> int:
+    """The size of ``data.vocab`` when it can be read here, else ``data.vocab_size``."""
+    path = config.data.get("vocab", "")
+    try:
+        if path and tf.io.gfile.exists(path):
+            from bertjax.text import load_tokenizer
+
+            return load_tokenizer(path).vocab_size
+    except (tf.errors.OpError, OSError) as err:  # e.g. gs:// without credentials
+        logging.getLogger("bertjax").warning(
+            "cannot read data.vocab %s (%s): using data.vocab_size=%d",
+            path,
+            str(err).splitlines()[0][:120],
+            config.data.vocab_size,
+        )
+    return int(config.data.vocab_size)
 
 
 def compile_train_step(
-    config: ml_collections.ConfigDict, workdir: str, task: Task | None = None
+    config: ml_collections.ConfigDict,
+    workdir: str,
+    task: Task | None = None,
+    *,
+    devices: list | None = None,
+    phase_index: int = 0,
 ) -> dict[str, Any]:
-    """Lowers and compiles the first phase's step ahead of time; returns XLA's memory analysis.
+    """Lowers and compiles one phase's train step ahead of time; returns a report.
 
-    Catches out-of-memory and sharding errors before a job pays for hardware.
+    ``devices``: the mesh's devices (default: this machine's); compile-only TPU devices from
+    ``bertjax.topology.devices`` give a TPU slice's memory use and cost-model step time.
     """
-    setup = build(config, workdir, task or prepared_task(config, workdir))
-    phase = setup.phases[0]
+    task = task or (
+        shapes_only_task(config, workdir) if devices else prepared_task(config, workdir)
+    )
+    setup = build(config, workdir, task, devices=devices)
+    if not 0 <= phase_index < len(setup.phases):
+        raise ValueError(f"--phase={phase_index}: the config has {len(setup.phases)} phase(s)")
+    phase = setup.phases[phase_index]
+    setup = phase_setup(setup, phase)
     batch = setup.task.init_batch(phase, phase.global_batch_size)
     batch_sharding = sharding.batch_sharding(setup.mesh, setup.rules)
     abstract_batch = {
@@ -35,25 +93,134 @@ def compile_train_step(
     t0 = time.perf_counter()
     with jax.set_mesh(setup.mesh), nn.logical_axis_rules(setup.rules):
         compiled = step.lower(abstract_state, abstract_batch).compile()
-    mem = compiled.memory_analysis()
-    state_bytes = sum(
-        int(np.prod(s.shard_shape(x.shape))) * x.dtype.itemsize
-        for x, s in zip(
-            jax.tree.leaves(setup.abstract_state), jax.tree.leaves(setup.state_shardings)
+    compile_seconds = time.perf_counter() - t0
+    arrays = state_arrays(setup.abstract_state, setup.state_shardings)
+    mesh_devices = list(setup.mesh.devices.flat)
+    report: dict[str, Any] = {
+        "devices": len(mesh_devices),
+        "device_kind": mesh_devices[0].device_kind,
+        "platform": mesh_devices[0].platform,
+        "mesh": dict(setup.mesh.shape),
+        "phase": phase_index,
+        "global_batch_size": phase.global_batch_size,
+        "grad_accum_steps": config.train.grad_accum_steps,
+        "compile_seconds": round(compile_seconds, 2),
+        "state_bytes_per_device": sum(r["bytes_per_device"] for r in arrays),
+    }
+    report.update(memory_report(compiled, mesh_devices[0]))
+    seq_len, _ = setup.task.step_shape(phase)
+    report.update(
+        speed_report(
+            compiled,
+            analytic_flops=setup.task.flops_per_step(setup.task.model_config(), phase),
+            tokens_per_step=phase.global_batch_size * seq_len,
+            devices=mesh_devices,
+            peak_tflops=config.train.get("peak_tflops", 0.0),
         )
     )
-    report = {
-        "compile_seconds": time.perf_counter() - t0,
-        "devices": len(setup.mesh.devices.flat),
-        "mesh": dict(setup.mesh.shape),
-        "state_bytes_per_device": state_bytes,
-    }
-    for key in (
-        "argument_size_in_bytes",
-        "output_size_in_bytes",
-        "temp_size_in_bytes",
-        "alias_size_in_bytes",
-        "generated_code_size_in_bytes",
-    ):
-        report[key] = int(getattr(mem, key, 0) or 0) if mem is not None else None
+    report["largest_arrays"] = arrays[:6]
     return report
+
+
+def memory_report(compiled, device) -> dict[str, Any]:
+    """XLA's per-device memory analysis, the total, and whether it fits the device's HBM."""
+    mem = compiled.memory_analysis()
+    report = {k: int(getattr(mem, k, 0) or 0) if mem is not None else None for k in MEMORY_KEYS}
+    if mem is None:
+        return report
+    used = (
+        report["argument_size_in_bytes"]
+        + report["output_size_in_bytes"]
+        + report["temp_size_in_bytes"]
+        - report["alias_size_in_bytes"]
+        + report["generated_code_size_in_bytes"]
+    )
+    report["hbm_bytes_per_device"] = used
+    capacity = topology.hbm_bytes(device) if device.platform == "tpu" else 0
+    if capacity:
+        report["hbm_capacity_bytes"] = capacity
+        report["fits"] = used <= capacity
+        report["hbm_headroom_bytes"] = capacity - used
+    return report
+
+
+def speed_report(
+    compiled, *, analytic_flops: float, tokens_per_step: int, devices: list, peak_tflops: float
+) -> dict[str, Any]:
+    """The cost model's step time and what follows from it: tokens/s per chip and MFU.
+
+    MFU = analytic training FLOPs of the step / (estimated step time x chips x peak FLOP/s).
+    """
+    costs = compiled.cost_analysis()
+    costs = costs[0] if isinstance(costs, list | tuple) else costs  # older jax: one per program
+    est = float((costs or {}).get("optimal_seconds", 0.0) or 0.0)
+    chips = len(devices)
+    peak = flops.device_peak_tflops(devices[0], peak_tflops) * 1e12
+    report: dict[str, Any] = {
+        "analytic_flops_per_step": analytic_flops,
+        "xla_flops_per_device": float((costs or {}).get("flops", 0.0) or 0.0),
+        "peak_flops_per_device": peak,
+    }
+    if est <= 0:  # the CPU and GPU compilers give no time estimate
+        return report
+    report.update(
+        est_step_seconds=est,
+        est_tokens_per_sec_per_chip=tokens_per_step / est / chips,
+        est_mfu=analytic_flops / (est * chips * peak) if peak else None,
+        note=ESTIMATE_NOTE,
+    )
+    return report
+
+
+def state_arrays(abstract_state, shardings) -> list[dict[str, Any]]:
+    """The train state's arrays, largest per device first: path, global shape, spec, bytes."""
+    rows = []
+    flat = jax.tree_util.tree_flatten_with_path(abstract_state)[0]
+    for (path, leaf), spec in zip(flat, jax.tree.leaves(shardings)):
+        per_device = int(np.prod(spec.shard_shape(leaf.shape))) * leaf.dtype.itemsize
+        rows.append(
+            {
+                "path": jax.tree_util.keystr(path, simple=True, separator="/"),
+                "shape": list(leaf.shape),
+                "spec": str(tuple(spec.spec)),
+                "bytes_per_device": per_device,
+            }
+        )
+    return sorted(rows, key=lambda r: -r["bytes_per_device"])
+
+
+def format_report(report: dict[str, Any], title: str = "") -> str:
+    """The human-readable form of a compile report."""
+    gib = 1024**3
+    lines = [title] if title else []
+    lines.append(
+        f"devices     {report['devices']} x {report['device_kind']}  mesh {report['mesh']}  "
+        f"phase {report['phase']}  global batch {report['global_batch_size']}"
+    )
+    if report.get("hbm_bytes_per_device") is not None:
+        used = report["hbm_bytes_per_device"] / gib
+        if "hbm_capacity_bytes" in report:
+            cap = report["hbm_capacity_bytes"] / gib
+            verdict = "fits" if report["fits"] else "DOES NOT FIT"
+            lines.append(
+                f"memory      {used:.2f} GiB per device of {cap:.1f} GiB: {verdict} "
+                f"(headroom {report['hbm_headroom_bytes'] / gib:+.2f} GiB)"
+            )
+        else:
+            lines.append(f"memory      {used:.2f} GiB per device")
+    if "est_step_seconds" in report:
+        mfu = report["est_mfu"]
+        lines.append(
+            f"est. step   {report['est_step_seconds'] * 1e3:.1f} ms, "
+            f"{report['est_tokens_per_sec_per_chip']:,.0f} tokens/s per chip, "
+            + (f"MFU {mfu:.1%}" if mfu is not None else "MFU unknown (no peak for this device)")
+        )
+        lines.append(f"            ({ESTIMATE_NOTE})")
+    lines.append(f"compiled in {report['compile_seconds']:.1f} s")
+    lines.append("largest state arrays per device:")
+    for row in report["largest_arrays"]:
+        lines.append(
+            f"  {row['bytes_per_device'] / 2**20:9.1f} MiB  {row['path']} {row['shape']} "
+            f"spec {row['spec']}"
+        )
+    return "\n".join(lines)

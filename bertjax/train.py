@@ -27,6 +27,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
 from bertjax import atomic, checkpointing, flops, sharding
+from bertjax.layers.dropout import resolve_impl as resolve_dropout_impl
 from bertjax.metrics_logging import MetricsWriter, Throughput
 from bertjax.optim import create_optimizer, global_norm
 from bertjax.preemption import PreemptionRequested, StopFlag
@@ -64,15 +65,28 @@ class Setup:
     eval_fn: Callable  # jitted task.eval_outputs(params, batch); shared by evaluation and finalize
 
 
-def build(config: ml_collections.ConfigDict, workdir: str, task: Task | None = None) -> Setup:
-    """Creates the task, model, mesh, optimizer and the (abstract) sharded train state."""
+def build(
+    config: ml_collections.ConfigDict,
+    workdir: str,
+    task: Task | None = None,
+    devices: list | None = None,
+) -> Setup:
+    """Creates the task, model, mesh, optimizer and the (abstract) sharded train state.
+
+    ``devices``: the mesh's devices (default: ``config.mesh.num_devices`` of ``jax.devices()``);
+    compile-only devices of a simulated TPU slice for ahead-of-time compilation.
+    """
     _check_batch_size("train.global_batch_size", config.train.global_batch_size)
     task = task or get_task(config.task, config, workdir)
-    model_cfg = task.model_config()
-    model = task.build_model(model_cfg)
     num = config.mesh.get("num_devices", 0)
-    devices = jax.devices()[:num] if num else None
+    if devices is None and num:
+        devices = jax.devices()[:num]
     mesh = sharding.create_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor, devices)
+    model_cfg = task.model_config()
+    if getattr(model_cfg, "dropout_impl", None) == "auto":  # the mesh platform's mask generator
+        platform = mesh.devices.flat[0].platform
+        model_cfg = model_cfg.replace(dropout_impl=resolve_dropout_impl("auto", platform))
+    model = task.build_model(model_cfg)
     rules = sharding.rules_from_config(config.mesh.get("rules"))
     phases = task.phases()
     for phase in phases:

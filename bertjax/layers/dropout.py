@@ -29,8 +29,22 @@ import numpy as np
 from jax import lax
 from jax.extend.random import threefry2x32_p
 
-DROPOUT_IMPLS = ("bits16", "flax")
+DROPOUT_IMPLS = ("auto", "bits16", "flax")
 _BITS = 16
+
+
+def resolve_impl(impl: str, platform: str | None = None) -> str:
+    """``auto`` -> the cheaper mask for the platform (default: JAX's default backend).
+
+    On CPU, ``bits16`` (a quarter of the Threefry hashing; about 15% of a BERT-small step). On TPU,
+    ``flax``: by the TPU compiler's cost model, ``bits16``'s 16-bit unpacking costs 8x the plain
+    32-bit draw (0.36 vs 0.04 ms for a [8192, 3072] mask on v5p), which is 4.7 ms of a 29 ms
+    BERT-base step. GPUs get ``flax`` too (the common path; not yet measured).
+    """
+    if impl != "auto":
+        return impl
+    platform = platform or jax.default_backend()
+    return "bits16" if platform == "cpu" else "flax"
 
 
 def _threefry_key_words(rng: jax.Array) -> tuple[jax.Array, jax.Array] | None:
@@ -98,7 +112,7 @@ class Dropout(nn.Module):
     """Drop-in for ``nn.Dropout(rate)(x, deterministic=...)`` with a selectable mask generator."""
 
     rate: float
-    impl: str = "bits16"
+    impl: str = "auto"  # auto | bits16 | flax (see resolve_impl)
     rng_collection: str = "dropout"
 
     @nn.compact
@@ -108,7 +122,7 @@ class Dropout(nn.Module):
         if deterministic or self.rate == 0.0:
             return x
         rng = self.make_rng(self.rng_collection)
-        if self.impl == "bits16":
+        if resolve_impl(self.impl) == "bits16":
             return dropout_bits16(rng, x, self.rate)
         keep_prob = 1.0 - self.rate  # what flax.linen.Dropout draws, bit for bit
         keep = jax.random.bernoulli(rng, p=keep_prob, shape=x.shape)

@@ -77,7 +77,7 @@ class BertConfig(EncoderConfig):
     attention_dropout: float = 0.1
     # bits16: 16 random bits per element, four elements per Threefry block (bertjax.layers.dropout);
     # flax: exactly flax.linen.Dropout's masks (a full block per element, ~15% slower on CPU)
-    dropout_impl: str = "bits16"
+    dropout_impl: str = "auto"  # auto (per platform) | bits16 | flax (bertjax.layers.dropout)
     max_position_embeddings: int = 512
     type_vocab_size: int = 2
     initializer_range: float = 0.02

@@ -76,7 +76,7 @@ class ModernBertConfig(EncoderConfig):
     hidden_act: str = "gelu"  # HF hidden_activation (exact GELU)
     hidden_dropout: float = 0.0  # HF embedding_dropout = mlp_dropout = classifier_dropout
     attention_dropout: float = 0.0
-    dropout_impl: str = "bits16"  # bits16 | flax (bertjax.layers.dropout)
+    dropout_impl: str = "auto"  # auto (per platform) | bits16 | flax (bertjax.layers.dropout)
     max_position_embeddings: int = 8192  # longest sequence accepted (RoPE has no table)
     initializer_range: float = 0.02
     dtype: str = "float32"  # compute dtype; softmax, RoPE and LayerNorm statistics stay fp32

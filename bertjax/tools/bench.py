@@ -77,7 +77,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--attention_impl", default="xla", choices=("xla", "dot_product", "cudnn", "splash")
     )
     p.add_argument("--remat", default="none", choices=("none", "dots", "full"))
-    p.add_argument("--dropout_impl", default="bits16", choices=("bits16", "flax"))
+    p.add_argument("--dropout_impl", default="auto", choices=("auto", "bits16", "flax"))
     p.add_argument("--scan_layers", action="store_true")
     p.add_argument("--dropout", type=float, default=0.1, help="hidden (and attention) dropout")
     p.add_argument("--attention_dropout", type=float, default=None, help="default: --dropout")

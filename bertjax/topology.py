@@ -1,0 +1,211 @@
+"""TPU slices by name, simulated on any machine: the devices of ``v5p-8`` or ``v5e:4x4`` for
+ahead-of-time compilation (``bertjax compile --topology``, ``bertjax plan``).
+
+``jax.experimental.topologies.get_topology_desc`` asks ``libtpu`` (the ``aot`` extra: the wheel
+``jax[tpu]`` pins) for compile-only devices of a slice; XLA's TPU compiler then lowers the real
+train step for them and reports its memory use and its cost model's step time, on a CPU-only box.
+
+Names: Cloud TPU's accelerator types (``v4-32``, ``v5p-1024``: TensorCores, two per chip;
+``v5e-256``, ``v6e-64``: chips) or an explicit chip grid (``v5p:4x4x8``, ``v5e:16x16``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import importlib.util
+import math
+import os
+import re
+from typing import Any
+
+GIB = 1024**3
+HOST_BOUNDS = (2, 2, 1)  # chips per TPU VM host
+
+
+@dataclasses.dataclass(frozen=True)
+class Generation:
+    """One TPU generation: its names, chip grid rank, cores per chip and per-chip figures."""
+
+    name: str  # libtpu's name: v4, v5p, v5e, v6e
+    dims: int  # 3: a 3-D torus (v4, v5p); 2: a 2-D grid (v5e, v6e)
+    cores_per_chip: int  # TensorCores counted by the accelerator type (v4-8 is 4 chips)
+    hbm_bytes: int  # HBM per chip
+    peak_bf16_tflops: float  # dense bf16 peak per chip (vendor figure)
+    megacore: bool  # both TensorCores of a chip act as one JAX device
+
+
+GENERATIONS = {
+    g.name: g
+    for g in (
+        Generation("v4", 3, 2, 32 * GIB, 275.0, True),
+        Generation("v5p", 3, 2, 95 * GIB, 459.0, True),
+        Generation("v5e", 2, 1, 16 * GIB, 197.0, False),
+        Generation("v6e", 2, 1, 32 * GIB, 918.0, False),
+    )
+}
+ALIASES = {"v5litepod": "v5e", "v5lite": "v5e", "v6": "v6e", "trillium": "v6e"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Slice:
+    """A named TPU slice: its generation, chip grid and slice count."""
+
+    name: str  # as the user wrote it
+    generation: Generation
+    grid: tuple[int, ...]  # chips per torus dimension, e.g. (2, 2, 1)
+    num_slices: int = 1
+
+    @property
+    def chips(self) -> int:
+        return math.prod(self.grid) * self.num_slices
+
+    @property
+    def accelerator_type(self) -> str:
+        """Cloud TPU's name of one slice, e.g. ``v5p-8``."""
+        return f"{self.generation.name}-{math.prod(self.grid) * self.generation.cores_per_chip}"
+
+    @property
+    def libtpu_name(self) -> str:
+        return f"{self.generation.name}:{'x'.join(map(str, self.grid))}"
+
+    def describe(self) -> str:
+        slices = f" x {self.num_slices} slices" if self.num_slices > 1 else ""
+        return f"{self.name} ({self.libtpu_name}{slices}, {self.chips} chips)"
+
+
+def chip_grid(chips: int, dims: int) -> tuple[int, ...]:
+    """Cloud TPU's grid for ``chips`` chips: 4 chips are 2x2(x1); each doubling doubles the smallest
+    dimension, the last of equals (v5p-16 2x2x2, v5p-32 2x2x4, v5p-64 2x4x4, v5e-32 4x8)."""
+    if chips < 1 or chips & (chips - 1):
+        raise ValueError(f"topology: {chips} chips is not a power of two")
+    if chips < 4:
+        return (1,) * (dims - 1) + (chips,) if dims == 3 else (1, chips)
+    grid = [2, 2] + [1] * (dims - 2)
+    while math.prod(grid) < chips:
+        smallest = min(grid)
+        index = max(i for i, g in enumerate(grid) if g == smallest)
+        grid[index] *= 2
+    return tuple(grid)
+
+
+def parse(name: str, num_slices: int = 1) -> Slice:
+    """``v5p-8`` / ``v4-32`` / ``v5e-256`` / ``v5p:2x2x1`` -> a :class:`Slice` (ValueError if not)."""
+    if num_slices < 1:
+        raise ValueError(f"--num_slices={num_slices} must be at least 1")
+    text = name.strip().lower()
+    grid_match = re.fullmatch(r"([a-z0-9]+)[:=_]((?:\d+x)*\d+)", text)
+    type_match = re.fullmatch(r"([a-z0-9]+)-(\d+)", text)
+    if not (grid_match or type_match):
+        raise ValueError(
+            f"topology {name!r}: expected an accelerator type like v5p-8, v4-32, v5e-256 or a chip "
+            f"grid like v5p:2x2x1, v5e:4x4"
+        )
+    gen_name = (grid_match or type_match)[1]
+    gen_name = ALIASES.get(gen_name, gen_name)
+    if gen_name not in GENERATIONS:
+        raise ValueError(f"topology {name!r}: unknown TPU generation; known: {sorted(GENERATIONS)}")
+    gen = GENERATIONS[gen_name]
+    if grid_match:
+        grid = tuple(int(g) for g in grid_match[2].split("x"))
+        if len(grid) != gen.dims or min(grid) < 1:
+            raise ValueError(f"topology {name!r}: {gen.name} grids have {gen.dims} dimensions")
+    else:
+        count = int(type_match[2])
+        if count % gen.cores_per_chip:
+            raise ValueError(
+                f"topology {name!r}: {gen.name}-N counts {gen.cores_per_chip} per chip"
+            )
+        grid = chip_grid(count // gen.cores_per_chip, gen.dims)
+    return Slice(name, gen, grid, num_slices)
+
+
+def _libtpu_kwargs(s: Slice) -> dict[str, Any]:
+    kwargs: dict[str, Any] = {"num_slices": s.num_slices}
+    if s.generation.megacore:
+        kwargs["chip_config_name"] = "megacore"
+    grid3 = (*s.grid, 1)[:3]
+    if any(g < b for g, b in zip(grid3, HOST_BOUNDS)):  # a slice smaller than one host's 2x2x1
+        kwargs["chips_per_host_bounds"] = tuple(min(g, b) for g, b in zip(grid3, HOST_BOUNDS))
+    return kwargs
+
+
+def devices(s: Slice) -> list:
+    """Compile-only devices of the slice, ordered by slice then device id (needs ``libtpu``)."""
+    try:
+        import libtpu  # noqa: F401  (the aot extra)
+    except ImportError as err:
+        raise ValueError(
+            "--topology needs the libtpu wheel that jax[tpu] pins: pip install -e '.[aot]'"
+        ) from err
+    if not has_tpu_chips():  # libtpu's start-up looks for a TPU VM's identity: give it one
+        os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+        os.environ.setdefault("TPU_ACCELERATOR_TYPE", s.accelerator_type)
+        os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+        os.environ.setdefault("TPU_WORKER_ID", "0")
+        # Compile-only: several processes (plan's workers, parallel runs) may load libtpu at once.
+        os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    from jax.experimental import topologies
+
+    topo = topologies.get_topology_desc(
+        platform="tpu", topology_name=s.libtpu_name, **_libtpu_kwargs(s)
+    )
+    return sorted(topo.devices, key=lambda d: (getattr(d, "slice_index", 0) or 0, d.id))
+
+
+def hbm_bytes(device) -> int:
+    """HBM per device: the runtime's figure on a real TPU, else the generation's table entry."""
+    stats = None
+    try:
+        stats = device.memory_stats()
+    except Exception:  # compile-only devices have no runtime
+        stats = None
+    if stats and stats.get("bytes_limit"):
+        return int(stats["bytes_limit"])
+    kind = getattr(device, "device_kind", "")
+    return generation_of_kind(kind).hbm_bytes if generation_of_kind(kind) else 0
+
+
+def generation_of_kind(kind: str) -> Generation | None:
+    """The generation of a jax ``device_kind`` (``TPU v5`` is v5p, ``TPU v5 lite`` is v5e)."""
+    kind = kind.lower().strip()
+    table = {
+        "tpu v4": "v4",
+        "tpu v5": "v5p",
+        "tpu v5p": "v5p",
+        "tpu v5 lite": "v5e",
+        "tpu v5e": "v5e",
+        "tpu v6 lite": "v6e",
+        "tpu v6e": "v6e",
+    }
+    return GENERATIONS.get(table.get(kind, ""))
+
+
+GOOGLE_PCI_VENDOR = "0x1ae0"
+
+
+def has_tpu_chips() -> bool:
+    """Whether this machine has TPU chips on its PCI bus (read from sysfs; nothing initialised)."""
+    for vendor in glob.glob("/sys/bus/pci/devices/*/vendor"):
+        try:
+            with open(vendor) as f:
+                if f.read().strip() == GOOGLE_PCI_VENDOR:
+                    return True
+        except OSError:
+            continue
+    return False
+
+
+def keep_libtpu_off_cpu_hosts() -> None:
+    """With ``libtpu`` installed (the ``aot`` extra) on a machine without TPUs, JAX would start the
+    TPU runtime in every process: warnings on every run and a lock (``/tmp/libtpu_lockfile``) that
+    one process at a time may hold. There, JAX gets ``JAX_PLATFORMS=cpu`` (unless it is set or an
+    NVIDIA GPU is present); ``--topology`` starts libtpu itself, only when asked."""
+    if os.environ.get("JAX_PLATFORMS") or importlib.util.find_spec("libtpu") is None:
+        return
+    if has_tpu_chips() or glob.glob("/dev/nvidia[0-9]*"):
+        return
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    import jax
+
+    jax.config.update("jax_platforms", "cpu")

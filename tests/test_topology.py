@@ -1,0 +1,135 @@
+"""TPU slices by name (bertjax.topology), and the train step compiled for a simulated slice
+(`bertjax compile --topology`, `bertjax plan`). The compiling tests need libtpu (the test extra)."""
+
+import importlib.util
+import json
+import subprocess
+import sys
+
+import pytest
+
+from bertjax import topology
+
+REPO = __import__("pathlib").Path(__file__).resolve().parent.parent
+needs_libtpu = pytest.mark.skipif(
+    importlib.util.find_spec("libtpu") is None,
+    reason="libtpu is not installed (pip install -e '.[aot]')",
+)
+
+
+@pytest.mark.parametrize(
+    "name,libtpu_name,chips",
+    [
+        ("v5p-8", "v5p:2x2x1", 4),
+        ("v5p-16", "v5p:2x2x2", 8),
+        ("v5p-64", "v5p:2x4x4", 32),
+        ("v5p-1024", "v5p:8x8x8", 512),
+        ("v4-32", "v4:2x2x4", 16),
+        ("v4-128", "v4:4x4x4", 64),
+        ("v5e-16", "v5e:4x4", 16),
+        ("v5e-32", "v5e:4x8", 32),
+        ("v5e-256", "v5e:16x16", 256),
+        ("v6e-64", "v6e:8x8", 64),
+        ("v5p:4x4x8", "v5p:4x4x8", 128),
+        ("v5litepod:2x2", "v5e:2x2", 4),
+    ],
+)
+def test_slice_names_follow_cloud_tpu(name, libtpu_name, chips):
+    s = topology.parse(name)
+    assert (s.libtpu_name, s.chips) == (libtpu_name, chips)
+    assert topology.parse(name, num_slices=2).chips == 2 * chips
+
+
+@pytest.mark.parametrize(
+    "name,match",
+    [
+        ("v5p", "expected an accelerator type"),
+        ("v9-8", "unknown TPU generation"),
+        ("v5p:2x2", "3 dimensions"),
+        ("v5p-7", "counts 2 per chip"),
+        ("v5e-12", "not a power of two"),
+    ],
+)
+def test_bad_slice_names_are_one_line(name, match):
+    with pytest.raises(ValueError, match=match):
+        topology.parse(name)
+
+
+def test_device_kinds_map_to_generations():
+    assert topology.generation_of_kind("TPU v5").name == "v5p"
+    assert topology.generation_of_kind("TPU v5 lite").name == "v5e"
+    assert topology.generation_of_kind("TPU v6 lite").hbm_bytes == 32 * topology.GIB
+    assert topology.generation_of_kind("cpu") is None
+
+
+def test_libtpu_is_kept_off_cpu_hosts(monkeypatch):
+    monkeypatch.delenv("JAX_PLATFORMS", raising=False)
+    monkeypatch.setattr(topology.importlib.util, "find_spec", lambda name: object())
+    monkeypatch.setattr(topology, "has_tpu_chips", lambda: False)
+    monkeypatch.setattr(topology.glob, "glob", lambda pattern: [])
+    updates = []
+    monkeypatch.setattr("jax.config.update", lambda key, value: updates.append((key, value)))
+    topology.keep_libtpu_off_cpu_hosts()
+    assert updates == [("jax_platforms", "cpu")]
+    assert topology.os.environ["JAX_PLATFORMS"] == "cpu"
+    # A TPU VM keeps its TPU; an explicit JAX_PLATFORMS is never overridden.
+    monkeypatch.delenv("JAX_PLATFORMS")
+    monkeypatch.setattr(topology, "has_tpu_chips", lambda: True)
+    topology.keep_libtpu_off_cpu_hosts()
+    assert "JAX_PLATFORMS" not in topology.os.environ and len(updates) == 1
+
+
+TINY = {
+    "model.preset": "tiny",
+    "model.num_layers": 1,
+    "train.global_batch_size": 16,
+    "data.vocab": "",
+    "data.vocab_size": 1024,
+    "data.phases": (),
+    "data.max_seq_length": 128,
+}
+
+
+@needs_libtpu
+@pytest.mark.slow
+def test_compile_for_a_simulated_slice_reports_consistent_estimates(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "bertjax.cli", "compile", "--config=configs/bert_base.py",
+         f"--workdir={tmp_path}", "--topology=v5e:2x2", "--json",
+         *(f"--config.{k}={v}" for k, v in TINY.items())],
+        cwd=REPO, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    report = json.loads(out.stdout)
+    assert report["devices"] == 4 and report["device_kind"] == "TPU v5 lite"
+    assert report["hbm_capacity_bytes"] == 16 * topology.GIB
+    assert report["fits"] is True and 0 < report["hbm_bytes_per_device"] < 2 * topology.GIB
+    est, mfu = report["est_step_seconds"], report["est_mfu"]
+    assert est > 0 and 0 < mfu < 1
+    peak = 197e12
+    assert mfu == pytest.approx(report["analytic_flops_per_step"] / (est * 4 * peak), rel=1e-9)
+    assert report["est_tokens_per_sec_per_chip"] == pytest.approx(16 * 128 / est / 4, rel=1e-9)
+    assert "estimates" in report["note"]
+    assert report["largest_arrays"][0]["path"].endswith("word_embeddings/embedding")
+    assert not (tmp_path / "data").exists()  # no corpus, nothing prepared
+
+
+@needs_libtpu
+@pytest.mark.slow
+def test_plan_ranks_the_candidates_that_fit(tmp_path):
+    from bertjax import plan
+    from configs import bert_base
+
+    config = plan.with_overrides(bert_base.get_config(), TINY)
+    base = dict(zip(plan.SEARCH_KEYS, (4, 1, 1, "none", 1, False, "xla")))
+    search = [
+        {**base, "train.grad_accum_steps": 4, "model.remat": "full"},
+        base,
+    ]
+    result = plan.run(config, str(tmp_path), topology.parse("v5e:2x2"), search=search)
+    assert result["searched"] == 2 and len(result["ranked"]) == 2
+    times = [r["est_step_seconds"] for r in result["ranked"]]
+    assert times == sorted(times)
+    assert result["ranked"][0]["overrides"] == base  # recomputing and micro-batching cost time
+    assert result["best_overrides"] == plan.overrides_flags(base)
+    assert "rank" in plan.format_table(result)
