@@ -251,6 +251,10 @@ def pretrained_from_checkpoint(
         present.discard("classifier")
         tensors = {k: v for k, v in tensors.items() if not k.startswith("classifier/")}
         num_labels = 0
+    if present & {"token_head", "qa"}:  # run by models.heads.TokenClassifier / SpanClassifier
+        log.warning("%s: the token-classification / QA head is not run", ckpt.source)
+        present -= {"token_head", "qa"}
+        tensors = {k: v for k, v in tensors.items() if not k.startswith(("head/", "qa_outputs/"))}
     want = set(present)
     if heads == "all":
         want |= {"pooler", "mlm", "nsp"}

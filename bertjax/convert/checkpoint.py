@@ -3,7 +3,8 @@
 A :class:`Checkpoint` is the model config plus a flat dict of NumPy arrays keyed by bertjax
 parameter paths (``bert/encoder/layer_0/attention/query/kernel``, layers unrolled, dtypes as
 stored). Heads are named by their subtree: ``pooler`` (inside the encoder), ``predictions``
-(``mlm``), ``seq_relationship`` (``nsp``), ``classifier``.
+(``mlm``), ``seq_relationship`` (``nsp``), ``classifier``, ``head`` (``token_head``: ModernBERT's
+per-token transform of token classification and QA), ``qa_outputs`` (``qa``).
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ import numpy as np
 import bertjax.models as models
 from bertjax.text import load_tokenizer
 
-HEADS = ("pooler", "mlm", "nsp", "classifier")
+# token_head: ModernBERT's per-token ``head`` before a token classifier or ``qa_outputs`` (qa).
+HEADS = ("pooler", "mlm", "nsp", "classifier", "token_head", "qa")
 # Vocabulary files, in the order they are looked for beside a checkpoint.
 VOCAB_FILES = ("vocab.txt", "vocab.model", "spiece.model", "tokenizer.json")
 # Files a Hugging Face tokenizer.json may come with (copied along with it).
@@ -61,10 +63,13 @@ class Checkpoint:
     vocab_file: str | None = None
     do_lower_case: bool | None = None
     source: str = ""
+    # The Hugging Face class it was read as, where the heads alone do not tell it (a multiple-choice
+    # classifier has the tensors of a one-label sequence classifier); written back by ``--to=hf``.
+    hf_class: str | None = None
 
     @property
     def heads(self) -> tuple[str, ...]:
-        """The heads present (pooler, mlm, nsp, classifier), in HEADS order."""
+        """The heads present (pooler, mlm, nsp, classifier, token_head, qa), in HEADS order."""
         return heads_in({name: head_of(name) for name in self.tensors}, self.tensors)
 
     @property
@@ -82,6 +87,10 @@ def head_of(path: str) -> str:
         return "nsp"
     if first == "classifier":
         return "classifier"
+    if first == "head":
+        return "token_head"
+    if first == "qa_outputs":
+        return "qa"
     if rest.startswith("pooler/"):
         return "pooler"
     return "encoder"

@@ -340,7 +340,7 @@ def load_hf(directory: str) -> Checkpoint:
         arch = (values.get("architectures") or [None])[0]
         tensors, _ = from_hf_tensors(config, state, weights, architecture=arch)
         config = with_param_dtype(config, tensors)
-        return Checkpoint(config, tensors, find_vocab(directory), None, weights)
+        return Checkpoint(config, tensors, find_vocab(directory), None, weights, hf_class=arch)
     config = config_from_original(values, config_path)
     tensors = hf_to_tensors(state, config, weights)
     vocab = find_vocab(directory)
@@ -351,7 +351,7 @@ def load_hf(directory: str) -> Checkpoint:
 def write_hf(ckpt: Checkpoint, directory: str) -> None:
     """config.json, model.safetensors and tokenizer_config.json that transformers loads as is."""
     if ckpt.config.architecture == "modernbert":
-        write_hf_dir(directory, ckpt.config, ckpt.tensors, ckpt.heads)
+        write_hf_dir(directory, ckpt.config, ckpt.tensors, ckpt.heads, ckpt.hf_class)
         return
     state, arch = tensors_to_hf(ckpt)
     config = {"architectures": [arch], "model_type": "bert", **config_to_original(ckpt.config)}

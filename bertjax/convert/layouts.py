@@ -8,6 +8,7 @@ import jax
 import numpy as np
 from flax import traverse_util
 
+import bertjax.models as models
 from bertjax.convert.bert_layout import layout as bert_layout
 from bertjax.convert.checkpoint import HEADS, Entry, head_of
 from bertjax.models.heads import PreTrainingModel
@@ -23,8 +24,17 @@ def param_layout(config, num_labels: int = 0) -> list[Entry]:
     )
     flat = traverse_util.flatten_dict(nn.meta.unbox(shapes["params"]), sep="/")
     entries = [Entry(p, p, tuple(a.shape), "copy", head_of(p)) for p, a in flat.items()]
+    h = config.hidden_size
+    token_head = models.architecture(config).TokenHead  # token classification / QA transform
+    if token_head is not None:
+        x = np.zeros((1, h), np.float32)
+        shapes = jax.eval_shape(lambda: token_head(config).init(jax.random.key(0), x))
+        flat = traverse_util.flatten_dict(nn.meta.unbox(shapes["params"]), sep="/")
+        entries += [Entry(f"head/{p}", "", tuple(a.shape), "copy", "token_head")
+                    for p, a in flat.items()]  # fmt: skip
+    entries.append(Entry("qa_outputs/kernel", "", (h, 2), "copy", "qa"))
+    entries.append(Entry("qa_outputs/bias", "", (2,), "copy", "qa"))
     if num_labels:
-        h = config.hidden_size
         entries.append(Entry("classifier/kernel", "", (h, num_labels), "copy", "classifier"))
         entries.append(Entry("classifier/bias", "", (num_labels,), "copy", "classifier"))
     return entries

@@ -9,12 +9,14 @@ with its transformers state-dict name and a *transform*, how the array is laid o
 * ``linear``: a kernel [in, *out] in bertjax, a torch Linear weight [prod(out), in] in HF;
 * ``linear_heads``: a kernel [heads, kv, out] in bertjax (attention ``Wo``), [out, heads*kv] in HF.
 
-Heads: ``pooler`` is ForSequenceClassification's ``head.*`` (bertjax ``model/pooler``), ``mlm``
-ForMaskedLM's ``head.*`` and ``decoder.bias`` (bertjax ``predictions``; ``decoder.weight`` is
-tied to ``model.embeddings.tok_embeddings.weight``), ``classifier`` is ``classifier.*``.
-ModernBertForTokenClassification / QuestionAnswering / MultipleChoice also name their tensors
-``head.*`` + ``classifier.*`` but apply the head per token: bertjax's token heads have no such
-transform, so those checkpoints read as a sequence classifier.
+Heads: ``pooler`` is the ``head.*`` of ForSequenceClassification and ForMultipleChoice (bertjax
+``model/pooler``: pooled, then dense + act + norm), ``mlm`` ForMaskedLM's ``head.*`` and
+``decoder.bias`` (bertjax ``predictions``; ``decoder.weight`` is tied to
+``model.embeddings.tok_embeddings.weight``), ``token_head`` the per-token ``head.*`` of
+ForTokenClassification and ForQuestionAnswering (bertjax ``head``, run by the TokenClassifier and
+SpanClassifier heads), ``classifier`` is ``classifier.*``, and ForQuestionAnswering's
+``classifier.*`` [2, hidden] is ``qa`` (bertjax ``qa_outputs``). These classes share tensor names,
+so the class named in config.json's ``architectures`` tells them apart.
 """
 
 from __future__ import annotations
@@ -30,12 +32,17 @@ from safetensors.numpy import load_file, save_file
 from bertjax.convert.checkpoint import fmt_shape, listing, mismatch_report
 from bertjax.models.modernbert import ModernBertConfig
 
-HEADS = ("pooler", "mlm", "classifier")
+HEADS = ("pooler", "mlm", "classifier", "token_head", "qa")
 _ARCHITECTURES = {  # heads present -> the transformers class whose state dict holds exactly them
     frozenset(): "ModernBertModel",
     frozenset({"mlm"}): "ModernBertForMaskedLM",
     frozenset({"pooler", "classifier"}): "ModernBertForSequenceClassification",
+    frozenset({"token_head", "classifier"}): "ModernBertForTokenClassification",
+    frozenset({"token_head", "qa"}): "ModernBertForQuestionAnswering",
 }
+# Classes with the same heads as another one, told apart only by config.json's architectures.
+_SAME_HEADS = {"ModernBertForMultipleChoice": frozenset({"pooler", "classifier"})}
+_HEAD_TENSORS = {"head.": ("pooler", "mlm", "token_head"), "classifier.": ("classifier", "qa")}
 _ENCODER_PREFIXES = ("embeddings.", "layers.", "final_norm.")  # ModernBertModel's own names
 _TIED = "decoder.weight"
 _WORDS = "model.embeddings.tok_embeddings.weight"
@@ -116,12 +123,15 @@ def config_from_hf(hf: dict[str, Any]) -> ModernBertConfig:
     return ModernBertConfig(**values)
 
 
-def config_to_hf(cfg: ModernBertConfig, heads=("mlm",), num_labels: int = 0) -> dict[str, Any]:
+def config_to_hf(
+    cfg: ModernBertConfig, heads=("mlm",), num_labels: int = 0, hf_class: str | None = None
+) -> dict[str, Any]:
     """A config.json dict that transformers' ModernBertConfig loads (new and legacy keys), for
-    the class holding ``heads``; ``num_labels`` > 0 writes id2label/label2id."""
+    the class holding ``heads`` (``hf_class`` where it is one of several, see
+    :func:`hf_architecture`); ``num_labels`` > 0 writes id2label/label2id."""
     every = cfg.global_attn_every_n_layers
     hf: dict[str, Any] = {
-        "architectures": [hf_architecture(heads)],
+        "architectures": [hf_architecture(heads, hf_class)],
         "model_type": "modernbert",
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.hidden_size,
@@ -169,8 +179,11 @@ def config_to_hf(cfg: ModernBertConfig, heads=("mlm",), num_labels: int = 0) -> 
     return hf
 
 
-def hf_architecture(heads) -> str:
-    """The transformers class whose state dict holds exactly ``heads``."""
+def hf_architecture(heads, hf_class: str | None = None) -> str:
+    """The transformers class whose state dict holds exactly ``heads``: ``hf_class`` when it
+    holds them (ModernBertForMultipleChoice has the heads of a sequence classifier)."""
+    if hf_class is not None and _SAME_HEADS.get(hf_class) == frozenset(heads):
+        return hf_class
     arch = _ARCHITECTURES.get(frozenset(heads))
     if arch is None:
         raise ValueError(
@@ -178,6 +191,16 @@ def hf_architecture(heads) -> str:
             f"supported: {[sorted(h) for h in _ARCHITECTURES]}"
         )
     return arch
+
+
+def heads_of_class(hf_class: str | None, names) -> tuple[str, ...] | None:
+    """The heads of a transformers ModernBERT class named in config.json, where its state-dict
+    ``names`` have ``head.*`` or ``classifier.*`` (None: unknown class, decide by names)."""
+    if not any(n.startswith(tuple(_HEAD_TENSORS)) for n in names):
+        return None
+    table = {v: k for k, v in _ARCHITECTURES.items()} | _SAME_HEADS
+    heads = table.get(hf_class or "")
+    return None if heads is None else tuple(h for h in HEADS if h in heads)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -228,6 +251,11 @@ def _entries(cfg: ModernBertConfig, heads, num_labels: int) -> list[tuple[str, s
     if "pooler" in heads:
         linear("model/pooler/dense", "head.dense", (h, h), cfg.classifier_bias)
         norm("model/pooler/norm", "head.norm")
+    if "token_head" in heads:
+        linear("head/dense", "head.dense", (h, h), cfg.classifier_bias)
+        norm("head/norm", "head.norm")
+    if "qa" in heads:
+        linear("qa_outputs", "classifier", (h, 2), True)
     if "mlm" in heads:
         linear("predictions/dense", "head.dense", (h, h), cfg.classifier_bias)
         norm("predictions/norm", "head.norm")
@@ -247,10 +275,12 @@ def hf_names(
     unknown = sorted(set(heads) - set(HEADS))
     if unknown:
         raise ValueError(f"unknown heads {unknown}; known: {list(HEADS)}")
-    if "pooler" in heads and "mlm" in heads:
-        raise ValueError(
-            "heads pooler and mlm are both HF's head.*: no ModernBERT class holds both"
-        )
+    for prefix, owners in _HEAD_TENSORS.items():
+        both = [h for h in owners if h in heads]
+        if len(both) > 1:
+            raise ValueError(
+                f"heads {both} are all HF's {prefix}*: no ModernBERT class holds them together"
+            )
     return [
         (path, name, transform) for path, name, transform, _ in _entries(cfg, heads, num_labels)
     ]
@@ -289,10 +319,11 @@ def from_hf_tensors(
 ) -> tuple[dict[str, np.ndarray], tuple[str, ...]]:
     """A transformers ModernBERT state dict (NumPy) -> (flat bertjax tensors, heads present).
 
-    Names of a bare ModernBertModel (no ``model.`` prefix) are accepted. Heads are told apart by
-    ``decoder.*`` (mlm) and ``classifier.*`` (pooler + classifier); ``head.*`` alone (a masked-LM
-    checkpoint without decoder bias, its tied decoder dropped) is the mlm head unless
-    ``architecture`` names ModernBertForSequenceClassification. A ``decoder.weight`` must equal
+    Names of a bare ModernBertModel (no ``model.`` prefix) are accepted. ``architecture`` (the
+    class in config.json) says what ``head.*`` and ``classifier.*`` are (see
+    :func:`heads_of_class`); without a known class, heads are told apart by ``decoder.*`` (mlm)
+    and ``classifier.*`` (pooler + classifier), and ``head.*`` alone (a masked-LM checkpoint
+    without decoder bias, its tied decoder dropped) is the mlm head. A ``decoder.weight`` must equal
     the token embeddings. Raises one ValueError naming ``source`` that lists every missing,
     unexpected and mis-shaped tensor.
     """
@@ -311,10 +342,13 @@ def from_hf_tensors(
     has_decoder = tied is not None or any(k.startswith("decoder.") for k in state)
     has_classifier = any(k.startswith("classifier.") for k in state)
     heads: tuple[str, ...] = ()
-    if has_decoder or (has_head and not has_classifier):
+    by_class = heads_of_class(architecture, state)
+    if by_class is not None and not has_decoder:  # classifier.* may be absent (head.* only)
+        heads = tuple(
+            h for h in by_class if has_classifier or h not in _HEAD_TENSORS["classifier."]
+        )
+    elif has_decoder or (has_head and not has_classifier):
         heads = ("mlm",)
-        if not has_decoder and "SequenceClassification" in (architecture or ""):
-            heads = ("pooler",)
     elif has_classifier:
         heads = ("pooler", "classifier")
     labels = state.get("classifier.weight", state.get("classifier.bias"))
@@ -340,14 +374,14 @@ def from_hf_tensors(
 
 
 def to_hf_tensors(
-    cfg: ModernBertConfig, flat: dict[str, np.ndarray], heads
+    cfg: ModernBertConfig, flat: dict[str, np.ndarray], heads, hf_class: str | None = None
 ) -> dict[str, np.ndarray]:
     """Flat bertjax tensors -> the state dict of :func:`hf_architecture` (``heads``): unprefixed
     names for a bare ModernBertModel, ``model.`` ones with heads, and the tied ``decoder.weight``
     with the mlm head (ModernBertForMaskedLM's state dict holds it)."""
     classifier = flat.get("classifier/kernel")
     num_labels = int(classifier.shape[-1]) if classifier is not None else 0
-    arch = hf_architecture(heads)
+    arch = hf_architecture(heads, hf_class)
     entries = _entries(cfg, heads, num_labels)
     missing = [path for path, *_ in entries if path not in flat]
     if missing:
@@ -374,12 +408,15 @@ def load_hf_dir(path: str) -> tuple[ModernBertConfig, dict[str, np.ndarray], tup
     return cfg, flat, heads
 
 
-def write_hf_dir(path: str, cfg: ModernBertConfig, flat: dict[str, np.ndarray], heads) -> None:
-    """Writes config.json + model.safetensors that transformers' ``from_pretrained`` loads."""
+def write_hf_dir(
+    path: str, cfg: ModernBertConfig, flat: dict[str, np.ndarray], heads, hf_class=None
+) -> None:
+    """Writes config.json + model.safetensors that transformers' ``from_pretrained`` loads, as
+    the class holding ``heads`` (``hf_class`` where several do, see :func:`hf_architecture`)."""
     classifier = flat.get("classifier/kernel")
     num_labels = int(classifier.shape[-1]) if classifier is not None else 0
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(config_to_hf(cfg, heads, num_labels), f, indent=2, sort_keys=True)
-    state = to_hf_tensors(cfg, flat, heads)
+        json.dump(config_to_hf(cfg, heads, num_labels, hf_class), f, indent=2, sort_keys=True)
+    state = to_hf_tensors(cfg, flat, heads, hf_class)
     save_file(state, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})

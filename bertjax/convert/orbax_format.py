@@ -56,7 +56,8 @@ def load_bertjax(path: str) -> Checkpoint:
     if vocab is None and data.get("vocab") and os.path.isfile(data["vocab"]):
         vocab = data["vocab"]
     lower = values.get("do_lower_case", data.get("do_lower_case"))
-    return Checkpoint(with_param_dtype(config, tensors), tensors, vocab, lower, source)
+    config = with_param_dtype(config, tensors)
+    return Checkpoint(config, tensors, vocab, lower, source, values.get("hf_class"))
 
 
 def write_bertjax(ckpt: Checkpoint, directory: str) -> None:
@@ -70,6 +71,7 @@ def write_bertjax(ckpt: Checkpoint, directory: str) -> None:
         "vocab": vocab,
         "do_lower_case": ckpt.do_lower_case,
         "source": ckpt.source,
+        "hf_class": ckpt.hf_class,
     }
     manager = Checkpointer(directory, keep=1, async_save=False)
     try:

@@ -8,6 +8,7 @@ BERT), so a pretrained encoder subtree drops in. Parameter trees (shown for BERT
     SequenceClassifier: bert/..., classifier/{kernel [embed, classes], bias [classes]}
     SpanClassifier:     bert/..., qa_outputs/{kernel [embed, 2], bias [2]}
     TokenClassifier:    bert/..., classifier/{kernel [embed, classes], bias [classes]}
+    (ModernBERT adds head/{dense,norm} before both: HF's per-token ``head``; see token_head)
     MultipleChoice:     bert/..., classifier/{kernel [embed, 1], bias [1]}
 
 ``SequenceClassifier`` and ``TokenClassifier`` also take packed rows (``bertjax.data.packing``):
@@ -38,6 +39,14 @@ def encoder(config: Any, add_pooler: bool = True) -> nn.Module:
     """The config's architecture's encoder, named as its checkpoints expect."""
     arch = architecture(config)
     return arch.Encoder(config, add_pooler=add_pooler, name=arch.ENCODER_NAME)
+
+
+def token_head(config: Any, x: Array) -> Array:
+    """The architecture's per-token transform before the token and span classifiers (its
+    ``TokenHead``, named ``head``: ModernBERT's dense + act + norm, as HF's ``head``), or ``x``
+    unchanged (BERT). Call inside a compact module."""
+    head = architecture(config).TokenHead
+    return x if head is None else head(config, name="head")(x)
 
 
 def tied_word_embeddings(config: Any, encoder_module: nn.Module) -> Array:
@@ -152,7 +161,11 @@ class SpanClassifier(nn.Module):
         out = encoder(self.config, add_pooler=False)(
             input_ids, token_type_ids, attention_mask, deterministic=deterministic
         )
-        seq = out.sequence_output.astype(jnp.float32)  # [batch, seq, hidden]
+        seq = token_head(self.config, out.sequence_output).astype(jnp.float32)  # [b, s, hidden]
+        if architecture(self.config).TokenHead is not None:  # HF drops out after the head
+            seq = Dropout(self.config.hidden_dropout, self.config.dropout_impl)(
+                seq, deterministic=deterministic
+            )
         logits = output_dense(self.config, 2, "qa_outputs")(seq)  # [batch, seq, 2]
         return logits[..., 0], logits[..., 1]
 
@@ -183,7 +196,7 @@ class TokenClassifier(nn.Module):
             position_ids=position_ids,
             pack_ids=pack_ids,
         )
-        seq = out.sequence_output.astype(jnp.float32)  # [batch, seq, hidden]
+        seq = token_head(self.config, out.sequence_output).astype(jnp.float32)  # [b, s, hidden]
         seq = Dropout(self.config.hidden_dropout, self.config.dropout_impl)(
             seq, deterministic=deterministic
         )

@@ -16,7 +16,8 @@ Layer ``i`` attends globally when ``i % global_attn_every_n_layers == 0`` (RoPE 
     model/layer_{i}/mlp/Wi/{kernel [embed, 2, mlp], bias [2, mlp]}   (input, gate)
     model/layer_{i}/mlp/Wo/{kernel [mlp, embed], bias [embed]}
     model/final_norm/{scale,bias}
-    model/pooler/{dense,norm}          (HF ForSequenceClassification ``head``)
+    model/pooler/{dense,norm}          (HF ForSequenceClassification / MultipleChoice ``head``)
+    head/{dense,norm}                  (HF ForTokenClassification / QuestionAnswering ``head``)
     predictions/{dense,norm}, predictions/output_bias [vocab]   (MLM head; decoder tied)
 
 Biases exist as ``norm_bias``, ``attention_bias``, ``mlp_bias``, ``classifier_bias`` (head dense
@@ -333,6 +334,17 @@ def _transform(cfg: ModernBertConfig, x: Array) -> Array:
         cfg, (h, h), ("embed", "embed_out"), 1, cfg.classifier_bias, _out_std(cfg), name="dense"
     )(x)
     return _norm(cfg, "norm")(activation(cfg.classifier_activation)(x))
+
+
+class TokenHead(nn.Module):
+    """HF's ModernBertPredictionHead applied to every token (``head``: dense + act + norm), which
+    ModernBertForTokenClassification and ...ForQuestionAnswering run before their classifier."""
+
+    config: ModernBertConfig
+
+    @nn.compact
+    def __call__(self, x: Array) -> Array:
+        return _transform(self.config, x)  # [..., hidden]
 
 
 class Pooler(nn.Module):
