@@ -122,8 +122,8 @@ def test_list_and_host_shards(static_dir, tmp_path):
     hosts = [pipeline.host_shards(shards, i, 3) for i in range(3)]
     assert sorted(sum(hosts, [])) == shards
     assert all(set(a).isdisjoint(b) for i, a in enumerate(hosts) for b in hosts[i + 1 :])
-    with pytest.raises(ValueError, match=r"4 shard\(s\) for 5 hosts"):
-        pipeline.host_shards(shards, 0, 5)
+    assert pipeline.host_shards(shards, 4, 5) == shards  # fewer shards than hosts: all, and
+    assert pipeline.record_split(len(shards), 4, 5) == (4, 5)  # every 5th record from the 5th
     with pytest.raises(ValueError, match=r"no shards for split 'eval'"):
         pipeline.list_shards(static_dir, "eval")
     write_prepared(tmp_path, shard_sizes=(2, 2, 2))

@@ -5,7 +5,8 @@ int32/float32 tensors for masked-LM (+ NSP) pretraining; `PretrainingData` wraps
 iterator the trainer checkpoints. `ArrayData` offers the same iterator/state/restore interface over
 in-memory NumPy features (fine-tuning tasks), including a single padded pass for evaluation.
 
-Order and resume. A host reads only its own shards (`host_shards`) and sees one stream of records
+Order and resume. A host reads only its own shards (`host_shards`; with fewer shards than hosts,
+all of them, keeping every process_count-th record) and sees one stream of records
 made of consecutive epochs. Epoch `e` lists the host's files in an order seeded by
 (seed, e, process_index), interleaves them deterministically, and shuffles the records in blocks of
 `shuffle_buffer`, each block permuted by a stateless seed from (seed, e, process_index, block).
@@ -126,14 +127,30 @@ def split_is_empty(data_dir: str, split: str) -> bool:
 
 
 def host_shards(shards: Sequence[str], process_index: int, process_count: int) -> list[str]:
-    """The shards host `process_index` reads: every `process_count`-th, starting at its index."""
+    """The shards host `process_index` reads: every `process_count`-th, starting at its index; all
+    of them when there are fewer shards than hosts (the hosts then split records, `record_split`)."""
     if not 0 <= process_index < process_count:
         raise ValueError(f"process_index {process_index} not in [0, {process_count})")
     if len(shards) < process_count:
-        raise ValueError(
-            f"{len(shards)} shard(s) for {process_count} hosts: prepare at least one shard per host"
-        )
+        return list(shards)
     return list(shards[process_index::process_count])
+
+
+def record_split(num_shards: int, process_index: int, process_count: int) -> tuple | None:
+    """(index, count) when the hosts split records (every count-th record of one stream that all
+    hosts read in the same order) because there are fewer shards than hosts; else None."""
+    return (process_index, process_count) if num_shards < process_count else None
+
+
+def _host_input(data_dir: str, split: str, process_index: int, process_count: int):
+    """(files, record split, examples per epoch) of one host."""
+    shards = list_shards(data_dir, split)
+    files = host_shards(shards, process_index, process_count)
+    by_record = record_split(len(shards), process_index, process_count)
+    examples = sum(shard_example_counts(read_metadata(data_dir), files))
+    if by_record is not None:
+        examples = len(range(by_record[0], examples, by_record[1]))
+    return files, by_record, examples
 
 
 def shard_example_counts(metadata: Mapping[str, Any], shards: Sequence[str]) -> list[int]:
@@ -299,8 +316,8 @@ def pretraining_dataset(
             f"{per_host_batch_size}, {start_batch}, {shuffle_buffer}"
         )
     meta = read_metadata(data_dir)
-    files = host_shards(list_shards(data_dir, split), process_index, process_count)
-    epoch_examples = sum(shard_example_counts(meta, files))
+    files, by_record, epoch_examples = _host_input(data_dir, split, process_index, process_count)
+    order_index = -1 if by_record else process_index  # split records: one file order for all
     if epoch_examples == 0:
         raise ValueError(f"{data_dir}: host {process_index} has 0 {split} examples in {files}")
     if dynamic_masking is None and meta["masking"] != "static":
@@ -323,7 +340,7 @@ def pretraining_dataset(
         names = tf.constant(files)
         if shuffle:
             names = tf.random.experimental.stateless_shuffle(
-                names, seed=_stateless_seed(seed, _TAG_FILE_ORDER, epoch, process_index)
+                names, seed=_stateless_seed(seed, _TAG_FILE_ORDER, epoch, order_index)
             )
         records = tf.data.Dataset.from_tensor_slices(names).interleave(
             tf.data.TFRecordDataset,
@@ -332,6 +349,8 @@ def pretraining_dataset(
             num_parallel_calls=tf.data.AUTOTUNE,
             deterministic=True,
         )
+        if by_record:
+            records = records.shard(by_record[1], by_record[0])
         if shuffle:
             first_block = skip // block
             blocks = tf.data.Dataset.zip(
@@ -431,9 +450,9 @@ class PretrainingData:
         hide_accelerators_from_tf()
         # Every argument is passed on to `pretraining_dataset` when the iterator is (re)built.
         self._args = {k: v for k, v in locals().items() if k != "self"}
-        files = host_shards(list_shards(data_dir, split), process_index, process_count)
-        self._files = files
-        self._epoch_examples = sum(shard_example_counts(read_metadata(data_dir), files))
+        self._files, _, self._epoch_examples = _host_input(
+            data_dir, split, process_index, process_count
+        )
         self._batches_consumed = 0
         self._iterator: Iterator | None = None
 

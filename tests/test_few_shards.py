@@ -1,0 +1,65 @@
+"""Issue 15, item 9: any prepared data set serves any number of hosts. With fewer shards than hosts
+every host reads all shards in one order and keeps every process_count-th record: the hosts' epochs
+partition the records, the order is deterministic, resume is exact, and streams work the same way;
+a corrupted shard is named in streamed reading too."""
+
+import json
+
+import numpy as np
+import pytest
+from test_pipeline import example_ids, write_prepared
+
+from bertjax.data import pipeline
+from bertjax.data.streams import StreamedData
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_two_hosts_split_the_records_of_one_shard(tmp_path, shuffle):
+    root = write_prepared(tmp_path / "one", shard_sizes=(9,))
+    hosts = [
+        pipeline.PretrainingData(
+            root, "train", 2, seed=3, process_index=i, process_count=2, shuffle=shuffle,
+            shuffle_buffer=4, repeat=False, drop_remainder=False,
+        )
+        for i in range(2)
+    ]  # fmt: skip
+    seen = [np.concatenate([example_ids(b) for b in host]) for host in hosts]
+    assert sorted(len(s) for s in seen) == [4, 5]
+    assert sorted(np.concatenate(seen).tolist()) == list(range(9))  # a partition of the records
+    if not shuffle:
+        assert seen[0].tolist() == [0, 2, 4, 6, 8] and seen[1].tolist() == [1, 3, 5, 7]
+
+
+def test_record_split_resumes_exactly(tmp_path):
+    root = write_prepared(tmp_path / "one", shard_sizes=(7,))
+    kw = dict(seed=1, process_index=1, process_count=3, shuffle_buffer=2)
+    fresh = pipeline.PretrainingData(root, "train", 2, **kw)
+    batches = [example_ids(next(fresh)) for _ in range(5)]  # host 1 has 2 records per epoch
+    again = pipeline.PretrainingData(root, "train", 2, **kw)
+    for _ in range(3):
+        next(again)
+    restored = pipeline.PretrainingData(root, "train", 2, **kw)
+    restored.restore(json.loads(json.dumps(again.state())))
+    np.testing.assert_array_equal(example_ids(next(restored)), batches[3])
+    assert all(set(b) <= {1, 4} for b in batches)
+
+
+def test_streams_over_fewer_shards_than_streams(tmp_path):
+    root = write_prepared(tmp_path / "two", shard_sizes=(6, 6))
+    kw = dict(num_streams=4, seed=0, shuffle=False)
+    hosts = [StreamedData(root, "train", 8, process_index=i, process_count=2, **kw) for i in (0, 1)]
+    rows = np.concatenate([example_ids(next(h)) for h in hosts])
+    assert sorted(rows.tolist()) == sorted(set(rows.tolist())) and len(rows) == 8
+
+
+def test_a_corrupted_shard_is_named_when_streamed(tmp_path):
+    root = write_prepared(tmp_path / "bad", shard_sizes=(40, 40))
+    path = root / "train-00001-of-00002.tfrecord"
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2 : len(data) // 2 + 8] = b"\xff" * 8
+    path.write_bytes(bytes(data))
+    streamed = StreamedData(root, "train", 8, num_streams=2, seed=0, process_index=0,
+                            process_count=1, shuffle=False)  # fmt: skip
+    with pytest.raises(pipeline.ShardCorruptedError, match="train-00001-of-00002.tfrecord"):
+        for _ in range(20):
+            next(streamed)
