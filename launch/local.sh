@@ -14,7 +14,8 @@ Waits for all of them. If one fails, the others are stopped and the script exits
 
 Environment:
   STOP_GRACE_S seconds between SIGTERM and SIGKILL when stopping processes (default 5)
-  LOG_DIR      per-process logs process_K.log (default workdir/logs); process 0 also on console
+  LOG_DIR      per-process logs process_K.log, appended to (default: WORKDIR/logs of the run's
+               --workdir, else ./workdir/logs); process 0 also on console
   BERTJAX_CMD  command to run instead of "<repo>/.venv/bin/python -m bertjax.cli",
                split on spaces, e.g. BERTJAX_CMD="python tests/multihost_probe.py"
 
@@ -72,7 +73,20 @@ else
   cmd=("$python" -m bertjax.cli)
 fi
 
-log_dir="${LOG_DIR:-workdir/logs}"
+# Logs go under the run's --workdir (a local one), so that runs do not share a log folder.
+run_workdir=""
+for ((i = 1; i <= $#; i++)); do
+  arg="${!i}"
+  if [[ $arg == --workdir=* ]]; then
+    run_workdir="${arg#--workdir=}"
+  elif [[ $arg == --workdir ]] && ((i < $#)); then
+    next=$((i + 1))
+    run_workdir="${!next}"
+  fi
+done
+default_log_dir="workdir/logs"
+[[ -n $run_workdir && $run_workdir != *://* ]] && default_log_dir="$run_workdir/logs"
+log_dir="${LOG_DIR:-$default_log_dir}"
 mkdir -p "$log_dir" || die "cannot create log folder '$log_dir'"
 port="$("$python" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')" ||
   die "could not find a free port"
@@ -119,9 +133,9 @@ for ((k = 0; k < nproc; k++)); do
     PYTHONUNBUFFERED=1
   )
   if [[ $k == 0 ]]; then
-    env "${launch_env[@]}" "${cmd[@]}" "$@" > >(tee "$log") 2>&1 &
+    env "${launch_env[@]}" "${cmd[@]}" "$@" > >(tee -a "$log") 2>&1 &
   else
-    env "${launch_env[@]}" "${cmd[@]}" "$@" >"$log" 2>&1 &
+    env "${launch_env[@]}" "${cmd[@]}" "$@" >>"$log" 2>&1 &
   fi
   pids+=("$!")
   echo "local.sh: started process $k (pid $!), log $log"

@@ -17,7 +17,8 @@ Subcommands:
   stop     stop the job on every worker (SIGTERM to its process group, SIGKILL after 30 s)
   delete   delete the slice
 
-Options (each also read from the environment variable in capitals, the option wins):
+Options (each also read from the environment variable in capitals, or given as KEY=VALUE
+like CONFIG=configs/bert_base.py; the option wins over the environment):
   --tpu_name NAME           TPU_NAME          slice name
   --zone ZONE               ZONE              e.g. us-central2-b
   --project ID              PROJECT           default: gcloud's configured project
@@ -31,7 +32,7 @@ Options (each also read from the environment variable in capitals, the option wi
   --remote_dir DIR          REMOTE_DIR        folder on the workers, relative to home (default bertjax)
   --config FILE             CONFIG            e.g. configs/bert_base.py (run)
   --workdir gs://...        WORKDIR           shared by all workers (run)
-  --args "..."              ARGS              extra bertjax flags, e.g. "--config.total_steps=1000"
+  --args "..."              ARGS              extra bertjax flags, e.g. "--config.train.steps=1000"
   --worker N                                  worker whose log `logs` follows (default 0)
   --lines N                                   lines of log history `logs` shows (default 100)
   --dry-run                                   print every command instead of running it
@@ -141,6 +142,23 @@ while [[ $# -gt 0 ]]; do
       exit 0
       ;;
     -*) die "unknown option '$option' (see --help)" ;;
+    TPU_NAME=* | ZONE=* | PROJECT=* | ACCELERATOR_TYPE=* | RUNTIME_VERSION=* | REPO=* | \
+      REMOTE_DIR=* | CONFIG=* | WORKDIR=* | ARGS=*)
+      # make-style KEY=VALUE, as in the README: the same as --key VALUE
+      value="${option#*=}"
+      case "${option%%=*}" in
+        TPU_NAME) tpu_name="$value" ;;
+        ZONE) zone="$value" ;;
+        PROJECT) project="$value" ;;
+        ACCELERATOR_TYPE) accelerator_type="$value" ;;
+        RUNTIME_VERSION) runtime_version="$value" ;;
+        REPO) repo="$value" ;;
+        REMOTE_DIR) remote_dir="$value" ;;
+        CONFIG) config="$value" ;;
+        WORKDIR) workdir="$value" ;;
+        ARGS) args="$value" ;;
+      esac
+      ;;
     *)
       [[ -z $subcommand ]] || die "unexpected argument '$option' after subcommand '$subcommand'"
       subcommand="$option"
