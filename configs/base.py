@@ -27,7 +27,8 @@ def get_config() -> ml_collections.ConfigDict:
     # Pretraining data: a corpus turned into TFRecords by `bertjax prepare` (run automatically).
     c.data = ml_collections.ConfigDict()
     c.data.corpus = ""  # glob(s), comma-separated, gs:// allowed, or tfds:NAME:SPLIT[:FEATURE]
-    c.data.corpus_format = "text"  # text (raw documents) | bert (one sentence per line)
+    c.data.corpus_format = "text"  # text (raw documents) | bert (one per line) | jsonl | parquet
+    c.data.text_column = "text"  # the JSON key / Parquet column of the jsonl and parquet formats
     c.data.demo_corpus = False  # build a corpus from the Python stdlib docstrings (offline)
     c.data.prepared_dir = ""  # default: WORKDIR/data
     c.data.vocab = ""  # vocab.txt / .model; empty: train one from the corpus

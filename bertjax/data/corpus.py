@@ -5,6 +5,8 @@ A corpus spec is one or more comma-separated entries, each either
   * `tfds:NAME[/CONFIG]:SPLIT[:FEATURE]` (FEATURE defaults to `text`), read with
     `tfds.load(..., data_dir=tfds_data_dir, download=False)`.
 
+Files named `*.gz` or `*.zst`/`*.zstd` are decompressed on the fly (any format).
+
 Formats (`fmt`):
   * "bert": the original BERT format: one sentence per line, a blank line between documents.
   * "text": raw text (e.g. Project Gutenberg e-texts). A UTF-8 BOM and CRLF line ends are accepted; when a
@@ -15,6 +17,9 @@ Formats (`fmt`):
     PREFACE/EPILOGUE/..., a bare Roman or Arabic numeral, `[ 12 ]`; the heading itself is dropped), or at
     a run of `DOCUMENT_BREAK_BLANK_LINES` or more blank lines. For TFDS every example is one document
     (a "text" example is split into paragraphs at newlines).
+  * "jsonl": one JSON object per line, "parquet": Parquet files (`bertjax.data.formats`); every row is
+    one document, its `text_column` string split into paragraphs at newlines and each paragraph into
+    sentences by `split_sentences` (as a "text" TFDS example).
 
 Everything is a generator: memory does not grow with the corpus. Empty documents are never yielded.
 """
@@ -27,7 +32,10 @@ import os
 import re
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
-FORMATS = ("bert", "text")
+from bertjax.data import formats
+
+FORMATS = ("bert", "text", "jsonl", "parquet")
+ROW_FORMATS = ("jsonl", "parquet")  # one document per row, read from a text column
 GUTENBERG_HEADER_SCAN_LINES = 400
 DOCUMENT_BREAK_BLANK_LINES = 3
 _MAX_HEADING_CHARS = 80
@@ -116,13 +124,9 @@ def is_heading(line: str) -> bool:
     return 0 < len(line) <= _MAX_HEADING_CHARS and _HEADING.match(line) is not None
 
 
-def _is_remote(path: str) -> bool:
-    return "://" in path
-
-
 def _expand_files(pattern: str) -> list[str]:
     """The files matching one glob (sorted), through tf.io.gfile for remote schemes."""
-    if _is_remote(pattern):
+    if formats.is_remote(pattern):
         import tensorflow as tf
 
         return sorted(tf.io.gfile.glob(pattern))
@@ -177,24 +181,22 @@ def list_sources(spec: str | Sequence[str], *, tfds_data_dir: str | None = None)
 
 
 def iter_lines(path: str, on_bytes: Callable[[int], None] | None = None) -> Iterator[str]:
-    """Lines of a UTF-8 text file without line ends (BOM and CRLF handled), local or tf.io.gfile.
+    """Lines of a UTF-8 text file without line ends (BOM and CRLF handled), local or tf.io.gfile,
+    `.gz`/`.zst` decompressed.
 
-    `on_bytes(n)` (optional) is called with the size of every raw line read, for progress bars.
+    `on_bytes(n)` (optional) is called with the stored (compressed) bytes read, for progress bars.
     """
-    if _is_remote(path):
-        import tensorflow as tf
-
-        handle = tf.io.gfile.GFile(path, "rb")
-    else:
-        handle = open(path, "rb")  # noqa: SIM115 - closed below.
-    with handle:
-        for number, raw in enumerate(handle, start=1):
+    with formats.open_stream(path) as (stream, raw):
+        done = 0
+        for number, raw_line in enumerate(stream, start=1):
             if on_bytes is not None:
-                on_bytes(len(raw))
-            if number == 1 and raw.startswith(b"\xef\xbb\xbf"):
-                raw = raw[3:]
+                position = raw.tell() if raw is not stream else done + len(raw_line)
+                on_bytes(position - done)
+                done = position
+            if number == 1 and raw_line.startswith(b"\xef\xbb\xbf"):
+                raw_line = raw_line[3:]
             try:
-                line = raw.decode("utf-8")
+                line = raw_line.decode("utf-8")
             except UnicodeDecodeError as err:
                 raise ValueError(f"{path}:{number}: not valid UTF-8 ({err.reason})") from None
             yield line.rstrip("\r\n")
@@ -271,6 +273,19 @@ def bert_documents(lines: Iterable[str]) -> Iterator[list[str]]:
         yield doc
 
 
+def row_document(text: str) -> list[str]:
+    """The sentences of one row's text: paragraphs at newlines, each cut by `split_sentences`."""
+    return [s for para in text.splitlines() for s in split_sentences(para)]
+
+
+def row_documents(texts: Iterable[str]) -> Iterator[list[str]]:
+    """Documents of a row corpus ("jsonl", "parquet"): one per non-empty row text."""
+    for text in texts:
+        doc = row_document(text)
+        if doc:
+            yield doc
+
+
 def _tfds_documents(source: Source, fmt: str) -> Iterator[list[str]]:
     import tensorflow_datasets as tfds
 
@@ -281,26 +296,40 @@ def _tfds_documents(source: Source, fmt: str) -> Iterator[list[str]]:
         if fmt == "bert":
             doc = [s.strip() for s in text.splitlines() if s.strip()]
         else:
-            doc = [s for para in text.splitlines() for s in split_sentences(para)]
+            doc = row_document(text)
         if doc:
             yield doc
 
 
 def iter_source_documents(
-    source: Source, fmt: str, on_bytes: Callable[[int], None] | None = None
+    source: Source,
+    fmt: str,
+    on_bytes: Callable[[int], None] | None = None,
+    text_column: str = "text",
 ) -> Iterator[list[str]]:
-    """The documents of one work unit (`on_bytes` as in `iter_lines`; unused for TFDS)."""
+    """The documents of one work unit (`on_bytes` as in `iter_lines`; unused for TFDS).
+
+    `text_column` is the JSON key / Parquet column of the row formats (ignored by the others).
+    """
     if fmt not in FORMATS:
         raise ValueError(f"unknown corpus format {fmt!r}; expected one of {FORMATS}")
     if source.kind == "tfds":
         return _tfds_documents(source, fmt)
+    if fmt == "jsonl":
+        return row_documents(formats.jsonl_texts(source.path, text_column, on_bytes))
+    if fmt == "parquet":
+        return row_documents(formats.parquet_texts(source.path, text_column, on_bytes))
     reader = bert_documents if fmt == "bert" else text_documents
     return reader(iter_lines(source.path, on_bytes))
 
 
 def iter_documents(
-    spec: str | Sequence[str], fmt: str = "bert", *, tfds_data_dir: str | None = None
+    spec: str | Sequence[str],
+    fmt: str = "bert",
+    *,
+    tfds_data_dir: str | None = None,
+    text_column: str = "text",
 ) -> Iterator[list[str]]:
     """All documents (lists of sentence strings) of a corpus spec, in source order, streamed."""
     for source in list_sources(spec, tfds_data_dir=tfds_data_dir):
-        yield from iter_source_documents(source, fmt)
+        yield from iter_source_documents(source, fmt, text_column=text_column)

@@ -34,6 +34,7 @@ class PrepareConfig:
     random_document_buffer: int = 1000
     corpus_format: str = "bert"
     packing: bool = False
+    text_column: str = "text"  # the JSON key / Parquet column of the row formats
 
     def validate(self) -> None:
         """One-line ValueError naming the first bad option."""
@@ -49,6 +50,7 @@ class PrepareConfig:
             ("random_document_buffer", self.random_document_buffer >= 1, "must be >= 1"),
             ("corpus_format", self.corpus_format in corpus.FORMATS, f"not in {corpus.FORMATS}"),
             ("packing", not (self.packing and self.nsp), "needs nsp=False (pairs are not packed)"),
+            ("text_column", bool(self.text_column), "must not be empty"),
         ]
         for name, ok, why in checks:
             if not ok:

@@ -81,9 +81,10 @@ _EVAL_STREAM = 0x5EED_E7A1  # generator stream tag for the eval-split draws
 _SETTINGS = (
     "format_version max_seq_length max_predictions_per_seq masked_lm_prob masking whole_word_mask nsp "
     "short_seq_prob dupe_factor seed random_document_buffer eval_fraction corpus_format input sources "
-    "vocab_file vocab_size tokenizer_kind do_lower_case special_ids num_shards packing"
+    "vocab_file vocab_size tokenizer_kind do_lower_case special_ids num_shards packing text_column"
 ).split()
-_SETTING_DEFAULTS = {"packing": False}  # settings added later: their value in older metadata
+# settings added later: their value in older metadata
+_SETTING_DEFAULTS = {"packing": False, "text_column": "text"}
 log = logging.getLogger(__name__)
 
 
@@ -131,7 +132,7 @@ def _tokenized_documents(source, index, cfg, tok, progress):
     """(split, document) pairs of one unit; a document is a list of non-empty id lists."""
     eval_rng = np.random.default_rng([cfg.seed, index, _EVAL_STREAM])
     for doc in corpus.iter_source_documents(
-        source, cfg.corpus_format, lambda n: progress.add(0, n)
+        source, cfg.corpus_format, lambda n: progress.add(0, n), cfg.text_column
     ):
         progress.add(1)
         ids = [s for s in (tok.encode(sentence) for sentence in doc) if s]
@@ -323,6 +324,7 @@ def prepare(
     tfds_data_dir: str | None = None,
     show_progress: bool = True,
     packing: bool = False,
+    text_column: str = "text",
 ) -> dict:
     """Turns a corpus into pretraining TFRecord shards + metadata.json; returns the metadata.
 
@@ -333,7 +335,7 @@ def prepare(
     cfg = PrepareConfig(
         max_seq_length, max_predictions_per_seq, masked_lm_prob, short_seq_prob, dupe_factor, nsp,
         masking, whole_word_mask, seed, num_shards, eval_fraction, random_document_buffer,
-        corpus_format, packing,
+        corpus_format, packing, text_column,
     )  # fmt: skip
     cfg.validate()
     entries = (
@@ -477,6 +479,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     p.add_argument("--do_lower_case", type=_bool, default=None, help="default: inferred from vocab")
     p.add_argument("--format", default=d.corpus_format, choices=corpus.FORMATS)
+    p.add_argument(
+        "--text_column", default=d.text_column, help="JSON key / Parquet column (jsonl, parquet)"
+    )
     p.add_argument("--tfds_data_dir", default=None)
     for name in (
         "max_seq_length",
@@ -506,6 +511,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         num_shards=args.num_shards, eval_fraction=args.eval_fraction,
         random_document_buffer=args.random_document_buffer, num_workers=args.num_workers,
         tfds_data_dir=args.tfds_data_dir, show_progress=not args.no_progress, packing=args.packing,
+        text_column=args.text_column,
     )  # fmt: skip
     print(
         f"{args.output_dir}: {meta['examples']} examples from {meta['documents']} documents, "

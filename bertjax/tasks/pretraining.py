@@ -141,6 +141,7 @@ class PretrainingTask(Task):
                 do_lower_case=d.do_lower_case,
                 seed=self.config.data.seed,
                 corpus_format=fmt,
+                text_column=d.get("text_column", "text"),
             )
         tokenizer = self._load_tokenizer(vocab)
         for spec in self._phase_specs():
@@ -155,6 +156,7 @@ class PretrainingTask(Task):
                 out,
                 tokenizer,
                 corpus_format=fmt,
+                text_column=d.get("text_column", "text"),
                 max_seq_length=spec["max_seq_length"],
                 max_predictions_per_seq=spec["max_predictions_per_seq"],
                 masked_lm_prob=d.masked_lm_prob,

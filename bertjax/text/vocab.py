@@ -22,12 +22,16 @@ KINDS = ("wordpiece", "sentencepiece")
 
 
 def corpus_lines(
-    spec: str | Sequence[str], corpus_format: str = "bert", max_lines: int | None = None
+    spec: str | Sequence[str],
+    corpus_format: str = "bert",
+    max_lines: int | None = None,
+    text_column: str = "text",
 ) -> Iterator[str]:
     """The sentences of a corpus, read exactly as ``prepare`` reads it (``bertjax.data.corpus``:
-    globs, ``gs://``, ``tfds:``; formats bert / text), stopping after ``max_lines``."""
+    globs, ``gs://``, ``tfds:``; formats bert / text / jsonl / parquet), stopping after
+    ``max_lines``."""
     count = 0
-    for document in corpus.iter_documents(spec, corpus_format):
+    for document in corpus.iter_documents(spec, corpus_format, text_column=text_column):
         for sentence in document:
             if max_lines is not None and count >= max_lines:
                 return
@@ -240,6 +244,7 @@ def train_vocab(
     max_lines: int | None = None,
     seed: int = 0,
     corpus_format: str = "bert",
+    text_column: str = "text",
 ) -> str:
     """Trains a vocabulary on a corpus (files, globs, ``gs://``, ``tfds:``; read as ``prepare``
     reads it, in ``corpus_format``) and returns the written path.
@@ -258,7 +263,7 @@ def train_vocab(
         )
     if max_lines is not None and max_lines <= 0:
         raise ValueError(f"max_lines={max_lines} must be positive")
-    lines = corpus_lines(files, corpus_format, max_lines)
+    lines = corpus_lines(files, corpus_format, max_lines, text_column)
     if kind == "sentencepiece":
         prefix = output.removesuffix(".model")
         return _train_sentencepiece(lines, prefix, vocab_size, do_lower_case, seed)
@@ -291,6 +296,7 @@ def main(argv: list[str]) -> None:
         "--format", default="bert", choices=corpus.FORMATS,
         help="corpus format, as for `bertjax prepare` (bert: one sentence per line)",
     )  # fmt: skip
+    parser.add_argument("--text_column", default="text", help="JSON key / Parquet column")
     args = parser.parse_args(argv)
     path = train_vocab(
         args.input,
@@ -301,6 +307,7 @@ def main(argv: list[str]) -> None:
         max_lines=args.max_lines,
         seed=args.seed,
         corpus_format=args.format,
+        text_column=args.text_column,
     )
     tok = load_tokenizer(path, None if args.kind == "sentencepiece" else args.lower_case)
     print(f"wrote {path} ({tok.kind}, {tok.vocab_size} tokens, do_lower_case={tok.do_lower_case})")

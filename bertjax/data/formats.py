@@ -1,0 +1,147 @@
+"""Byte streams of corpus files (local or any `tf.io.gfile` scheme, `.gz`/`.zst` decompressed) and
+the texts of row corpora: JSONL (one JSON object per line) and Parquet, one document per row.
+
+Everything streams: JSONL line by line, Parquet one record batch of a row group at a time, so memory
+stays flat in the file's size. Bad input is a one-line ValueError naming the file and the line
+(JSONL) or row (Parquet), or the available columns when the text column is missing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gzip
+import io
+import json
+import os
+from collections.abc import Callable, Iterator
+from typing import BinaryIO
+
+COMPRESSED = (".gz", ".zst", ".zstd")
+_PARQUET_BATCH_ROWS = 1024
+
+
+def is_remote(path: str) -> bool:
+    """True for a path with a scheme (gs://, s3://, ...), read through tf.io.gfile."""
+    return "://" in path
+
+
+def open_raw(path: str) -> BinaryIO:
+    """The file's bytes: builtin open for local paths, a tf.io.gfile.GFile for remote ones."""
+    if is_remote(path):
+        import tensorflow as tf  # only for remote files: workers stay TensorFlow-free locally
+
+        return tf.io.gfile.GFile(path, "rb")
+    return open(path, "rb")  # noqa: SIM115 - the caller closes it
+
+
+def _zstd_reader(raw: BinaryIO, path: str) -> BinaryIO:
+    try:
+        import zstandard
+    except ImportError:
+        raise ValueError(
+            f"{path}: reading .zst files needs the zstandard package "
+            "(pip install zstandard, or bertjax[zstd])"
+        ) from None
+    reader = zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True)
+    return io.BufferedReader(reader, 1 << 20)  # line-iterable
+
+
+@contextlib.contextmanager
+def open_stream(path: str) -> Iterator[tuple[BinaryIO, BinaryIO]]:
+    """(decompressed byte stream, raw file) of a corpus file; `.gz`/`.zst`/`.zstd` by name.
+
+    The raw file's position (`tell()`) is how far into the file's stored bytes reading got, for
+    progress bars.
+    """
+    raw = open_raw(path)
+    with raw:
+        if path.endswith(".gz"):
+            stream = gzip.GzipFile(fileobj=raw, mode="rb")
+        elif path.endswith((".zst", ".zstd")):
+            stream = _zstd_reader(raw, path)
+        else:
+            yield raw, raw
+            return
+        with stream:
+            yield stream, raw
+
+
+def jsonl_texts(
+    path: str, column: str = "text", on_bytes: Callable[[int], None] | None = None
+) -> Iterator[str]:
+    """The `column` string of every JSON object line of a JSONL file (blank lines skipped).
+
+    A row whose value is null is skipped (an empty document). Raises ValueError naming
+    `path:line` for invalid JSON, a non-object line, a missing key (listing the keys the row has)
+    or a value that is not a string.
+    """
+    with open_stream(path) as (stream, raw):
+        done = 0
+        for number, line in enumerate(stream, start=1):
+            if on_bytes is not None:
+                position = raw.tell() if raw is not stream else done + len(line)
+                on_bytes(position - done)
+                done = position
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except ValueError as err:
+                reason = getattr(err, "msg", None) or str(err).splitlines()[0]
+                raise ValueError(f"{path}:{number}: invalid JSON ({reason})") from None
+            if not isinstance(row, dict):
+                raise ValueError(
+                    f"{path}:{number}: expected a JSON object, got {type(row).__name__}"
+                )
+            if column not in row:
+                raise ValueError(
+                    f"{path}:{number}: no key {column!r} (--text_column); the row has keys "
+                    f"{', '.join(map(repr, row)) or 'none'}"
+                )
+            text = row[column]
+            if text is None:
+                continue
+            if not isinstance(text, str):
+                raise ValueError(
+                    f"{path}:{number}: {column!r} is a {type(text).__name__}, not a string"
+                )
+            yield text
+
+
+def parquet_texts(
+    path: str, column: str = "text", on_bytes: Callable[[int], None] | None = None
+) -> Iterator[str]:
+    """The `column` strings of a Parquet file, one record batch of a row group at a time.
+
+    Null values are skipped. Raises ValueError for a file that is not Parquet, a missing column
+    (listing the columns there are) or a column that does not hold strings (naming the row).
+    """
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    with open_raw(path) as raw:
+        try:
+            parquet = pq.ParquetFile(raw)
+        except (pa.ArrowException, OSError) as err:
+            raise ValueError(f"{path}: not a Parquet file ({str(err).splitlines()[0]})") from None
+        names = parquet.schema_arrow.names
+        if column not in names:
+            raise ValueError(
+                f"{path}: no column {column!r} (--text_column); the columns are "
+                f"{', '.join(map(repr, names))}"
+            )
+        field = parquet.schema_arrow.field(column)
+        if not (pa.types.is_string(field.type) or pa.types.is_large_string(field.type)):
+            raise ValueError(f"{path}: column {column!r} holds {field.type}, not strings")
+        total_rows = max(parquet.metadata.num_rows, 1)
+        size = raw.seek(0, os.SEEK_END) if on_bytes is not None else 0
+        rows = reported = 0
+        for batch in parquet.iter_batches(batch_size=_PARQUET_BATCH_ROWS, columns=[column]):
+            for text in batch.column(0).to_pylist():
+                if text is not None:
+                    yield text
+            rows += batch.num_rows
+            if on_bytes is not None:
+                position = size * rows // total_rows
+                on_bytes(position - reported)
+                reported = position

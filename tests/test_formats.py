@@ -1,0 +1,183 @@
+"""Row corpora (JSONL plain/.gz/.zst, Parquet) and compressed text: readers, errors, prepare, vocab."""
+
+import gzip
+import hashlib
+import json
+import os
+
+import pytest
+
+from bertjax.data import corpus, formats, prepare
+from bertjax.text import load_tokenizer, vocab
+
+WORDS = "the a of and to in it was he she said that his her on at with for as had".split()
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    tokens = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", ".", ","] + WORDS
+    tokens += list("bcdfgjkmnpqruvxyz") + [f"##{c}" for c in "abcdefghijklmnopqrstuvwxyz"]
+    path = tmp_path_factory.mktemp("vocab") / "vocab.txt"
+    path.write_text("\n".join(tokens) + "\n")
+    return load_tokenizer(str(path), do_lower_case=True)
+
+
+def _documents(num=14):
+    """Documents of one-sentence lines ("Word word ... word."), deterministic."""
+    docs = []
+    for d in range(num):
+        sentences = []
+        for s in range(2 + d % 5):
+            words = [WORDS[(d * 7 + s * 3 + w) % len(WORDS)] for w in range(4 + (d + s) % 9)]
+            sentences.append(" ".join(words).capitalize() + ".")
+        docs.append(sentences)
+    return docs
+
+
+def _write_jsonl(path, docs, opener=open, key="text"):
+    with opener(path, "wt", encoding="utf-8") as f:
+        for i, doc in enumerate(docs):
+            f.write(json.dumps({"id": i, key: "\n".join(doc)}) + "\n")
+            if i == 3:
+                f.write("\n")  # blank lines are skipped
+
+
+def _write_zst(path, text):
+    zstandard = pytest.importorskip("zstandard")
+    with open(path, "wb") as f:
+        f.write(zstandard.ZstdCompressor().compress(text.encode("utf-8")))
+
+
+def _write_parquet(path, docs, row_group_size=4):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    table = pa.table({"id": list(range(len(docs))), "body": ["\n".join(d) for d in docs]})
+    pq.write_table(table, path, row_group_size=row_group_size)
+
+
+def test_row_formats_read_every_row_as_a_document(tmp_path):
+    docs = _documents()
+    _write_jsonl(tmp_path / "a.jsonl", docs)
+    _write_jsonl(tmp_path / "a.jsonl.gz", docs, opener=gzip.open)
+    _write_zst(tmp_path / "a.jsonl.zst", (tmp_path / "a.jsonl").read_text())
+    _write_parquet(tmp_path / "a.parquet", docs)
+    for name, fmt, column in [
+        ("a.jsonl", "jsonl", "text"),
+        ("a.jsonl.gz", "jsonl", "text"),
+        ("a.jsonl.zst", "jsonl", "text"),
+        ("a.parquet", "parquet", "body"),
+    ]:
+        got = list(corpus.iter_documents(str(tmp_path / name), fmt, text_column=column))
+        assert got == docs, name
+    seen = []
+    source = corpus.Source("file", str(tmp_path / "a.jsonl.gz"))
+    list(corpus.iter_source_documents(source, "jsonl", seen.append))
+    assert sum(seen) == os.path.getsize(tmp_path / "a.jsonl.gz")  # stored bytes, for progress
+
+
+def test_row_text_is_split_into_paragraphs_and_sentences(tmp_path):
+    rows = [{"text": "First one. Second one.\nNew paragraph here"}, {"text": ""}, {"text": None}]
+    (tmp_path / "r.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    docs = list(corpus.iter_documents(str(tmp_path / "r.jsonl"), "jsonl"))
+    assert docs == [["First one.", "Second one.", "New paragraph here"]]
+
+
+def test_compressed_text_formats(tmp_path):
+    text = "Line one.\nLine two.\n\nOther doc.\n"
+    with gzip.open(tmp_path / "c.txt.gz", "wt") as f:
+        f.write(text)
+    _write_zst(tmp_path / "c.txt.zst", text)
+    for name in ("c.txt.gz", "c.txt.zst"):
+        docs = list(corpus.iter_documents(str(tmp_path / name), "bert"))
+        assert docs == [["Line one.", "Line two."], ["Other doc."]]
+
+
+def test_bad_rows_are_one_line_errors_naming_file_and_line(tmp_path):
+    cases = {
+        '{"text": "ok"}\n{"text": "bad\n': "bad.jsonl:2: invalid JSON",
+        '{"text": "ok"}\n[1, 2]\n': "bad.jsonl:2: expected a JSON object, got list",
+        '{"text": "ok"}\n\n{"body": "x", "id": 3}\n': (
+            "bad.jsonl:3: no key 'text' (--text_column); the row has keys 'body', 'id'"
+        ),
+        '{"text": 5}\n': "bad.jsonl:1: 'text' is a int, not a string",
+    }
+    for content, message in cases.items():
+        (tmp_path / "bad.jsonl").write_text(content)
+        with pytest.raises(ValueError) as err:
+            list(corpus.iter_documents(str(tmp_path / "bad.jsonl"), "jsonl"))
+        assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_bad_parquet_errors(tmp_path):
+    _write_parquet(tmp_path / "p.parquet", _documents(3))
+    with pytest.raises(ValueError, match=r"p.parquet: no column 'text' .*'id', 'body'"):
+        list(corpus.iter_documents(str(tmp_path / "p.parquet"), "parquet"))
+    with pytest.raises(ValueError, match=r"p.parquet: column 'id' holds int64, not strings"):
+        list(corpus.iter_documents(str(tmp_path / "p.parquet"), "parquet", text_column="id"))
+    (tmp_path / "x.parquet").write_text("not parquet")
+    with pytest.raises(ValueError, match=r"x.parquet: not a Parquet file"):
+        list(corpus.iter_documents(str(tmp_path / "x.parquet"), "parquet"))
+
+
+def _shard_digest(out):
+    digest = hashlib.sha256()
+    for name in sorted(os.listdir(out)):
+        if name.endswith(".tfrecord"):
+            digest.update(name.encode() + (out / name).read_bytes())
+    return digest.hexdigest()
+
+
+def test_prepare_reads_row_formats_like_the_bert_format(tmp_path, tok):
+    """The same documents as bert-format files, JSONL(.gz) and Parquet give the same shards."""
+    docs = _documents(30)
+    (tmp_path / "bert").mkdir()
+    (tmp_path / "rows").mkdir()
+    for part in range(2):
+        mine = docs[part::2]
+        text = "\n\n".join("\n".join(d) for d in mine) + "\n"
+        (tmp_path / "bert" / f"p{part}.txt").write_text(text)
+        _write_jsonl(tmp_path / "rows" / f"p{part}.jsonl.gz", mine, opener=gzip.open)
+        _write_parquet(tmp_path / "rows" / f"p{part}.parquet", mine)
+    kw = dict(max_seq_length=32, max_predictions_per_seq=5, dupe_factor=2, num_shards=2)
+    kw.update(show_progress=False, num_workers=1)
+    runs = [
+        ("bert", "bert/*.txt", "text"),
+        ("jsonl", "rows/*.jsonl.gz", "text"),
+        ("parquet", "rows/*.parquet", "body"),
+    ]
+    digests = {}
+    for fmt, pattern, column in runs:
+        out = tmp_path / f"out-{fmt}"
+        meta = prepare.prepare(
+            str(tmp_path / pattern), str(out), tok, corpus_format=fmt, text_column=column, **kw
+        )
+        assert meta["corpus_format"] == fmt and meta["text_column"] == column
+        assert meta["documents"]["train"] == 30
+        digests[fmt] = _shard_digest(out)
+    assert len(set(digests.values())) == 1, digests
+
+
+def test_prepare_cli_and_vocab_read_parquet(tmp_path, tok):
+    _write_parquet(tmp_path / "c.parquet", _documents(20))
+    out = tmp_path / "out"
+    argv = [
+        f"--input={tmp_path}/c.parquet", f"--output_dir={out}", f"--vocab={tok.vocab_file}",
+        "--format=parquet", "--text_column=body", "--max_seq_length=32", "--num_shards=1",
+        "--dupe_factor=1", "--no_progress", "--num_workers=1",
+    ]  # fmt: skip
+    assert prepare.main(argv) == 0
+    meta = json.loads((out / "metadata.json").read_text())
+    assert meta["documents"]["train"] == 20 and meta["examples"]["train"] > 0
+    with pytest.raises(ValueError, match="no column 'text'"):
+        bad = [a for a in argv if not a.startswith(("--text_column", "--output_dir"))]
+        prepare.main([*bad, f"--output_dir={tmp_path}/out2"])
+    lines = list(vocab.corpus_lines(str(tmp_path / "c.parquet"), "parquet", text_column="body"))
+    assert lines == [s for d in _documents(20) for s in d]
+
+
+def test_open_stream_remote_paths_go_through_gfile(tmp_path):
+    pytest.importorskip("tensorflow")
+    _write_jsonl(tmp_path / "g.jsonl.gz", _documents(3), opener=gzip.open)
+    texts = list(formats.jsonl_texts(f"file://{tmp_path}/g.jsonl.gz"))
+    assert texts == ["\n".join(d) for d in _documents(3)]
