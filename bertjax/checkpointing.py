@@ -9,10 +9,12 @@ complete step. Restoring onto another mesh reshards (the target shardings come f
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import math
 import os
+import threading
 import time
 from typing import Any
 
@@ -39,6 +41,8 @@ class Checkpointer:
         self.manager = ocp.CheckpointManager(
             self.directory, options=options, item_names=("state", "data", "config")
         )
+        self._failed = False
+        self._saving: int | None = None  # the step of the last save started
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
@@ -53,7 +57,11 @@ class Checkpointer:
             data=ocp.args.JsonSave(data_state),
             config=ocp.args.JsonSave(json.loads(config_json)),
         )
-        return self.manager.save(step, args=args, force=force)
+        self._saving = step
+        try:
+            return self.manager.save(step, args=args, force=force)
+        except Exception as err:  # noqa: BLE001  (Orbax/TensorStore raise many types)
+            raise self._save_failed(step, err) from err
 
     def restore(self, abstract_state: Any, step: int | None = None) -> tuple[Any, dict, dict, int]:
         """Restores (state, data_state, config_dict, step) onto the shardings of ``abstract_state``."""
@@ -124,15 +132,98 @@ class Checkpointer:
         return self.manager.restore(step, args=args)["state"]["params"]
 
     def wait(self) -> None:
-        self.manager.wait_until_finished()
+        """Waits for an async save; a failed one raises :class:`CheckpointSaveError`."""
+        try:
+            self.manager.wait_until_finished()
+        except Exception as err:  # noqa: BLE001
+            raise self._save_failed(None, err) from err
 
     def close(self) -> None:
-        self.manager.wait_until_finished()
-        self.manager.close()
+        """Waits and closes; after a failed save (already reported) only closes."""
+        try:
+            if not self._failed:
+                self.wait()
+        finally:
+            if self._failed:
+                _drain_save_threads(self.manager)
+            try:
+                self.manager.close()
+            except Exception:  # noqa: BLE001
+                if not self._failed:
+                    raise
+
+    def _save_failed(self, step: int | None, err: BaseException) -> CheckpointSaveError:
+        """The one-line error of a failed save: the file or step folder, disk full or the
+        reason; the newest complete checkpoint stays (Orbax renames a step only when complete)."""
+        self._failed = True
+        chain = _chain(err)
+        step = self._saving if step is None else step
+        where = next((e.filename for e in chain if getattr(e, "filename", None)), None)
+        where = where or str(self.directory / (str(step) if step is not None else ""))
+        full = any(map(_disk_full, chain))
+        reason = "no space left on device" if full else _why_unrestorable(where, chain[-1])
+        try:
+            self.manager.reload()
+            kept = max(self.all_steps(), default=None)
+        except Exception:  # noqa: BLE001
+            kept = None
+        last = f"step {kept} in {self.directory} is intact" if kept is not None else "none kept"
+        return CheckpointSaveError(
+            f"{where}: saving checkpoint{'' if step is None else f' step {step}'} failed "
+            f"({reason}); the last complete checkpoint: {last}"
+            + ("; free space, then run again to resume from it" if full else "")
+        )
 
 
 class CheckpointRestoreError(ValueError):
     """No checkpoint of a directory restores (the message names each step's reason)."""
+
+
+class CheckpointSaveError(OSError):
+    """A checkpoint could not be saved (disk full, ...): one line naming the path and the reason."""
+
+
+def _chain(err: BaseException) -> list[BaseException]:
+    """``err`` and its causes (at most 10)."""
+    chain = [err]
+    while len(chain) < 10 and (chain[-1].__cause__ or chain[-1].__context__) is not None:
+        chain.append(chain[-1].__cause__ or chain[-1].__context__)
+    return chain
+
+
+def _disk_full(err: BaseException) -> bool:
+    text = str(err)
+    return (
+        getattr(err, "errno", None) in (errno.ENOSPC, errno.EDQUOT)
+        or "No space left on device" in text
+        or "Disk quota exceeded" in text
+    )
+
+
+def _drain_save_threads(manager, timeout: float = 60.0) -> None:
+    """After a failed save, lets Orbax's other save threads end (their errors are the reported
+    one's consequences) so that none is cut by the interpreter's exit mid-write."""
+    try:
+        manager.wait_until_finished()
+    except Exception:  # noqa: BLE001
+        pass
+    deadline = time.monotonic() + timeout
+    for thread in threading.enumerate():
+        if thread is not threading.current_thread() and "orbax" in type(thread).__module__:
+            thread.join(max(0.0, deadline - time.monotonic()))
+    time.sleep(0.2)  # their executor threads' last callbacks
+
+
+class _DiskFullLogFilter(logging.Filter):
+    """Drops Orbax's background-thread tracebacks (logged through absl) of a disk-full save:
+    ``Checkpointer`` reports that save in one line (:class:`CheckpointSaveError`)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        err = record.exc_info[1] if record.exc_info else None
+        return not (err is not None and any(map(_disk_full, _chain(err))))
+
+
+logging.getLogger("absl").addFilter(_DiskFullLogFilter())
 
 
 _JSON_FILES = ("_CHECKPOINT_METADATA", "state/_METADATA", "state/_sharding", "data/metadata")

@@ -1,0 +1,34 @@
+"""`python tests/fault_inject.py COMMAND ...`: the `bertjax` command with a fault injected into
+Orbax's checkpoint writes, for tests/test_fault_injection.py.
+
+BERTJAX_FAULT_DISK_FULL_STEP=N: writing checkpoint step N fails with ENOSPC (a full disk).
+BERTJAX_FAULT_SLOW_SAVE_STEP=N: writing checkpoint step N stalls for 600 s (to be killed mid-save).
+"""
+
+import errno
+import os
+import sys
+import time
+
+from etils import epath
+
+from bertjax import cli
+
+_write_text = epath.Path.write_text
+
+
+def _faulty_write_text(self, *args, **kwargs):
+    for key, fault in (("DISK_FULL", "full"), ("SLOW_SAVE", "slow")):
+        step = os.environ.get(f"BERTJAX_FAULT_{key}_STEP")
+        if step and f"/{step}.orbax-checkpoint-tmp" in str(self):
+            if fault == "full":
+                raise OSError(errno.ENOSPC, "No space left on device", str(self))
+            time.sleep(600)
+    return _write_text(self, *args, **kwargs)
+
+
+epath.Path.write_text = _faulty_write_text
+
+if __name__ == "__main__":
+    sys.argv[0] = "bertjax"
+    cli.main()

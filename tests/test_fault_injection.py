@@ -1,0 +1,151 @@
+"""Fault injection (issue 15): kill -9 at seeded random points of prepare and of training (mid
+checkpoint write included), corrupt the newest checkpoint, fill the disk while checkpointing; then
+run again and check that nothing is lost or half-written and that the losses equal those of an
+uninterrupted run. Faults in checkpoint writes come from tests/fault_inject.py (a `bertjax` with
+Orbax's writes patched)."""
+
+import errno
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from etils import epath
+from train_fixtures import read_metrics, tiny_config, write_vocab
+
+from bertjax import checkpointing, train
+from bertjax.data import prepare
+from bertjax.text import load_tokenizer
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+SEED = int(os.environ.get("BERTJAX_FAULT_SEED", "15"))
+
+
+def _bertjax(tmp_path, workdir, *args, env=None):
+    cmd = [sys.executable, str(REPO / "tests" / "fault_inject.py"), "pretrain"]
+    cmd += [f"--config={REPO}/tests/tiny_pretrain_config.py:{tmp_path}", f"--workdir={workdir}"]
+    env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
+    return subprocess.Popen(
+        [*cmd, *args], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+
+
+def _wait_for(predicate, proc, timeout=300):
+    deadline = time.time() + timeout
+    while not predicate():
+        if proc.poll() is not None:
+            raise AssertionError(f"ended early: {proc.stdout.read()[-2000:]}{proc.stderr.read()}")
+        assert time.time() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def _losses(workdir):
+    return [r["loss"] for r in read_metrics(workdir)]
+
+
+@pytest.mark.slow
+def test_kill_mid_checkpoint_corrupt_newest_then_disk_full_then_resume_exactly(tmp_path):
+    rng = np.random.default_rng(SEED)
+    train.train_and_evaluate(tiny_config(tmp_path, steps=10), str(tmp_path / "reference"))
+    workdir = tmp_path / "run"
+    checkpoints = workdir / "checkpoints"
+    # 1. kill -9 while checkpoint step 4 or 6 (seeded) is half-written.
+    killed_at = int(rng.choice([4, 6]))
+    proc = _bertjax(tmp_path, workdir, env={"BERTJAX_FAULT_SLOW_SAVE_STEP": str(killed_at)})
+    _wait_for(lambda: (checkpoints / f"{killed_at}.orbax-checkpoint-tmp").exists(), proc)
+    time.sleep(float(rng.uniform(0.0, 0.5)))
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate()
+    # 2. corrupt the newest complete checkpoint: the run falls back to the one before it.
+    newest = checkpoints / str(killed_at - 2)
+    data_file = max((newest / "state").rglob("d/*"), key=lambda p: p.stat().st_size)
+    data_file.write_bytes(data_file.read_bytes()[: data_file.stat().st_size // 2])
+    # 3. the disk fills while writing checkpoint step 8: one line naming the path, nothing lost.
+    proc = _bertjax(tmp_path, workdir, env={"BERTJAX_FAULT_DISK_FULL_STEP": "8"})
+    out, err = proc.communicate(timeout=600)
+    errors = [line for line in err.splitlines() if line.strip()]
+    assert proc.returncode == 1, out[-2000:] + err[-3000:]
+    assert len(errors) == 1 and errors[0].startswith("bertjax: error: "), err[-3000:]
+    assert "8.orbax-checkpoint-tmp" in errors[0] and "no space left on device" in errors[0]
+    assert "step 6" in errors[0] and "is intact" in errors[0]
+    assert f"{killed_at - 2}.unrestorable-" in " ".join(p.name for p in checkpoints.iterdir())
+    # 4. a plain run finishes: every step logged once, the losses of the uninterrupted run.
+    proc = _bertjax(tmp_path, workdir)
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out[-2000:] + err[-3000:]
+    assert "resumed from" in out and "step 6" in out
+    assert [r["step"] for r in read_metrics(workdir)] == list(range(1, 11))
+    np.testing.assert_allclose(_losses(workdir), _losses(tmp_path / "reference"), rtol=1e-6)
+    assert not list(checkpoints.glob("*.orbax-checkpoint-tmp"))
+
+
+def test_disk_full_in_an_async_save_is_one_error_naming_the_path(tmp_path, monkeypatch):
+    import jax.numpy as jnp
+
+    ckpt = checkpointing.Checkpointer(str(tmp_path / "ck"), async_save=True)
+    state = {"w": jnp.ones((4, 4))}
+    ckpt.save(1, state, {}, "{}", force=True)
+    ckpt.wait()
+    write_text = epath.Path.write_text
+
+    def full(self, *args, **kwargs):
+        if "2.orbax-checkpoint-tmp" in str(self):
+            raise OSError(errno.ENOSPC, "No space left on device", str(self))
+        return write_text(self, *args, **kwargs)
+
+    monkeypatch.setattr(epath.Path, "write_text", full)
+    with pytest.raises(checkpointing.CheckpointSaveError) as info:
+        ckpt.save(2, state, {}, "{}", force=True)
+        ckpt.wait()
+    ckpt.close()
+    message = str(info.value)
+    assert "\n" not in message and "2.orbax-checkpoint-tmp" in message
+    assert "no space left on device" in message and "step 1" in message
+    monkeypatch.setattr(epath.Path, "write_text", write_text)
+    again = checkpointing.Checkpointer(str(tmp_path / "ck"), async_save=False)
+    assert again.all_steps() == [1]  # the half-written step is no checkpoint
+    again.close()
+
+
+def _corpus(tmp_path, vocab, files=2, docs=600):
+    rng = np.random.default_rng(SEED)
+    words = [w for w in vocab.read_text().split() if w.startswith("w")]
+    paths = []
+    for f in range(files):
+        text = ["\n".join(" ".join(rng.choice(words, 10)) for _ in range(6)) for _ in range(docs)]
+        paths.append(tmp_path / f"corpus-{f}.txt")
+        paths[-1].write_text("\n\n".join(text) + "\n")
+    return paths
+
+
+@pytest.mark.slow
+def test_kill9_of_prepare_at_a_random_point_then_rerun_equals_an_uninterrupted_run(tmp_path):
+    vocab = write_vocab(tmp_path / "vocab.txt")
+    corpus = _corpus(tmp_path, vocab)
+    options = dict(dupe_factor=2, num_shards=3, eval_fraction=0.1, random_document_buffer=20)
+    tok = load_tokenizer(str(vocab), do_lower_case=True)
+    ref = prepare.prepare([str(c) for c in corpus], str(tmp_path / "ref"), tok, num_workers=1,
+                          show_progress=False, **options)  # fmt: skip
+    out = tmp_path / "out"
+    args = ["--input", ",".join(map(str, corpus)), "--output_dir", str(out), "--vocab", str(vocab)]
+    args += ["--num_workers=2", "--no_progress", "--dupe_factor=2", "--num_shards=3"]
+    args += ["--eval_fraction=0.1", "--random_document_buffer=20"]
+    proc = subprocess.Popen([sys.executable, "-m", "bertjax.cli", "prepare", *args], cwd=REPO,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    _wait_for(lambda: bool(list(out.glob(".prepare-tmp-*"))), proc)
+    time.sleep(float(np.random.default_rng(SEED).uniform(0.5, 3.0)))
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (out / "metadata.json").exists() or proc.returncode == 0
+    meta = prepare.prepare([str(c) for c in corpus], str(out), tok, num_workers=2,
+                           show_progress=False, **options)  # fmt: skip
+    assert meta["examples"] == ref["examples"] and meta["shards"] == ref["shards"]
+    for name in ref["shards"]:
+        assert (out / name).read_bytes() == (tmp_path / "ref" / name).read_bytes(), name
+    assert sorted(p.name for p in out.iterdir()) == sorted(["metadata.json", *ref["shards"]])
+    assert json.loads((out / "metadata.json").read_text())["examples"] == ref["examples"]
