@@ -228,9 +228,6 @@ def main(argv: list[str] | None = None) -> None:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TensorFlow's C++ start-up chatter
     if argv is None:  # the `bertjax` command (not a caller's in-process call)
         console.quiet_native_logs()  # CPU-only machine: TF/CUDA/TPU start-up noise off stderr
-    from bertjax import topology
-
-    topology.keep_libtpu_off_cpu_hosts()
     argv = list(sys.argv if argv is None else argv)
     if len(argv) < 2 or argv[1] in ("-h", "--help", "help"):
         print(_usage())

@@ -67,14 +67,16 @@ def _filter(level: int) -> None:
 def quiet_native_logs() -> None:
     """On a Linux machine without accelerators (and BERTJAX_RAW_STDERR unset): JAX on the CPU and
     stderr through the noise filter. Call before TensorFlow is imported and JAX initialised."""
-    if os.environ.get("BERTJAX_RAW_STDERR") or not sys.platform.startswith("linux"):
+    if not sys.platform.startswith("linux") or has_accelerator():
         return
-    if has_accelerator():
-        return
+    # JAX on the CPU: with libtpu installed (the aot extra) it would otherwise start the TPU
+    # runtime in every process (warnings, and a lock file one process at a time may hold).
     if not os.environ.get("JAX_PLATFORMS"):
         os.environ["JAX_PLATFORMS"] = "cpu"
         if "jax" in sys.modules:  # jax read the environment at import
             sys.modules["jax"].config.update("jax_platforms", "cpu")
+    if os.environ.get("BERTJAX_RAW_STDERR"):
+        return
     level = os.environ.get("TF_CPP_MIN_LOG_LEVEL", "0")
     read, write = os.pipe()
     try:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import glob
-import importlib.util
 import math
 import os
 import re
@@ -194,18 +193,3 @@ def has_tpu_chips() -> bool:
         except OSError:
             continue
     return False
-
-
-def keep_libtpu_off_cpu_hosts() -> None:
-    """With ``libtpu`` installed (the ``aot`` extra) on a machine without TPUs, JAX would start the
-    TPU runtime in every process: warnings on every run and a lock (``/tmp/libtpu_lockfile``) that
-    one process at a time may hold. There, JAX gets ``JAX_PLATFORMS=cpu`` (unless it is set or an
-    NVIDIA GPU is present); ``--topology`` starts libtpu itself, only when asked."""
-    if os.environ.get("JAX_PLATFORMS") or importlib.util.find_spec("libtpu") is None:
-        return
-    if has_tpu_chips() or glob.glob("/dev/nvidia[0-9]*"):
-        return
-    os.environ["JAX_PLATFORMS"] = "cpu"
-    import jax
-
-    jax.config.update("jax_platforms", "cpu")

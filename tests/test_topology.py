@@ -62,23 +62,6 @@ def test_device_kinds_map_to_generations():
     assert topology.generation_of_kind("cpu") is None
 
 
-def test_libtpu_is_kept_off_cpu_hosts(monkeypatch):
-    monkeypatch.delenv("JAX_PLATFORMS", raising=False)
-    monkeypatch.setattr(topology.importlib.util, "find_spec", lambda name: object())
-    monkeypatch.setattr(topology, "has_tpu_chips", lambda: False)
-    monkeypatch.setattr(topology.glob, "glob", lambda pattern: [])
-    updates = []
-    monkeypatch.setattr("jax.config.update", lambda key, value: updates.append((key, value)))
-    topology.keep_libtpu_off_cpu_hosts()
-    assert updates == [("jax_platforms", "cpu")]
-    assert topology.os.environ["JAX_PLATFORMS"] == "cpu"
-    # A TPU VM keeps its TPU; an explicit JAX_PLATFORMS is never overridden.
-    monkeypatch.delenv("JAX_PLATFORMS")
-    monkeypatch.setattr(topology, "has_tpu_chips", lambda: True)
-    topology.keep_libtpu_off_cpu_hosts()
-    assert "JAX_PLATFORMS" not in topology.os.environ and len(updates) == 1
-
-
 TINY = {
     "model.preset": "tiny",
     "model.num_layers": 1,
