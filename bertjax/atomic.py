@@ -1,5 +1,6 @@
 """One way to write a file that never looks complete before it is: a temporary name in the same
-folder, then a rename; local paths and ``gs://`` alike (``tf.io.gfile``)."""
+folder, then a rename; local paths and ``gs://`` alike (``tf.io.gfile``, imported only for a path
+with a scheme)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import uuid
 from collections.abc import Iterator
 from typing import Any, BinaryIO, TextIO
 
-import tensorflow as tf
+import bertjax.fs as fs
 
 
 @contextlib.contextmanager
@@ -20,15 +21,15 @@ def atomic_open(path: str | os.PathLike, mode: str = "w") -> Iterator[TextIO | B
     path = os.fspath(path)
     folder = os.path.dirname(path)
     if folder:
-        tf.io.gfile.makedirs(folder)
+        fs.makedirs(folder)
     tmp = os.path.join(folder, f".{os.path.basename(path)}.tmp-{uuid.uuid4().hex[:12]}")
     try:
-        with tf.io.gfile.GFile(tmp, mode) as f:
+        with fs.open_file(tmp, mode) as f:
             yield f
-        tf.io.gfile.rename(tmp, path, overwrite=True)
+        fs.rename(tmp, path)
     finally:
-        if tf.io.gfile.exists(tmp):
-            tf.io.gfile.remove(tmp)
+        if fs.exists(tmp):
+            fs.remove(tmp)
 
 
 def write_text(path: str | os.PathLike, text: str) -> None:

@@ -181,3 +181,51 @@ def test_open_stream_remote_paths_go_through_gfile(tmp_path):
     _write_jsonl(tmp_path / "g.jsonl.gz", _documents(3), opener=gzip.open)
     texts = list(formats.jsonl_texts(f"file://{tmp_path}/g.jsonl.gz"))
     assert texts == ["\n".join(d) for d in _documents(3)]
+
+
+_KILLED_RUN = """
+import os, sys
+from bertjax.data import prepare, units
+from bertjax.text import load_tokenizer
+real = units.process_unit
+def dying(task):
+    if task[0] == 2:
+        os._exit(9)  # killed while working on unit 2: units 0 and 1 are complete
+    return real(task)
+units.process_unit = dying
+prepare.prepare(sys.argv[1].split(","), sys.argv[2], load_tokenizer(sys.argv[3], True),
+                num_workers=1, show_progress=False, **eval(sys.argv[4]))
+"""
+
+
+def test_a_killed_run_resumes_with_only_the_unfinished_units(tmp_path, tok, monkeypatch):
+    import subprocess
+    import sys
+
+    from bertjax.data import units
+
+    docs = _documents(40)
+    paths = []
+    for part in range(4):
+        paths.append(str(tmp_path / f"p{part}.txt"))
+        (tmp_path / f"p{part}.txt").write_text("\n\n".join("\n".join(d) for d in docs[part::4]))
+    kw = dict(max_seq_length=32, max_predictions_per_seq=5, dupe_factor=2, num_shards=3)
+    ref = prepare.prepare(paths, str(tmp_path / "ref"), tok, show_progress=False, **kw)
+    out = tmp_path / "out"
+    args = [",".join(paths), str(out), tok.vocab_file, repr(kw)]
+    proc = subprocess.run([sys.executable, "-c", _KILLED_RUN, *args], capture_output=True)
+    assert proc.returncode == 9, proc.stderr.decode()[-2000:]
+    (work,) = out.glob(".prepare-tmp-*")
+    assert sorted(p.name for p in work.glob("unit-*.json")) == [
+        "unit-000000.json",
+        "unit-000001.json",
+    ]
+    assert not (out / "metadata.json").exists()
+    ran = []
+    real = units.process_unit
+    monkeypatch.setattr(units, "process_unit", lambda task: ran.append(task[0]) or real(task))
+    meta = prepare.prepare(paths, str(out), tok, num_workers=1, show_progress=False, **kw)
+    assert ran == [2, 3]
+    assert meta["examples"] == ref["examples"] and meta["shards"] == ref["shards"]
+    assert _shard_digest(out) == _shard_digest(tmp_path / "ref")
+    assert sorted(p.name for p in out.iterdir()) == sorted(["metadata.json", *ref["shards"]])

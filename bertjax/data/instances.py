@@ -11,9 +11,9 @@ import dataclasses
 from collections.abc import Callable, Sequence
 
 import numpy as np
-import tensorflow as tf
 
 from bertjax.data import corpus, masking, packing
+from bertjax.data.records import example_bytes, float_feature, int64_feature
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,10 +130,6 @@ def create_instances_from_document(
     return instances
 
 
-def _int64_feature(values) -> tf.train.Feature:
-    return tf.train.Feature(int64_list=tf.train.Int64List(value=values))
-
-
 def instance_to_example(
     tokens_a: list[int],
     tokens_b: list[int],
@@ -190,20 +186,16 @@ def _serialize(
         )
         ids = masked.input_ids.tolist()
         k, pad = len(masked.positions), cfg.max_predictions_per_seq - len(masked.positions)
-        features["masked_lm_positions"] = _int64_feature(masked.positions.tolist() + [0] * pad)
-        features["masked_lm_ids"] = _int64_feature(masked.labels.tolist() + [0] * pad)
-        features["masked_lm_weights"] = tf.train.Feature(
-            float_list=tf.train.FloatList(value=[1.0] * k + [0.0] * pad)
-        )
-    features["input_ids"] = _int64_feature(ids + [consts["pad_id"]] * (seq - n))
-    features["input_mask"] = _int64_feature([1] * n + [0] * (seq - n))
-    features["segment_ids"] = _int64_feature(segment_ids + [0] * (seq - n))
+        features["masked_lm_positions"] = int64_feature(masked.positions.tolist() + [0] * pad)
+        features["masked_lm_ids"] = int64_feature(masked.labels.tolist() + [0] * pad)
+        features["masked_lm_weights"] = float_feature([1.0] * k + [0.0] * pad)
+    features["input_ids"] = int64_feature(ids + [consts["pad_id"]] * (seq - n))
+    features["input_mask"] = int64_feature([1] * n + [0] * (seq - n))
+    features["segment_ids"] = int64_feature(segment_ids + [0] * (seq - n))
     for key, values in extra.items():
-        features[key] = _int64_feature(values + [0] * (seq - len(values)))
-    features["next_sentence_labels"] = _int64_feature([next_sentence_label])
-    return tf.train.Example(features=tf.train.Features(feature=features)).SerializeToString(
-        deterministic=True
-    )  # map keys sorted: bytes independent of the process (hash seed)
+        features[key] = int64_feature(values + [0] * (seq - len(values)))
+    features["next_sentence_labels"] = int64_feature([next_sentence_label])
+    return example_bytes(features)  # = tf.train.Example(...).SerializeToString(deterministic=True)
 
 
 class DocumentWindow:

@@ -18,7 +18,6 @@ before any parsing or masking. Nothing depends on TF's global seed, so two proce
 same arguments yield identical batches.
 """
 
-import json
 import re
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -29,9 +28,8 @@ from absl import logging
 
 from bertjax.data import masking
 from bertjax.data.array_data import ArrayData, check_state  # noqa: F401  (ArrayData re-exported)
+from bertjax.data.metadata import METADATA_FILE, read_metadata  # noqa: F401  (re-exported)
 
-METADATA_FILE = "metadata.json"
-_REQUIRED_METADATA = ("max_seq_length", "max_predictions_per_seq", "masking", "nsp")
 _SHARD_RE = re.compile(r"^(?P<split>[\w.-]+)-(?P<index>\d{5})-of-(?P<count>\d{5})\.tfrecord$")
 # Tags keep the stateless streams of different purposes apart.
 _TAG_FILE_ORDER, _TAG_BLOCK_SHUFFLE, _TAG_MASK = 1, 2, 3
@@ -57,32 +55,6 @@ def hide_accelerators_from_tf() -> None:
             if tf.config.get_visible_devices(kind):
                 logging.warning("TF already sees %s devices and may use them: %s", kind, err)
     _accelerators_hidden = True
-
-
-def read_metadata(data_dir: str, missing_ok: bool = False) -> dict | None:
-    """Reads `{data_dir}/metadata.json` (from prepare.py); one-line ValueError if missing or bad
-    (None when it is missing and ``missing_ok``)."""
-    path = f"{str(data_dir).rstrip('/')}/{METADATA_FILE}"
-    if not tf.io.gfile.exists(path):
-        if missing_ok:
-            return None
-        raise ValueError(f"{path}: metadata file not found (is {data_dir} a prepared data dir?)")
-    with tf.io.gfile.GFile(path, "r") as f:
-        text = f.read()
-    try:
-        meta = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{path}:{err.lineno}: invalid JSON: {err.msg}") from None
-    if not isinstance(meta, dict):
-        raise ValueError(f"{path}: expected a JSON object, got {type(meta).__name__}")
-    missing = [k for k in _REQUIRED_METADATA if k not in meta]
-    if missing:
-        raise ValueError(f"{path}: missing key(s) {missing}")
-    if meta["masking"] not in ("static", "dynamic"):
-        raise ValueError(
-            f"{path}: key 'masking' must be 'static' or 'dynamic', got {meta['masking']!r}"
-        )
-    return meta
 
 
 def list_shards(data_dir: str, split: str) -> list[str]:

@@ -44,25 +44,19 @@ Output in output_dir:
 from __future__ import annotations
 
 import argparse
-import collections
 import dataclasses
-import functools
 import hashlib
 import json
 import logging
-import multiprocessing
 import os
-import pickle
 import shutil
+import tempfile
 import time
 from collections.abc import Sequence
 
-import numpy as np
-import tensorflow as tf
-import tqdm
-
+import bertjax.fs as fs
 from bertjax import atomic
-from bertjax.data import corpus, lifetime
+from bertjax.data import corpus, lifetime, units
 from bertjax.data.instances import (  # noqa: F401  (re-exported)
     DocumentWindow,
     PrepareConfig,
@@ -71,13 +65,12 @@ from bertjax.data.instances import (  # noqa: F401  (re-exported)
     packed_to_example,
     truncate_seq_pair,
 )
-from bertjax.data.packing import Packer
-from bertjax.data.pipeline import METADATA_FILE, read_metadata
+from bertjax.data.metadata import METADATA_FILE, read_metadata
+from bertjax.data.units import SPLITS
 from bertjax.text import load_tokenizer
 
 FORMAT_VERSION = 1
-SPLITS = ("train", "eval")
-_EVAL_STREAM = 0x5EED_E7A1  # generator stream tag for the eval-split draws
+_TMP_PREFIX = ".prepare-tmp-"
 _SETTINGS = (
     "format_version max_seq_length max_predictions_per_seq masked_lm_prob masking whole_word_mask nsp "
     "short_seq_prob dupe_factor seed random_document_buffer eval_fraction corpus_format input sources "
@@ -88,144 +81,6 @@ _SETTING_DEFAULTS = {"packing": False, "text_column": "text"}
 log = logging.getLogger(__name__)
 
 
-# Per-process state of a worker: the tokenizer (loaded once) and the shared progress counters.
-_WORKER: dict = {}
-
-
-def _init_worker(counters, parent_pid: int | None = None) -> None:
-    _WORKER["counters"] = counters
-    if parent_pid is not None:  # a pool worker: ends when prepare is killed
-        lifetime.die_with_parent(parent_pid)
-
-
-def _tokenizer_for(spec):
-    if not isinstance(spec, tuple):
-        return spec  # an in-process tokenizer object
-    if _WORKER.get("tokenizer_spec") != spec:
-        _WORKER["tokenizer"], _WORKER["tokenizer_spec"] = load_tokenizer(*spec), spec
-    return _WORKER["tokenizer"]
-
-
-class _Progress:
-    """Batches progress into the shared counters (docs, bytes) every ~1 MB."""
-
-    def __init__(self):
-        self.docs = self.bytes = 0
-
-    def add(self, docs: int = 0, nbytes: int = 0) -> None:
-        self.docs += docs
-        self.bytes += nbytes
-        if self.bytes >= 1 << 20 or self.docs >= 1000:
-            self.flush()
-
-    def flush(self) -> None:
-        lifetime.exit_if_orphaned()
-        counters = _WORKER.get("counters")
-        if counters is not None:
-            for counter, value in zip(counters, (self.docs, self.bytes)):
-                with counter.get_lock():
-                    counter.value += value
-        self.docs = self.bytes = 0
-
-
-def _tokenized_documents(source, index, cfg, tok, progress):
-    """(split, document) pairs of one unit; a document is a list of non-empty id lists."""
-    eval_rng = np.random.default_rng([cfg.seed, index, _EVAL_STREAM])
-    for doc in corpus.iter_source_documents(
-        source, cfg.corpus_format, lambda n: progress.add(0, n), cfg.text_column
-    ):
-        progress.add(1)
-        ids = [s for s in (tok.encode(sentence) for sentence in doc) if s]
-        if not ids:
-            continue
-        split = "eval" if cfg.eval_fraction and eval_rng.random() < cfg.eval_fraction else "train"
-        yield split, ids
-
-
-def _doc_stream(source, index: int, cfg: PrepareConfig, tok, cache_path: str, pass_index: int):
-    """(split, document) pairs: tokenized from the corpus in pass 0 (and cached), then from the cache."""
-    if pass_index > 0:
-        with open(cache_path, "rb") as cache:
-            while True:
-                try:
-                    yield pickle.load(cache)
-                except EOFError:
-                    return
-    progress = _Progress()
-    with open(cache_path, "wb") as cache:
-        for item in _tokenized_documents(source, index, cfg, tok, progress):
-            if cfg.dupe_factor > 1:
-                pickle.dump(item, cache, protocol=pickle.HIGHEST_PROTOCOL)
-            yield item
-    progress.flush()
-
-
-def _process_source(task) -> dict:
-    """Worker: all passes over one unit, writing per-shard part files; returns counts."""
-    index, source, cfg, tok_spec, tmp_dir = task
-    tok = _tokenizer_for(tok_spec)
-    consts = dict(
-        vocab_size=tok.vocab_size, mask_id=tok.mask_id, cls_id=tok.cls_id, sep_id=tok.sep_id,
-        pad_id=tok.pad_id, special_ids=(tok.cls_id, tok.sep_id, tok.pad_id),
-        word_start=tok.word_start_table() if cfg.whole_word_mask else None,
-    )  # fmt: skip
-    num_shards, writers = cfg.shard_counts(), {}
-    examples = {split: collections.Counter() for split in SPLITS}
-    written = collections.Counter()
-    stats = {"documents": dict.fromkeys(SPLITS, 0), "sentences": 0, "tokens": 0, "real_next": 0}
-    cache_path = os.path.join(tmp_dir, f"cache-{index:06d}.pkl")
-
-    def make_instances(split: str, rng: np.random.Generator, pool, i: int) -> None:
-        kw = dict(max_seq_length=cfg.max_seq_length, short_seq_prob=cfg.short_seq_prob, nsp=cfg.nsp)
-        for a, b, is_random in create_instances_from_document(pool, i, rng=rng, **kw):
-            stats["real_next"] += not is_random
-            if not cfg.packing:
-                write(split, instance_to_example(a, b, is_random, cfg=cfg, consts=consts, rng=rng))
-                continue
-            for row in packers[split].add(a, len(a) + 2):  # [CLS] a [SEP]
-                write(split, packed_to_example(row, cfg=cfg, consts=consts, rng=rng))
-
-    def write(split: str, record: bytes) -> None:
-        shard = (written[split] + index) % num_shards[split]  # round robin, offset per unit
-        written[split] += 1
-        if (split, shard) not in writers:
-            part = os.path.join(tmp_dir, _part_name(split, shard, index))
-            writers[split, shard] = tf.io.TFRecordWriter(part)
-        writers[split, shard].write(record)
-        examples[split][shard] += 1
-
-    for pass_index in range(cfg.dupe_factor):
-        rngs = {
-            split: np.random.default_rng([cfg.seed, index, pass_index, split_id])
-            for split_id, split in enumerate(SPLITS)
-        }
-        packers = {split: Packer(cfg.max_seq_length, min_length=3) for split in SPLITS}
-        windows = {
-            split: DocumentWindow(
-                cfg.random_document_buffer, functools.partial(make_instances, split, rngs[split])
-            )
-            for split in SPLITS
-        }
-        for split, doc in _doc_stream(source, index, cfg, tok, cache_path, pass_index):
-            if pass_index == 0:
-                stats["documents"][split] += 1
-                stats["sentences"] += len(doc)
-                stats["tokens"] += sum(map(len, doc))
-            windows[split].push(doc)
-        for split, window in windows.items():
-            window.finish()
-            for row in packers[split].flush():
-                write(split, packed_to_example(row, cfg=cfg, consts=consts, rng=rngs[split]))
-    for writer in writers.values():
-        writer.close()
-    os.remove(cache_path)
-    return {"index": index, "examples": {s: dict(c) for s, c in examples.items()}, **stats}
-
-
-def _part_name(split: str, shard: int, index: int) -> str:
-    return f"{split}-{shard:05d}.part-{index:06d}"
-
-
 def _shard_name(split: str, shard: int, count: int) -> str:
     return f"{split}-{shard:05d}-of-{count:05d}.tfrecord"
 
@@ -234,52 +89,10 @@ def _join(directory: str, name: str) -> str:
     return f"{directory.rstrip('/')}/{name}"
 
 
-def _run_units(tasks: list, num_workers: int, total_bytes: int | None, show_progress: bool) -> list:
-    """Runs _process_source over the units (in-process or on a spawn pool) with a tqdm bar."""
-    ctx = multiprocessing.get_context("spawn")
-    counters = (ctx.Value("q", 0), ctx.Value("q", 0))  # documents read, bytes read
-    bar = tqdm.tqdm(
-        total=total_bytes,
-        unit="B",
-        unit_scale=True,
-        disable=not show_progress,
-        desc="prepare",
-        smoothing=0.1,
-    )
-    start = time.time()
-
-    def update():
-        bar.n = counters[1].value
-        rate = counters[0].value / max(time.time() - start, 1e-9)
-        bar.set_postfix_str(f"{counters[0].value} docs, {rate:.0f} docs/s", refresh=True)
-
-    try:
-        if num_workers <= 1:
-            _init_worker(counters)
-            results = []
-            for task in tasks:
-                results.append(_process_source(task))
-                update()
-            _WORKER.pop("counters", None)
-            return results
-        with ctx.Pool(
-            num_workers, initializer=_init_worker, initargs=(counters, os.getpid())
-        ) as pool:
-            pending = pool.map_async(_process_source, tasks, chunksize=1)
-            while not pending.ready():
-                pending.wait(0.5)
-                update()
-            results = pending.get()
-            update()
-            return results
-    finally:
-        bar.close()
-
-
 def vocab_sha256(path: str) -> str:
     """SHA-256 of a vocabulary file's bytes (vocab.txt, *.model or tokenizer.json; gs:// too)."""
     digest = hashlib.sha256()
-    with tf.io.gfile.GFile(str(path), "rb") as f:
+    with fs.open_file(str(path), "rb") as f:
         while chunk := f.read(1 << 20):
             digest.update(chunk)
     return digest.hexdigest()
@@ -356,35 +169,44 @@ def prepare(
                 f"{_join(output_dir, METADATA_FILE)} was written for other settings (differs in "
                 f"{', '.join(differ)}); use a new --output_dir or delete that one"
             )
-        missing = [n for n in existing["shards"] if not tf.io.gfile.exists(_join(output_dir, n))]
+        missing = [n for n in existing["shards"] if not fs.exists(_join(output_dir, n))]
         if not missing:
             log.info("%s is already prepared with these settings; skipping", output_dir)
             return existing
-        tf.io.gfile.remove(_join(output_dir, METADATA_FILE))  # incomplete: prepare again
-    tf.io.gfile.makedirs(output_dir)
-    for split in SPLITS:  # stale shards of an interrupted run
-        for path in tf.io.gfile.glob(_join(output_dir, f"{split}-*-of-*.tfrecord")):
-            tf.io.gfile.remove(path)
-    remote = "://" in output_dir
-    tmp_dir = lifetime.make_tmp_dir(".prepare-tmp-", None if remote else output_dir)
+        fs.remove(_join(output_dir, METADATA_FILE))  # incomplete: prepare again
+    fs.makedirs(output_dir)
+    sizes = [fs.size(s.path) if s.kind == "file" else None for s in sources]
+    total_bytes = None if None in sizes else sum(sizes)
+    tmp_dir = _work_dir(output_dir, _resume_key(settings, sources, sizes))
+    _remove_stale_shards(cfg, output_dir, tmp_dir)
+    done = units.done_units(tmp_dir, len(sources))
+    if done:
+        log.info(
+            "resuming: %d of %d corpus units were done by an interrupted run",
+            len(done),
+            len(sources),
+        )
     tok_spec = tokenizer
-    num_workers = min(num_workers or os.cpu_count() or 1, len(sources))
+    todo = [i for i in range(len(sources)) if i not in done]
+    num_workers = max(1, min(num_workers or os.cpu_count() or 1, len(todo)))
     if num_workers > 1:
         tok_spec = (str(tokenizer.vocab_file), bool(tokenizer.do_lower_case))
-    tasks = [(i, source, cfg, tok_spec, tmp_dir) for i, source in enumerate(sources)]
-    sizes = [tf.io.gfile.stat(s.path).length if s.kind == "file" else None for s in sources]
-    total_bytes = None if None in sizes else sum(sizes)
+    tasks = [(i, sources[i], cfg, tok_spec, tmp_dir) for i in todo]
     start = time.time()
     try:
-        results = _run_units(tasks, num_workers, total_bytes, show_progress)
+        results = units.run_units(tasks, num_workers, total_bytes, show_progress)
+        results = sorted([*done.values(), *results], key=lambda r: r["index"])
         seconds = time.time() - start
         documents = {s: sum(r["documents"][s] for r in results) for s in SPLITS}
         _check_documents(cfg, sources, results, documents)
         shards, shard_files, examples = _merge_parts(
             cfg, output_dir, tmp_dir, len(sources), results
         )
-    finally:
-        shutil.rmtree(tmp_dir, ignore_errors=True)
+    except Exception:
+        shutil.rmtree(tmp_dir, ignore_errors=True)  # an error: nothing worth resuming
+        raise
+    # Killed or interrupted (KeyboardInterrupt): tmp_dir stays, and the next run resumes from it.
+    shutil.rmtree(tmp_dir, ignore_errors=True)
     metadata = {
         **settings,
         "shards": shards,
@@ -435,23 +257,67 @@ def _check_documents(cfg: PrepareConfig, sources: list, results: list, documents
             )
 
 
+def _resume_key(settings: dict, sources: list, sizes: list) -> str:
+    """Hash of everything that changes the output, input files' sizes and times included."""
+    stamps = [
+        (size, os.path.getmtime(s.path) if s.kind == "file" and not fs.is_remote(s.path) else None)
+        for s, size in zip(sources, sizes)
+    ]
+    text = json.dumps([settings, stamps], sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _work_dir(output_dir: str, key: str) -> str:
+    """This run's temporary folder (in output_dir, or the system's for a remote output_dir), holding
+    what an interrupted run with the same settings finished (`units.adopt_interrupted`)."""
+    folder = None if fs.is_remote(output_dir) else output_dir
+    resume = units.adopt_interrupted(folder or tempfile.gettempdir(), _TMP_PREFIX, key)
+    tmp_dir = lifetime.make_tmp_dir(_TMP_PREFIX, folder)
+    with open(os.path.join(tmp_dir, units.KEY_FILE), "w") as f:
+        f.write(key)
+    if resume is not None:
+        units.move_contents(resume, tmp_dir)
+    return tmp_dir
+
+
+def _remove_stale_shards(cfg: PrepareConfig, output_dir: str, tmp_dir: str) -> None:
+    """Removes shards of an interrupted run, except those it completed for these settings."""
+    keep = {
+        _shard_name(split, shard, count)
+        for split, count in cfg.shard_counts().items()
+        for shard in range(count)
+        if units.is_merged(tmp_dir, split, shard)
+    }
+    for split in SPLITS:
+        for path in fs.glob(_join(output_dir, f"{split}-*-of-*.tfrecord")):
+            if path.rsplit("/", 1)[-1] not in keep:
+                fs.remove(path)
+
+
 def _merge_parts(cfg: PrepareConfig, output_dir: str, tmp_dir: str, num_units: int, results: list):
-    """Concatenates per-unit parts (in unit order) into shards, each via a temp name + rename."""
+    """Concatenates per-unit parts (in unit order) into shards, each via a temp name + rename;
+    a merged shard is marked (`units.mark_merged`) before its parts are removed."""
     shards, shard_files, examples = {}, {}, {}
     for split, count in cfg.shard_counts().items():
         shard_files[split] = []
         for shard in range(count):
             name = _shard_name(split, shard, count)
             final = _join(output_dir, name)
-            with tf.io.gfile.GFile(f"{final}.tmp", "wb") as out:
-                out.write(b"")  # GFile creates the file on the first write: an empty shard too
-                for index in range(num_units):
-                    part = os.path.join(tmp_dir, _part_name(split, shard, index))
-                    if os.path.exists(part):
-                        with open(part, "rb") as f:
-                            shutil.copyfileobj(f, out, 1 << 22)
-                        os.remove(part)
-            tf.io.gfile.rename(f"{final}.tmp", final, overwrite=True)
+            parts = [
+                os.path.join(tmp_dir, units.part_name(split, shard, i)) for i in range(num_units)
+            ]
+            if not (units.is_merged(tmp_dir, split, shard) and fs.exists(final)):
+                with fs.open_file(f"{final}.tmp", "wb") as out:
+                    out.write(b"")  # GFile creates the file on the first write: an empty shard too
+                    for part in parts:
+                        if os.path.exists(part):
+                            with open(part, "rb") as f:
+                                shutil.copyfileobj(f, out, 1 << 22)
+                fs.rename(f"{final}.tmp", final)
+                units.mark_merged(tmp_dir, split, shard)
+            for part in parts:
+                if os.path.exists(part):
+                    os.remove(part)
             shards[name] = sum(r["examples"][split].get(shard, 0) for r in results)
             shard_files[split].append(name)
         examples[split] = sum(shards[n] for n in shard_files[split])

@@ -7,8 +7,7 @@
 
 from __future__ import annotations
 
-import tensorflow as tf
-
+import bertjax.fs as fs
 from bertjax.text.hf_tokenizer import HFTokenizer, load_hf_tokenizer
 from bertjax.text.tokenization import (
     SentencePieceTokenizer,
@@ -28,7 +27,7 @@ def load_tokenizer(path: str, do_lower_case: bool | None = None):
     for SentencePiece, case handling is part of the model and a conflicting value is an error.
     """
     path = str(path)
-    if path.endswith(".json") or tf.io.gfile.isdir(path):
+    if path.endswith(".json") or fs.isdir(path):
         return load_hf_tokenizer(path, do_lower_case)
     if path.endswith(".model"):
         tok = SentencePieceTokenizer(path)

@@ -7,22 +7,28 @@ from the usual names in the vocabulary: [CLS]/[SEP]/[PAD]/[MASK]/[UNK] (BERT, Mo
 <s>/</s>/<pad>/<mask>/<unk> (RoBERTa). Padding and truncation stored in the file are switched off.
 """
 
+from __future__ import annotations
+
 import itertools
 import json
 import os
 from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
-import tensorflow as tf
 from tokenizers import Tokenizer
 from tokenizers.decoders import ByteLevel
 
+import bertjax.fs as fs
 from bertjax.text.tokenization import (
     SPECIAL_TOKENS,
     TokenizerBase,
     is_cjk_char,
     is_punctuation_char,
 )
+
+if TYPE_CHECKING:
+    import tensorflow as tf
 
 TOKENIZER_FILE = "tokenizer.json"
 _CONFIG_FILES = ("tokenizer_config.json", "special_tokens_map.json")  # later files win
@@ -37,8 +43,7 @@ _ROLES = (
 
 
 def _read_text(path: str) -> str:
-    with tf.io.gfile.GFile(path, "rb") as f:
-        return f.read().decode("utf-8")
+    return fs.read_bytes(path).decode("utf-8")
 
 
 def _config_tokens(json_path: str) -> dict[str, str]:
@@ -46,7 +51,7 @@ def _config_tokens(json_path: str) -> dict[str, str]:
     out: dict[str, str] = {}
     for name in _CONFIG_FILES:
         path = os.path.join(os.path.dirname(json_path), name)
-        if not tf.io.gfile.exists(path):
+        if not fs.exists(path):
             continue
         try:
             config = json.loads(_read_text(path))
@@ -82,7 +87,7 @@ class HFTokenizer(TokenizerBase):
 
     def __init__(self, tokenizer_file: str):
         self.vocab_file = str(tokenizer_file)
-        if not tf.io.gfile.exists(self.vocab_file):
+        if not fs.exists(self.vocab_file):
             raise FileNotFoundError(f"{self.vocab_file}: tokenizer file not found")
         data = _read_text(self.vocab_file)
         try:
@@ -173,6 +178,8 @@ class HFTokenizer(TokenizerBase):
 
     def tf_encode(self, texts: tf.Tensor) -> tf.RaggedTensor:
         """In-graph encode: texts [n] string -> [n, None] int64 ids (a scalar -> [None])."""
+        import tensorflow as tf
+
         texts = tf.convert_to_tensor(texts, dtype=tf.string)
         scalar = texts.shape.rank == 0
 
@@ -198,7 +205,7 @@ def load_hf_tokenizer(path: str, do_lower_case: bool | None = None) -> HFTokeniz
     ValueError (None accepts either).
     """
     path = str(path)
-    if tf.io.gfile.isdir(path):
+    if fs.isdir(path):
         path = os.path.join(path, TOKENIZER_FILE)
     tok = HFTokenizer(path)
     if do_lower_case is not None and bool(do_lower_case) != tok.do_lower_case:

@@ -19,13 +19,17 @@ transformers v5's Python `BertTokenizerLegacy`, and its Rust-backed `BertTokeniz
 Literal "[CLS]"-like strings in the text are ordinary text (split as punctuation + word), as in the
 original BERT; transformers instead keeps them as special tokens. The Rust BertTokenizer lower-cases
 per character, so an upper-case final sigma gives "σ" there and "ς" here (and in the Python one).
+TensorFlow is imported only by `tf_encode` (and for remote vocabulary files).
 """
 
+from __future__ import annotations
+
 from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
-import tensorflow as tf
 
+import bertjax.fs as fs
 from bertjax.text.chars import (  # noqa: F401  (re-exported: the rules' public names)
     SUBWORD_PREFIX,
     basic_split_word,
@@ -36,7 +40,9 @@ from bertjax.text.chars import (  # noqa: F401  (re-exported: the rules' public 
     is_whitespace_char,
     whitespace_words,
 )
-from bertjax.text.tf_wordpiece import WordPieceGraph
+
+if TYPE_CHECKING:
+    import tensorflow as tf
 
 SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 SP_SPACE = "\u2581"  # SentencePiece's word-start marker "▁"
@@ -50,10 +56,9 @@ def load_vocab(path: str) -> list[str]:
     Raises ValueError naming the file and line for an empty file, an empty or whitespace-holding
     token, a duplicate token, invalid UTF-8 or a missing special token (SPECIAL_TOKENS).
     """
-    if not tf.io.gfile.exists(path):
+    if not fs.exists(path):
         raise FileNotFoundError(f"{path}: vocabulary file not found")
-    with tf.io.gfile.GFile(path, "rb") as f:
-        data = f.read()
+    data = fs.read_bytes(path)
     if data.startswith(b"\xef\xbb\xbf"):
         data = data[3:]
     lines = data.split(b"\n")
@@ -221,6 +226,10 @@ class WordPieceTokenizer(TokenizerBase):
 
     def tf_encode(self, texts: tf.Tensor) -> tf.RaggedTensor:
         """In-graph encode: texts [n] string -> [n, None] int64 ids, equal to `encode`."""
+        import tensorflow as tf
+
+        from bertjax.text.tf_wordpiece import WordPieceGraph
+
         if self._tf_graph is None:
             with tf.init_scope():  # tables and char classes are built eagerly, once
                 self._tf_graph = WordPieceGraph(self)
@@ -241,10 +250,9 @@ class SentencePieceTokenizer(TokenizerBase):
         import sentencepiece as spm  # noqa: PLC0415
 
         self.vocab_file = str(model_file)
-        if not tf.io.gfile.exists(self.vocab_file):
+        if not fs.exists(self.vocab_file):
             raise FileNotFoundError(f"{self.vocab_file}: SentencePiece model not found")
-        with tf.io.gfile.GFile(self.vocab_file, "rb") as f:
-            self._model_proto = f.read()
+        self._model_proto = fs.read_bytes(self.vocab_file)
         self._sp = spm.SentencePieceProcessor()
         try:
             self._sp.LoadFromSerializedProto(self._model_proto)
@@ -314,6 +322,8 @@ class SentencePieceTokenizer(TokenizerBase):
 
     def tf_encode(self, texts: tf.Tensor) -> tf.RaggedTensor:
         """In-graph encode: texts [n] string -> [n, None] int64 ids, equal to `encode`."""
+        import tensorflow as tf
+
         if self._tf_tokenizer is None:
             import tensorflow_text as tf_text  # noqa: PLC0415
 

@@ -1,0 +1,78 @@
+"""File-system calls: the standard library for local paths, `tf.io.gfile` for remote ones (gs://,
+s3://, ...), so that code working on local files (data preparation) never imports TensorFlow."""
+
+from __future__ import annotations
+
+import glob as glob_lib
+import os
+import shutil
+from typing import IO
+
+
+def is_remote(path: str) -> bool:
+    """True for a path with a scheme (gs://, s3://, ...), handled by tf.io.gfile."""
+    return "://" in str(path)
+
+
+def _gfile():
+    import tensorflow as tf  # remote paths only
+
+    return tf.io.gfile
+
+
+def open_file(path: str, mode: str = "rb") -> IO:
+    """A file object (binary modes: "rb", "wb"; text: "r", "w" as UTF-8)."""
+    if is_remote(path):
+        return _gfile().GFile(path, mode)
+    return open(path, mode, **({} if "b" in mode else {"encoding": "utf-8"}))  # noqa: SIM115
+
+
+def exists(path: str) -> bool:
+    return _gfile().exists(path) if is_remote(path) else os.path.exists(path)
+
+
+def isdir(path: str) -> bool:
+    return _gfile().isdir(path) if is_remote(path) else os.path.isdir(path)
+
+
+def read_bytes(path: str) -> bytes:
+    with open_file(path, "rb") as f:
+        return f.read()
+
+
+def glob(pattern: str) -> list[str]:
+    return _gfile().glob(pattern) if is_remote(pattern) else glob_lib.glob(pattern)
+
+
+def remove(path: str) -> None:
+    if is_remote(path):
+        _gfile().remove(path)
+    else:
+        os.remove(path)
+
+
+def makedirs(path: str) -> None:
+    if is_remote(path):
+        _gfile().makedirs(path)
+    else:
+        os.makedirs(path, exist_ok=True)
+
+
+def size(path: str) -> int:
+    return _gfile().stat(path).length if is_remote(path) else os.path.getsize(path)
+
+
+def rename(source: str, target: str) -> None:
+    """Renames, replacing target (atomic for local paths)."""
+    if is_remote(source) or is_remote(target):
+        _gfile().rename(source, target, overwrite=True)
+    else:
+        os.replace(source, target)
+
+
+def rmtree(path: str) -> None:
+    if is_remote(path):
+        if _gfile().exists(path):
+            _gfile().rmtree(path)
+    else:
+        shutil.rmtree(path, ignore_errors=True)
