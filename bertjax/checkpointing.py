@@ -14,6 +14,7 @@ import json
 import logging
 import math
 import os
+import sys
 import threading
 import time
 from typing import Any
@@ -156,6 +157,7 @@ class Checkpointer:
         """The one-line error of a failed save: the file or step folder, disk full or the
         reason; the newest complete checkpoint stays (Orbax renames a step only when complete)."""
         self._failed = True
+        _quiet_closed_loops_after_failed_save()
         chain = _chain(err)
         step = self._saving if step is None else step
         where = next((e.filename for e in chain if getattr(e, "filename", None)), None)
@@ -210,8 +212,30 @@ def _drain_save_threads(manager, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     for thread in threading.enumerate():
         if thread is not threading.current_thread() and "orbax" in type(thread).__module__:
-            thread.join(max(0.0, deadline - time.monotonic()))
+            try:  # Orbax's threads re-raise their save's error from join()
+                thread.join(max(0.0, deadline - time.monotonic()))
+            except Exception:  # noqa: BLE001
+                pass
     time.sleep(0.2)  # their executor threads' last callbacks
+
+
+def _quiet_closed_loops_after_failed_save() -> None:
+    """After a reported failed save, Orbax's executor threads may still hand their (failed)
+    results to the per-save event loops it has already closed: Python then prints
+    "Exception ignored ... RuntimeError: Event loop is closed" through ``sys.unraisablehook``.
+    This hook drops exactly that message; every other unraisable exception goes to the hook
+    in place before (installed once)."""
+    previous = sys.unraisablehook
+    if getattr(previous, "_bertjax_closed_loop_filter", False):
+        return
+
+    def hook(unraisable):
+        err = unraisable.exc_value
+        if not (isinstance(err, RuntimeError) and str(err) == "Event loop is closed"):
+            previous(unraisable)
+
+    hook._bertjax_closed_loop_filter = True
+    sys.unraisablehook = hook
 
 
 class _DiskFullLogFilter(logging.Filter):
