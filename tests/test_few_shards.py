@@ -63,3 +63,27 @@ def test_a_corrupted_shard_is_named_when_streamed(tmp_path):
     with pytest.raises(pipeline.ShardCorruptedError, match="train-00001-of-00002.tfrecord"):
         for _ in range(20):
             next(streamed)
+
+
+@pytest.mark.parametrize("fault", ["missing feature", "wrong length"])
+def test_a_record_that_does_not_parse_names_its_shard_and_record(tmp_path, fault):
+    import tensorflow as tf
+
+    root = write_prepared(tmp_path / "bad", shard_sizes=(6, 6))
+    path = root / "train-00001-of-00002.tfrecord"
+    records = [tf.train.Example.FromString(r.numpy()) for r in tf.data.TFRecordDataset(str(path))]
+    feature = records[4].features.feature
+    if fault == "missing feature":
+        del feature["masked_lm_ids"]
+    else:
+        feature["input_ids"].int64_list.value.append(7)
+    with tf.io.TFRecordWriter(str(path)) as writer:
+        for example in records:
+            writer.write(example.SerializeToString())
+    data = pipeline.PretrainingData(root, "train", 4, seed=0, process_index=0, process_count=1,
+                                    shuffle=False, repeat=False)  # fmt: skip
+    with pytest.raises(pipeline.ShardCorruptedError) as info:
+        list(data)
+    message = str(info.value)
+    assert "\n" not in message and message.startswith(f"{path}: record 4 is not a prepared")
+    assert ("masked_lm_ids" if fault == "missing feature" else "input_ids") in message

@@ -385,6 +385,30 @@ def _name_bad_shard(files: Sequence[str], err: tf.errors.DataLossError) -> str:
     return f"one of {len(files)} shard(s) is corrupted or truncated ({reason}): {files}"
 
 
+def _name_bad_record(files: Sequence[str], meta: Mapping[str, Any]) -> str | None:
+    """One line naming the shard and record that does not parse as a prepared example (a feature
+    missing or of the wrong length); None when every record parses."""
+    spec = _feature_spec(meta, with_masks=meta["masking"] == "static")
+    for path in files:
+        for first, records in enumerate(tf.data.TFRecordDataset(path).batch(256)):
+            try:
+                tf.io.parse_example(records, spec)
+                continue
+            except tf.errors.InvalidArgumentError:
+                pass
+            for i, record in enumerate(records):
+                try:
+                    tf.io.parse_single_example(record, spec)
+                except tf.errors.InvalidArgumentError as bad:
+                    reason = re.sub(r"\{\{.*?\}\}|\[Op:\w+\]", "", str(bad.message))
+                    reason = " ".join(reason.split())
+                    return (
+                        f"{path}: record {first * 256 + i} is not a prepared example of this data "
+                        f"set ({reason}); prepare it again"
+                    )
+    return None
+
+
 def _to_numpy(batch: Mapping[str, tf.Tensor]) -> dict[str, np.ndarray]:
     return {k: v.numpy() for k, v in batch.items()}
 
@@ -440,6 +464,11 @@ class PretrainingData:
             batch = next(self._iterator)
         except tf.errors.DataLossError as err:
             raise ShardCorruptedError(_name_bad_shard(self._files, err)) from err
+        except tf.errors.InvalidArgumentError as err:  # a valid record that is no valid example
+            bad = _name_bad_record(self._files, read_metadata(self._args["data_dir"]))
+            if bad is None:
+                raise
+            raise ShardCorruptedError(bad) from err
         self._batches_consumed += 1
         return _to_numpy(batch)
 
