@@ -8,6 +8,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from bertjax.layers.band_attention import band_applies, band_attention
 from bertjax.layers.core import dtype_of, normal_init, zeros_init
 from bertjax.layers.dropout import Dropout
 from bertjax.layers.splash_attention import splash_attention
@@ -77,13 +78,22 @@ def attend(
     ``xla`` adds it to the bias; ``dot_product`` passes ``local_window_size`` (jax masks inside);
     ``splash`` uses a ``LocalMask`` kernel, which skips the key blocks outside the band;
     ``cudnn`` has no two-sided window (jax raises for one), so there the window joins the bias
-    and cuDNN computes the full product. Call inside a compact module (the dropout submodule is
-    created there).
+    and cuDNN computes the full product. On the explicit path a window whose half tiles the
+    sequence (``band_applies``) is computed by blocks of the band (``band_attention``), not as a
+    mask on the full matrix. Call inside a compact module (the dropout submodule is created there).
     """
     dtype = q.dtype
     head_dim = q.shape[-1]
     use_dropout = dropout_rate > 0.0 and not deterministic
     half = local_window // 2
+    explicit = impl == "xla" or use_dropout
+    if local_window and explicit and bias is not None and band_applies(q.shape[1], half):
+        # The band by blocks (bertjax.layers.band_attention): no full [q, k] matrix.
+        dropout = None
+        if use_dropout:
+            module = Dropout(dropout_rate, dropout_impl)
+            dropout = lambda p: module(p, deterministic=False)  # noqa: E731
+        return band_attention(q, k, v, bias, half, dropout)
     if local_window and (impl in ("xla", "cudnn") or use_dropout):
         pos = jnp.arange(q.shape[1])
         near = jnp.abs(pos[:, None] - pos[None, :]) <= half  # [q, k]

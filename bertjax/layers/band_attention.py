@@ -1,0 +1,73 @@
+"""Sliding-window attention computed by blocks of the band, without the full [seq, seq] matrix.
+
+Queries are cut into blocks of ``block`` = ``half`` tokens (``half`` = ``local_window // 2``); the
+keys a block can see (``|q - k| <= half``) all lie in the previous, the same and the next block,
+so each query block attends to ``3 * block`` keys instead of ``seq``: scores, softmax, dropout and
+the weighted sum cost ``3 * half / seq`` of the full computation (37.5% at seq 512, window 128).
+The window and the additive ``bias`` are applied exactly as the explicit ``xla`` path applies them
+(:func:`bertjax.layers.attention.attend`), so the outputs at real tokens are equal; a padding
+query whose band holds no real key gets a finite average of masked keys (it is never read).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+Array = jax.Array
+
+
+def band_applies(seq_len: int, half: int) -> bool:
+    """Whether blocks of ``half`` tokens tile the sequence with fewer keys than the full matrix."""
+    return half >= 4 and seq_len % half == 0 and seq_len >= 4 * half
+
+
+def _blocks(x: Array, block: int, fill: float) -> Array:
+    """x [b, seq, ...] -> [b, seq // block, 3 * block, ...]: row n holds blocks n-1, n, n+1
+    (``fill`` beyond the ends)."""
+    n = x.shape[1] // block
+    pad = [(0, 0)] * x.ndim
+    pad[1] = (block, block)
+    xp = jnp.pad(x, pad, constant_values=fill).reshape(x.shape[0], n + 2, block, *x.shape[2:])
+    parts = [xp[:, j : j + n] for j in range(3)]  # each [b, n, block, ...]
+    return jnp.concatenate(parts, axis=2)
+
+
+def _band_bias(bias: Array, block: int) -> Array:
+    """The additive bias [b, 1, 1 or q, k] on the band: [b, 1, n, 1 or block, 3 * block] fp32."""
+    b, _, rows, seq = bias.shape
+    n = seq // block
+    low = jnp.finfo(jnp.float32).min
+    if rows == 1:  # keys only (padding): the same band for every query of a block
+        keys = _blocks(bias[:, 0, 0].astype(jnp.float32), block, low)  # [b, n, 3 * block]
+        return keys[:, None, :, None, :]
+    # Per query (packed rows): gather the band's columns of each query block.
+    padded = jnp.pad(bias[:, 0].astype(jnp.float32), ((0, 0), (0, 0), (block, block)),
+                     constant_values=low)  # fmt: skip
+    padded = padded.reshape(b, n, block, seq + 2 * block)
+    cols = np.arange(n)[:, None] * block + np.arange(3 * block)[None, :]  # [n, 3 * block]
+    idx = jnp.broadcast_to(jnp.asarray(cols)[None, :, None, :], (b, n, block, 3 * block))
+    return jnp.take_along_axis(padded, idx, axis=3)[:, None]  # [b, 1, n, block, 3 * block]
+
+
+def band_attention(q: Array, k: Array, v: Array, bias: Array, half: int, dropout=None) -> Array:
+    """Softmax attention of q/k/v [b, seq, heads, dim] restricted to ``|i - j| <= half``, with the
+    additive ``bias`` [b, 1, 1 or seq, seq] (fp32 softmax); ``dropout`` (a callable) is applied to
+    the probabilities. Needs :func:`band_applies`. Returns [b, seq, heads, dim]."""
+    b, seq, h, d = q.shape
+    block, n = half, seq // half
+    dtype = q.dtype
+    scale = jnp.asarray(1.0 / np.sqrt(d), dtype)
+    qb = (q * scale).reshape(b, n, block, h, d)
+    kb, vb = _blocks(k, block, 0.0), _blocks(v, block, 0.0)  # [b, n, 3 * block, h, d]
+    logits = jnp.einsum("bnqhd,bnkhd->bhnqk", qb, kb).astype(jnp.float32)
+    offset = np.arange(3 * block)[None, :] - block - np.arange(block)[:, None]  # key - query
+    near = jnp.asarray(np.abs(offset) <= half)  # [block, 3 * block]
+    low = jnp.finfo(jnp.float32).min
+    logits = logits + jnp.where(near, _band_bias(bias, block), low)
+    probs = jax.nn.softmax(logits, axis=-1)  # [b, h, n, block, 3 * block]
+    if dropout is not None:
+        probs = dropout(probs)
+    out = jnp.einsum("bhnqk,bnkhd->bnqhd", probs.astype(dtype), vb)
+    return out.reshape(b, seq, h, d)
