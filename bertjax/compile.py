@@ -83,17 +83,21 @@ def compile_train_step(
         raise ValueError(f"--phase={phase_index}: the config has {len(setup.phases)} phase(s)")
     phase = setup.phases[phase_index]
     setup = phase_setup(setup, phase)
-    batch = setup.task.init_batch(phase, phase.global_batch_size)
-    batch_sharding = sharding.batch_sharding(setup.mesh, setup.rules)
-    abstract_batch = {
-        k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=batch_sharding) for k, v in batch.items()
-    }
-    abstract_state = checkpointing.abstract_like(setup.abstract_state, setup.state_shardings)
-    step = jit_train_step(setup, config.train.grad_accum_steps)
+    accum = config.train.grad_accum_steps
     t0 = time.perf_counter()
-    with jax.set_mesh(setup.mesh), nn.logical_axis_rules(setup.rules):
-        compiled = step.lower(abstract_state, abstract_batch).compile()
+    compiled = _compile(setup, phase, accum)
     compile_seconds = time.perf_counter() - t0
+    timed = compiled
+    loops = accum > 1 or bool(config.model.get("scan_layers"))
+    if loops and setup.mesh.devices.flat[0].platform == "tpu":
+        # XLA's cost model counts a loop's body once: time the same step without loops (layers
+        # unrolled, micro-batches unrolled), keep the real program's memory.
+        twin_config = ml_collections.ConfigDict(config.to_dict())
+        twin_config.model.scan_layers = False
+        twin_task = task if not config.model.get("scan_layers") else None
+        twin_task = twin_task or shapes_only_task(twin_config, workdir)
+        twin = build(twin_config, workdir, twin_task, devices=devices)
+        timed = _compile(phase_setup(twin, phase), phase, accum, unroll=True)
     arrays = state_arrays(setup.abstract_state, setup.state_shardings)
     mesh_devices = list(setup.mesh.devices.flat)
     report: dict[str, Any] = {
@@ -111,7 +115,7 @@ def compile_train_step(
     seq_len, _ = setup.task.step_shape(phase)
     report.update(
         speed_report(
-            compiled,
+            timed,
             analytic_flops=setup.task.flops_per_step(setup.task.model_config(), phase),
             tokens_per_step=phase.global_batch_size * seq_len,
             devices=mesh_devices,
@@ -119,7 +123,24 @@ def compile_train_step(
         )
     )
     report["largest_arrays"] = arrays[:6]
+    if timed is not compiled:
+        report["est_from"] = (
+            "the same step with its loops unrolled (the cost model counts a loop once)"
+        )
     return report
+
+
+def _compile(setup, phase, accum_steps: int, unroll: bool = False):
+    """The phase's jitted train step lowered for abstract (sharded) state and batch, compiled."""
+    batch = setup.task.init_batch(phase, phase.global_batch_size)
+    batch_sharding = sharding.batch_sharding(setup.mesh, setup.rules)
+    abstract_batch = {
+        k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=batch_sharding) for k, v in batch.items()
+    }
+    abstract_state = checkpointing.abstract_like(setup.abstract_state, setup.state_shardings)
+    step = jit_train_step(setup, accum_steps, unroll=unroll)
+    with jax.set_mesh(setup.mesh), nn.logical_axis_rules(setup.rules):
+        return step.lower(abstract_state, abstract_batch).compile()
 
 
 def memory_report(compiled, device) -> dict[str, Any]:

@@ -184,8 +184,11 @@ def _check_batch_size(key: str, value, mesh=None, rules=None) -> None:
         )
 
 
-def make_train_step(setup: Setup, accum_steps: int) -> Callable:
-    """The pure ``train_step(state, batch) -> (state, metrics)`` of a setup (not yet jitted)."""
+def make_train_step(setup: Setup, accum_steps: int, unroll: bool = False) -> Callable:
+    """The pure ``train_step(state, batch) -> (state, metrics)`` of a setup (not yet jitted).
+
+    ``unroll``: the micro-batch loop unrolled (same result), for XLA's TPU cost model, which
+    counts a loop's body once."""
     task, model, tx = setup.task, setup.model, setup.tx
     batch_axes = dict(setup.rules).get("batch", ("data", "fsdp"))
 
@@ -223,7 +226,9 @@ def make_train_step(setup: Setup, accum_steps: int) -> Callable:
                 jax.tree.map(lambda m: jnp.zeros(m.shape, m.dtype), zero_metrics),
                 jax.tree.map(jnp.zeros_like, state.params),
             )
-            (loss, metrics, grads), _ = jax.lax.scan(body, init, (jnp.arange(accum_steps), micro))
+            (loss, metrics, grads), _ = jax.lax.scan(
+                body, init, (jnp.arange(accum_steps), micro), unroll=accum_steps if unroll else 1
+            )
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         metrics = dict(metrics)
@@ -240,11 +245,11 @@ def make_train_step(setup: Setup, accum_steps: int) -> Callable:
     return train_step
 
 
-def jit_train_step(setup: Setup, accum_steps: int):
+def jit_train_step(setup: Setup, accum_steps: int, unroll: bool = False):
     """``train_step`` jitted with explicit state/batch shardings and the state donated."""
     batch_sharding = sharding.batch_sharding(setup.mesh, setup.rules)
     return jax.jit(
-        make_train_step(setup, accum_steps),
+        make_train_step(setup, accum_steps, unroll),
         in_shardings=(setup.state_shardings, batch_sharding),
         out_shardings=(setup.state_shardings, sharding.replicated(setup.mesh)),
         donate_argnums=(0,),
