@@ -3,6 +3,8 @@ Orbax's checkpoint writes, for tests/test_fault_injection.py.
 
 BERTJAX_FAULT_DISK_FULL_STEP=N: writing checkpoint step N fails with ENOSPC (a full disk).
 BERTJAX_FAULT_SLOW_SAVE_STEP=N: writing checkpoint step N stalls for 600 s (to be killed mid-save).
+BERTJAX_FAULT_SLOW_WRITE=NAME: the first atomic write of a file named NAME (eval_results.json, a dev
+predictions file, ...) stalls for 600 s with half its text in the temporary file.
 """
 
 import errno
@@ -12,7 +14,7 @@ import time
 
 from etils import epath
 
-from bertjax import cli
+from bertjax import atomic, cli
 
 _write_text = epath.Path.write_text
 
@@ -27,7 +29,20 @@ def _faulty_write_text(self, *args, **kwargs):
     return _write_text(self, *args, **kwargs)
 
 
+_atomic_write_text = atomic.write_text
+
+
+def _slow_atomic_write_text(path, text):
+    if os.path.basename(os.fspath(path)) == os.environ.get("BERTJAX_FAULT_SLOW_WRITE"):
+        with atomic.atomic_open(path) as f:
+            f.write(text[: len(text) // 2])
+            f.flush()
+            time.sleep(600)
+    return _atomic_write_text(path, text)
+
+
 epath.Path.write_text = _faulty_write_text
+atomic.write_text = _slow_atomic_write_text
 
 if __name__ == "__main__":
     sys.argv[0] = "bertjax"

@@ -14,6 +14,7 @@ import sys
 import time
 import types
 
+import jax
 import numpy as np
 import pytest
 from etils import epath
@@ -27,9 +28,31 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 SEED = int(os.environ.get("BERTJAX_FAULT_SEED", "15"))
 
 
-def _bertjax(tmp_path, workdir, *args, env=None):
-    cmd = [sys.executable, str(REPO / "tests" / "fault_inject.py"), "pretrain"]
-    cmd += [f"--config={REPO}/tests/tiny_pretrain_config.py:{tmp_path}", f"--workdir={workdir}"]
+@pytest.fixture(scope="module", autouse=True)
+def xla_cache(tmp_path_factory):
+    """One persistent XLA cache for this module's runs, in process and in the `bertjax`
+    subprocesses (each program compiles once; the executables, hence the losses, are the same)."""
+    from jax._src import compilation_cache as cc
+
+    folder = str(tmp_path_factory.mktemp("xla_cache"))
+    settings = {
+        "jax_compilation_cache_dir": folder,
+        "jax_persistent_cache_min_compile_time_secs": 0.0,
+        "jax_persistent_cache_min_entry_size_bytes": 0,
+    }
+    old = {k: getattr(jax.config, k) for k in settings}
+    cc.reset_cache()
+    for key, value in settings.items():
+        jax.config.update(key, value)
+    yield {k.upper(): str(v) for k, v in settings.items()}
+    for key, value in old.items():
+        jax.config.update(key, value)
+    cc.reset_cache()
+
+
+def _bertjax(root, workdir, *args, env=None, command="pretrain", config="tiny_pretrain_config"):
+    cmd = [sys.executable, str(REPO / "tests" / "fault_inject.py"), command]
+    cmd += [f"--config={REPO}/tests/{config}.py:{root}", f"--workdir={workdir}"]
     env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
     return subprocess.Popen(
         [*cmd, *args], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
@@ -50,14 +73,16 @@ def _losses(workdir):
 
 
 @pytest.mark.slow
-def test_kill_mid_checkpoint_corrupt_newest_then_disk_full_then_resume_exactly(tmp_path):
+def test_kill_mid_checkpoint_corrupt_newest_then_disk_full_then_resume_exactly(tmp_path, xla_cache):
     rng = np.random.default_rng(SEED)
     train.train_and_evaluate(tiny_config(tmp_path, steps=10), str(tmp_path / "reference"))
     workdir = tmp_path / "run"
     checkpoints = workdir / "checkpoints"
     # 1. kill -9 while checkpoint step 4 or 6 (seeded) is half-written.
     killed_at = int(rng.choice([4, 6]))
-    proc = _bertjax(tmp_path, workdir, env={"BERTJAX_FAULT_SLOW_SAVE_STEP": str(killed_at)})
+    proc = _bertjax(
+        tmp_path, workdir, env={**xla_cache, "BERTJAX_FAULT_SLOW_SAVE_STEP": str(killed_at)}
+    )
     _wait_for(lambda: (checkpoints / f"{killed_at}.orbax-checkpoint-tmp").exists(), proc)
     time.sleep(float(rng.uniform(0.0, 0.5)))
     proc.send_signal(signal.SIGKILL)
@@ -67,7 +92,7 @@ def test_kill_mid_checkpoint_corrupt_newest_then_disk_full_then_resume_exactly(t
     data_file = max((newest / "state").rglob("d/*"), key=lambda p: p.stat().st_size)
     data_file.write_bytes(data_file.read_bytes()[: data_file.stat().st_size // 2])
     # 3. the disk fills while writing checkpoint step 8: one line naming the path, nothing lost.
-    proc = _bertjax(tmp_path, workdir, env={"BERTJAX_FAULT_DISK_FULL_STEP": "8"})
+    proc = _bertjax(tmp_path, workdir, env={**xla_cache, "BERTJAX_FAULT_DISK_FULL_STEP": "8"})
     out, err = proc.communicate(timeout=600)
     errors = [line for line in err.splitlines() if line.strip()]
     assert proc.returncode == 1, out[-2000:] + err[-3000:]
@@ -76,7 +101,7 @@ def test_kill_mid_checkpoint_corrupt_newest_then_disk_full_then_resume_exactly(t
     assert "step 6" in errors[0] and "is intact" in errors[0]
     assert f"{killed_at - 2}.unrestorable-" in " ".join(p.name for p in checkpoints.iterdir())
     # 4. a plain run finishes: every step logged once, the losses of the uninterrupted run.
-    proc = _bertjax(tmp_path, workdir)
+    proc = _bertjax(tmp_path, workdir, env=xla_cache)
     out, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, out[-2000:] + err[-3000:]
     assert "resumed from" in out and "step 6" in out
@@ -157,3 +182,82 @@ def test_kill9_of_prepare_at_a_random_point_then_rerun_equals_an_uninterrupted_r
         assert (out / name).read_bytes() == (tmp_path / "ref" / name).read_bytes(), name
     assert sorted(p.name for p in out.iterdir()) == sorted(["metadata.json", *ref["shards"]])
     assert json.loads((out / "metadata.json").read_text())["examples"] == ref["examples"]
+
+
+# ---- fine-tuning: 2 seeds x 6 steps of GLUE SST-2 (tests/tiny_finetune_config.py) ----------------
+FT_WRITES = ("best/3", "sst2-dev.tsv", "SST-2.tsv", "eval_results.json")  # kill-9 points in writes
+
+
+def _finetune(root, workdir, env):
+    return _bertjax(root, workdir, env=env, command="finetune", config="tiny_finetune_config")
+
+
+def _rows(workdir, split):
+    try:
+        return [(r["step"], r.get("loss")) for r in read_metrics(workdir, split)]
+    except (FileNotFoundError, json.JSONDecodeError):  # not yet written / a line being written
+        return []
+
+
+def _nothing_half_written_looks_complete(workdir):
+    """Every file under its final name is whole; every step folder Orbax would list is committed."""
+    for path in workdir.rglob("eval_results.json"):
+        assert "dev" in json.loads(path.read_text()) or "best" in json.loads(path.read_text())
+    for path in workdir.rglob("dev_predictions/*.tsv"):
+        assert len(path.read_text().splitlines()) == 11, path  # header + 10 dev sentences
+    for path in workdir.rglob("glue_predictions/*.tsv"):
+        assert len(path.read_text().splitlines()) == 8, path  # header + 7 test sentences
+    for folder in [*workdir.rglob("checkpoints"), *workdir.rglob("best")]:
+        for step in folder.iterdir():
+            assert not step.name.isdigit() or (step / "_CHECKPOINT_METADATA").exists(), step
+
+
+@pytest.mark.slow
+def test_kill9_of_finetuning_mid_write_and_mid_training_then_resume_exactly(tmp_path, xla_cache):
+    from tiny_finetune_config import get_config
+
+    from bertjax import multiseed
+
+    rng = np.random.default_rng(SEED)
+    multiseed.run(get_config(str(tmp_path)), str(tmp_path / "reference"))
+    workdir = tmp_path / "run"
+    # 1. kill -9 in the middle of a (seeded) write of seed 0's run: its best checkpoint (step 3),
+    # its dev predictions, its GLUE test predictions or its eval_results.json.
+    write = str(rng.choice(FT_WRITES))
+    fault = {"BERTJAX_FAULT_SLOW_SAVE_STEP": "3"} if write == "best/3" else {}
+    fault = fault or {"BERTJAX_FAULT_SLOW_WRITE": write}
+    proc = _finetune(tmp_path, workdir, {**xla_cache, **fault})
+    pattern = "best/3.orbax-checkpoint-tmp" if write == "best/3" else f".{write}.tmp-*"
+    _wait_for(lambda: bool(list(workdir.rglob(pattern))), proc)
+    time.sleep(0.2)
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate()
+    _nothing_half_written_looks_complete(workdir)
+    assert not (workdir / "eval_results.json").exists()
+    # 2. kill -9 at a seeded random training step of seed 1 (after the resumed seed 0 finishes).
+    killed_at = int(rng.integers(1, 7))
+    proc = _finetune(tmp_path, workdir, xla_cache)
+    _wait_for(lambda: killed_at in [s for s, _ in _rows(workdir / "seed_1", "train")], proc)
+    time.sleep(float(rng.uniform(0.0, 0.3)))
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate()
+    _nothing_half_written_looks_complete(workdir)
+    # 3. a plain run finishes: the metrics, predictions and results of the uninterrupted run.
+    proc = _finetune(tmp_path, workdir, xla_cache)
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out[-2000:] + err[-3000:]
+    _nothing_half_written_looks_complete(workdir)
+    ref = tmp_path / "reference"
+    for seed in ("seed_0", "seed_1"):
+        got, want = _rows(workdir / seed, "train"), _rows(ref / seed, "train")
+        assert [s for s, _ in got] == list(range(1, 7)), (seed, write, killed_at)
+        np.testing.assert_allclose([v for _, v in got], [v for _, v in want], rtol=1e-6)
+        assert _rows(workdir / seed, "eval") == _rows(ref / seed, "eval")
+        for name in ("dev_predictions/sst2-dev.tsv", "glue_predictions/SST-2.tsv"):
+            assert (workdir / seed / name).read_text() == (ref / seed / name).read_text()
+    got, want = (json.loads((d / "eval_results.json").read_text()) for d in (workdir, ref))
+    for key in ("best_seed", "median", "best"):
+        assert got[key] == want[key], key
+    for seed in ("0", "1"):
+        assert got["seeds"][seed]["dev"] == want["seeds"][seed]["dev"]
+        assert got["seeds"][seed]["best_value"] == want["seeds"][seed]["best_value"]
