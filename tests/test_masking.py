@@ -195,3 +195,27 @@ def test_tf_batched_pipeline_with_int32_ids_and_no_candidates():
     np.testing.assert_array_equal(out["masked_lm_weights"].numpy(), [[1, 0, 0], [0, 0, 0]])
     assert out["masked_lm_positions"].numpy()[0, 0] in (1, 2)
     np.testing.assert_array_equal(out["input_ids"].numpy()[1], ids[1])
+
+
+@pytest.mark.parametrize("whole_word", [False, True])
+def test_create_masked_lm_predictions_equals_the_reference_on_the_same_draws(whole_word):
+    """The fast path of create_masked_lm_predictions gives _mask_from_draws' output."""
+    rng = np.random.default_rng(3)
+    for trial in range(300):
+        n = int(rng.integers(3, 70))
+        ids = rng.integers(4, VOCAB, n)
+        ids[0], ids[-1] = CLS, SEP
+        if n > 6 and trial % 2:
+            ids[int(rng.integers(1, n - 1))] = SEP
+        kw = dict(mask_id=MASK, special_ids=SPECIALS, masked_lm_prob=float(rng.choice([0.15, 0.5])),
+                  max_predictions_per_seq=int(rng.integers(1, 25)))  # fmt: skip
+        ws = WORD_START if whole_word else None
+        seed = int(rng.integers(1 << 30))
+        out = masking.create_masked_lm_predictions(
+            ids, np.random.default_rng(seed), vocab_size=VOCAB, word_start=ws, **kw
+        )
+        draw = np.random.default_rng(seed)
+        draws = draw.random(n), draw.random(n), draw.random(n), draw.integers(0, VOCAB, n)
+        ref = masking._mask_from_draws(ids, np.ones(n, np.int64), *draws, word_start=ws, **kw)
+        for a, b in zip(out, ref):
+            np.testing.assert_array_equal(a, b)

@@ -63,13 +63,26 @@ class PrepareConfig:
 
 
 def truncate_seq_pair(tokens_a: list, tokens_b: list, max_num_tokens: int, rng) -> None:
-    """Trims the longer list (front or back at random) until both fit in max_num_tokens, in place."""
-    while len(tokens_a) + len(tokens_b) > max_num_tokens:
-        trunc = tokens_a if len(tokens_a) > len(tokens_b) else tokens_b
-        if rng.random() < 0.5:
-            del trunc[0]
+    """Trims the longer list (front or back at random) until both fit in max_num_tokens, in place.
+
+    One token goes per step, so the steps' uniform draws are taken in one call (`rng.random(k)`
+    gives the same values as k calls of `rng.random()`) and the lists are cut once at the end.
+    """
+    excess = len(tokens_a) + len(tokens_b) - max_num_tokens
+    if excess <= 0:
+        return
+    len_a, len_b = len(tokens_a), len(tokens_b)
+    cut = [0, 0, 0, 0]  # front of a, back of a, front of b, back of b
+    for u in rng.random(excess).tolist():
+        if len_a > len_b:
+            cut[u >= 0.5] += 1
+            len_a -= 1
         else:
-            trunc.pop()
+            cut[2 + (u >= 0.5)] += 1
+            len_b -= 1
+    for tokens, front, back in ((tokens_a, cut[0], cut[1]), (tokens_b, cut[2], cut[3])):
+        if front or back:
+            tokens[:] = tokens[front : len(tokens) - back]
 
 
 def create_instances_from_document(

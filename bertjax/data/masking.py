@@ -118,19 +118,39 @@ def create_masked_lm_predictions(
     n = len(ids)
     keys, u_mask, u_keep = rng.random(n), rng.random(n), rng.random(n)
     random_ids = rng.integers(0, vocab_size, n)
-    return _mask_from_draws(
-        ids,
-        np.ones(n, np.int64),
-        keys,
-        u_mask,
-        u_keep,
-        random_ids,
-        mask_id=mask_id,
-        special_ids=special_ids,
-        masked_lm_prob=masked_lm_prob,
-        max_predictions_per_seq=max_predictions_per_seq,
-        word_start=word_start,
-    )
+    budget = num_to_predict(n, masked_lm_prob, max_predictions_per_seq)
+    is_cand = ids != special_ids[0]
+    for special in special_ids[1:]:
+        is_cand &= ids != special
+    if word_start is None:  # every group is one token: the first `budget` candidates by key
+        cand = np.flatnonzero(is_cand)
+        positions = np.sort(cand[np.argsort(keys[cand], kind="stable")[:budget]])
+    else:
+        positions = whole_word_positions(ids, is_cand, keys, budget, word_start)
+    labels = ids[positions]
+    replaced = np.where(u_keep[positions] < KEEP_PROB, labels, random_ids[positions])
+    output = ids.copy()
+    output[positions] = np.where(u_mask[positions] < MASK_PROB, mask_id, replaced)
+    return MaskedLm(output, positions, labels)
+
+
+def whole_word_positions(ids, is_cand, keys, budget: int, word_start) -> np.ndarray:
+    """Sorted positions of the whole-word groups taken greedily in key order (as `_mask_from_draws`)."""
+    starts = _group_starts(is_cand, ids, word_start)  # [seq] bool
+    start_pos = np.flatnonzero(starts)  # [groups]
+    ends = np.append(start_pos[1:], len(ids)).tolist()
+    cand = is_cand.tolist()
+    chosen: list[int] = []
+    for g in np.argsort(keys[start_pos], kind="stable").tolist():  # visiting order of the groups
+        if len(chosen) >= budget:
+            break
+        first = int(start_pos[g])
+        end = first + 1
+        while end < ends[g] and cand[end]:  # a group runs over candidates up to the next start
+            end += 1
+        if len(chosen) + end - first <= budget:
+            chosen.extend(range(first, end))
+    return np.array(sorted(chosen), dtype=np.int64)
 
 
 def _tf_mask_from_draws(

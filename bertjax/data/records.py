@@ -36,44 +36,48 @@ def _varint(value: int) -> bytes:
 
 
 _VARINTS = [_varint(v) for v in range(_VARINT_TABLE_SIZE)]
+_KEYS: dict[str, bytes] = {}  # feature name -> its serialized map-entry key field
 
 
-def _varints(values: Sequence[int]) -> bytes:
-    try:
-        return b"".join([_VARINTS[v] for v in values])
-    except IndexError:  # values past the table (callers pass non-negative values)
-        return b"".join(map(_varint, map(int, values)))
-
-
-def _field(number: int, payload: bytes) -> bytes:
-    """A length-delimited field (wire type 2)."""
-    return _varint(number << 3 | 2) + _varint(len(payload)) + payload
+def _field(tag: bytes, payload: bytes) -> bytes:
+    """A length-delimited field: tag byte(s) (field number << 3 | 2), varint length, payload."""
+    n = len(payload)
+    return tag + (_VARINTS[n] if n < _VARINT_TABLE_SIZE else _varint(n)) + payload
 
 
 def int64_feature(values: Sequence[int]) -> bytes:
-    """Serialized `tf.train.Feature(int64_list=...)` of non-negative (or any int64) values."""
-    values = list(values)
-    if values and min(values) < 0:
-        packed = b"".join(map(_varint, values))
+    """Serialized `tf.train.Feature(int64_list=...)` of int64 values."""
+    if not len(values):
+        return b"\x1a\x00"
+    if min(values) < 0 or max(values) >= _VARINT_TABLE_SIZE:
+        packed = b"".join(map(_varint, map(int, values)))
     else:
-        packed = _varints(values)
-    inner = _field(1, packed) if values else b""
-    return _field(3, inner)
+        packed = b"".join([_VARINTS[v] for v in values])
+    return _field(b"\x1a", _field(b"\x0a", packed))
 
 
 def float_feature(values: Sequence[float]) -> bytes:
     """Serialized `tf.train.Feature(float_list=...)` (float32 values)."""
-    inner = _field(1, struct.pack(f"<{len(values)}f", *values)) if len(values) else b""
-    return _field(2, inner)
+    if not len(values):
+        return b"\x12\x00"
+    return _field(b"\x12", _field(b"\x0a", struct.pack(f"<{len(values)}f", *values)))
+
+
+def packed_feature(packed: bytes, kind: str = "int64") -> bytes:
+    """Serialized Feature from its packed payload: int64 varints, or ("float") float32 bytes."""
+    tag = b"\x1a" if kind == "int64" else b"\x12"
+    return _field(tag, _field(b"\x0a", packed)) if packed else tag + b"\x00"
 
 
 def example_bytes(features: Mapping[str, bytes]) -> bytes:
     """Serialized `tf.train.Example` of {name: serialized Feature}, keys sorted (deterministic)."""
-    entries = b"".join(
-        _field(1, _field(1, key.encode("utf-8")) + _field(2, features[key]))
-        for key in sorted(features)
-    )
-    return _field(1, entries)
+    entries = []
+    for key in sorted(features):
+        head = _KEYS.get(key)
+        if head is None:
+            head = _KEYS[key] = _field(b"\x0a", key.encode("utf-8"))
+        entries.append(_field(b"\x0a", head + _field(b"\x12", features[key])))
+    return _field(b"\x0a", b"".join(entries))
 
 
 def _masked_crc(data: bytes) -> bytes:

@@ -26,14 +26,9 @@ import numpy as np
 import tqdm
 
 from bertjax.data import corpus, lifetime
-from bertjax.data.instances import (
-    DocumentWindow,
-    PrepareConfig,
-    create_instances_from_document,
-    instance_to_example,
-    packed_to_example,
-)
-from bertjax.data.packing import Packer
+from bertjax.data.example_batch import ExampleBatch
+from bertjax.data.instances import DocumentWindow, PrepareConfig, create_instances_from_document
+from bertjax.data.packing import Packer, row_layout
 from bertjax.data.records import RecordWriter
 from bertjax.text import load_tokenizer
 
@@ -129,15 +124,24 @@ def process_unit(task) -> dict:
     stats = {"documents": dict.fromkeys(SPLITS, 0), "sentences": 0, "tokens": 0, "real_next": 0}
     cache_path = os.path.join(tmp_dir, f"cache-{index:06d}.pkl")
 
+    cls_sep = [consts["cls_id"]], [consts["sep_id"]]
+
     def make_instances(split: str, rng: np.random.Generator, pool, i: int) -> None:
         kw = dict(max_seq_length=cfg.max_seq_length, short_seq_prob=cfg.short_seq_prob, nsp=cfg.nsp)
         for a, b, is_random in create_instances_from_document(pool, i, rng=rng, **kw):
             stats["real_next"] += not is_random
-            if not cfg.packing:
-                write(split, instance_to_example(a, b, is_random, cfg=cfg, consts=consts, rng=rng))
+            if not cfg.packing:  # [CLS] a [SEP] (b [SEP])
+                ids = cls_sep[0] + a + cls_sep[1] + (b + cls_sep[1] if b else [])
+                batches[split].add(ids, len(a) + 2, int(is_random), rng)
                 continue
             for row in packers[split].add(a, len(a) + 2):  # [CLS] a [SEP]
-                write(split, packed_to_example(row, cfg=cfg, consts=consts, rng=rng))
+                add_packed(split, row, rng)
+
+    def add_packed(split: str, segments: list[list[int]], rng: np.random.Generator) -> None:
+        ids = [t for tokens in segments for t in (*cls_sep[0], *tokens, *cls_sep[1])]
+        pack_ids, position_ids, _ = row_layout([len(t) + 2 for t in segments], len(ids))
+        extra = {"pack_ids": pack_ids.tolist(), "position_ids": position_ids.tolist()}
+        batches[split].add(ids, len(ids), 0, rng, extra)
 
     def write(split: str, record: bytes) -> None:
         shard = (written[split] + index) % num_shards[split]  # round robin, offset per unit
@@ -154,6 +158,9 @@ def process_unit(task) -> dict:
             for split_id, split in enumerate(SPLITS)
         }
         packers = {split: Packer(cfg.max_seq_length, min_length=3) for split in SPLITS}
+        batches = {
+            split: ExampleBatch(cfg, consts, functools.partial(write, split)) for split in SPLITS
+        }
         windows = {
             split: DocumentWindow(
                 cfg.random_document_buffer, functools.partial(make_instances, split, rngs[split])
@@ -169,7 +176,8 @@ def process_unit(task) -> dict:
         for split, window in windows.items():
             window.finish()
             for row in packers[split].flush():
-                write(split, packed_to_example(row, cfg=cfg, consts=consts, rng=rngs[split]))
+                add_packed(split, row, rngs[split])
+            batches[split].flush()
     for writer in writers.values():
         writer.close()
     os.remove(cache_path)

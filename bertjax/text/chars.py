@@ -1,6 +1,7 @@
 """BERT's character classes and basic tokenization (clean, CJK spacing, NFC, whitespace split,
 lower-casing and accent stripping, punctuation split): the rules in ``bertjax.text.tokenization``."""
 
+import re
 import unicodedata
 
 SUBWORD_PREFIX = "##"
@@ -58,12 +59,15 @@ class _CleanTable(dict):
 _CLEAN = _CleanTable()
 # ASCII fast path: only C0 controls and DEL are removed (tab/newline/return are split on later).
 _ASCII_CLEAN = {cp: None for cp in [*range(0, 9), 11, 12, *range(14, 32), 127]}
+_ASCII_CONTROL = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
+# A cleaned ASCII word (no controls, no whitespace): runs of alphanumerics and single punctuation.
+_ASCII_PIECES = re.compile(r"[0-9A-Za-z]+|[^0-9A-Za-z]")
 
 
 def whitespace_words(text: str) -> list[str]:
     """Steps 1-3: clean, space out CJK ideographs, NFC (as transformers does) and split on spaces."""
     if text.isascii():
-        return text.translate(_ASCII_CLEAN).split()
+        return (text.translate(_ASCII_CLEAN) if _ASCII_CONTROL.search(text) else text).split()
     return unicodedata.normalize("NFC", text.translate(_CLEAN)).split()
 
 
@@ -95,8 +99,8 @@ def basic_split_word(word: str, do_lower_case: bool) -> list[str]:
         word = word.lower()
         if not word.isascii():
             word = _strip_accents(word)
-    if word.isascii() and word.isalnum():
-        return [word]
+    if word.isascii():  # every ASCII character left is alphanumeric or punctuation
+        return [word] if word.isalnum() else _ASCII_PIECES.findall(word)
     # Lower-casing or accent stripping can, in rare cases, leave whitespace: split on it again.
     return [piece for part in _split_punctuation(word) for piece in part.split()]
 

@@ -170,7 +170,8 @@ class WordPieceTokenizer(TokenizerBase):
         self._max_piece_chars = max(
             len(t[2:]) if t.startswith("##") else len(t) for t in self.vocab
         )
-        self._cache: dict[str, tuple[int, ...]] = {}
+        self._cache: dict[str, tuple[int, ...]] = {}  # whitespace word -> ids
+        self._piece_cache: dict[str, list[int]] = {}  # basic-tokenized word -> WordPiece ids
         self._tf_graph = None
 
     def _wordpiece(self, word: str) -> list[int]:
@@ -200,20 +201,30 @@ class WordPieceTokenizer(TokenizerBase):
         """Ids for one whitespace-delimited word, cached."""
         ids = self._cache.get(word)
         if ids is None:
-            ids = tuple(
-                i for w in basic_split_word(word, self.do_lower_case) for i in self._wordpiece(w)
-            )
+            pieces = self._piece_cache
+            out: list[int] = []
+            for w in basic_split_word(word, self.do_lower_case):
+                piece_ids = pieces.get(w)
+                if piece_ids is None:
+                    piece_ids = pieces[w] = self._wordpiece(w)
+                out.extend(piece_ids)
+            ids = tuple(out)
             if len(self._cache) >= _CACHE_LIMIT:
                 self._cache.clear()
+                pieces.clear()
             self._cache[word] = ids
         return ids
 
     def encode(self, text: str) -> list[int]:
         """Text -> WordPiece ids (no [CLS]/[SEP] added)."""
-        out: list[int] = []
-        for word in whitespace_words(text):
-            out.extend(self._encode_word(word))
-        return out
+        words = whitespace_words(text)
+        cache = self._cache
+        try:  # every word seen before (the common case): one comprehension over the cache
+            return [i for word in words for i in cache[word]]
+        except KeyError:
+            pass
+        encode_word = self._encode_word
+        return [i for word in words for i in (cache.get(word) or encode_word(word))]
 
     def decode(self, ids: Iterable[int]) -> str:
         """Joins pieces back to text (drops [PAD]; "##" pieces are glued to the previous one)."""
