@@ -5,19 +5,6 @@ functions, and (lazily, so that ``import bertjax`` stays light) the pretrained-w
 the tokenizers.
 """
 
-from bertjax.losses import (
-    classification_loss,
-    cross_entropy,
-    masked_lm_loss,
-    nsp_loss,
-    regression_loss,
-)
-from bertjax.models import ARCHITECTURES, architecture
-from bertjax.models.bert import BertConfig, BertModel, BertOutput, get_preset, preset_names
-from bertjax.models.heads import PreTrainingModel
-
-BertForPreTraining = PreTrainingModel  # BERT's name for the encoder + MLM (+ NSP) heads
-
 __version__ = "0.2.0"
 
 __all__ = [
@@ -40,14 +27,41 @@ __all__ = [
 ]
 
 
+# Every public name is loaded on first use (PEP 562), so that `import bertjax.<module>` (e.g. the
+# TensorFlow- and JAX-free `bertjax prepare`) does not pay for JAX and Flax.
+_LAZY = {
+    "ARCHITECTURES": "bertjax.models",
+    "architecture": "bertjax.models",
+    "BertConfig": "bertjax.models.bert",
+    "BertModel": "bertjax.models.bert",
+    "BertOutput": "bertjax.models.bert",
+    "get_preset": "bertjax.models.bert",
+    "preset_names": "bertjax.models.bert",
+    "PreTrainingModel": "bertjax.models.heads",
+    "BertForPreTraining": "bertjax.models.heads",  # BERT's name for the encoder + MLM (+ NSP) heads
+    "classification_loss": "bertjax.losses",
+    "cross_entropy": "bertjax.losses",
+    "masked_lm_loss": "bertjax.losses",
+    "nsp_loss": "bertjax.losses",
+    "regression_loss": "bertjax.losses",
+    "load_pretrained": "bertjax.pretrained",
+    "load_tokenizer": "bertjax.text",
+}
+
+
 def __getattr__(name):
-    # Lazy: the loader pulls in safetensors/Orbax and the tokenizers TensorFlow.
-    if name == "load_pretrained":
-        from bertjax.pretrained import load_pretrained
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'bertjax' has no attribute {name!r}")
+    import importlib
 
-        return load_pretrained
-    if name == "load_tokenizer":
-        from bertjax.text import load_tokenizer
+    value = getattr(
+        importlib.import_module(module),
+        "PreTrainingModel" if name == "BertForPreTraining" else name,
+    )
+    globals()[name] = value
+    return value
 
-        return load_tokenizer
-    raise AttributeError(f"module 'bertjax' has no attribute {name!r}")
+
+def __dir__():
+    return sorted([*globals(), *_LAZY])
