@@ -29,7 +29,17 @@ SEARCH_KEYS = (
     "model.scan_layers",
     "model.attention_impl",
 )
-REMATS = ("none", "dots", "full")
+REMATS = ("none", "dots", "full")  # least recomputation (and most memory) first
+ROW_KEYS = (
+    "error",
+    "fits",
+    "hbm_bytes_per_device",
+    "hbm_capacity_bytes",
+    "est_step_seconds",
+    "est_tokens_per_sec_per_chip",
+    "est_mfu",
+    "compile_seconds",
+)
 
 
 def with_overrides(config: ml_collections.ConfigDict, overrides: dict[str, Any]):
@@ -44,11 +54,25 @@ def with_overrides(config: ml_collections.ConfigDict, overrides: dict[str, Any])
     return config
 
 
-def candidates(config: ml_collections.ConfigDict, chips: int) -> list[dict[str, Any]]:
+def lower_bound_bytes(cfg, seq: int, micro_batch: int, state_shards: int, remat: str) -> float:
+    """A lower bound of a candidate's HBM per device, to skip compiles that cannot fit: the fp32
+    parameters, gradients and two Adam moments (16 bytes a parameter) over the devices that shard
+    them, plus half of Megatron-LM's activation count without remat (34 s h + 5 a s^2 bytes per
+    sequence and layer in 16-bit; Korthikanti et al. 2022) or one layer's input per layer with it."""
+    state = 16.0 * cfg.num_params() / state_shards
+    h, a, layers = cfg.hidden_size, cfg.num_heads, cfg.num_layers
+    per_layer = 34 * seq * h + 5 * a * seq * seq if remat == "none" else 2 * seq * h
+    return state + 0.5 * layers * micro_batch * per_layer
+
+
+def candidates(
+    config: ml_collections.ConfigDict, chips: int, hbm_bytes: int = 0
+) -> list[dict[str, Any]]:
     """Every layout worth compiling for ``chips`` devices, the likely fastest first.
 
-    Order: fewer micro-batches, then less recomputation, then the mesh (pure data parallel, fsdp
-    over all chips, then mixes with tensor parallelism), then scan and the attention kernel.
+    Order: unscanned layers and the XLA attention first, then fewer micro-batches, then less
+    recomputation, then the mesh (pure data parallel, fsdp over all chips, mixes, then with
+    tensor parallelism).
     """
     phases = config.data.get("phases") or ()
     seqs = [p.get("max_seq_length", config.data.max_seq_length) for p in phases] or [
@@ -69,11 +93,14 @@ def candidates(config: ml_collections.ConfigDict, chips: int) -> list[dict[str, 
     scans = (False, True) if cfg.architecture == "bert" else (False,)  # modernbert: no scan
     attentions = ("xla", "splash") if all(s % 128 == 0 for s in seqs) else ("xla",)
     out = []
-    for accum, remat, (data, fsdp, tensor), scan, attention in itertools.product(
-        accums, REMATS, meshes, scans, attentions
+    for scan, attention, accum, remat, (data, fsdp, tensor) in itertools.product(
+        scans, attentions, accums, REMATS, meshes
     ):
         if (global_batch // accum) % (data * fsdp):
             continue  # each micro-batch must split evenly over the batch devices
+        micro = global_batch // accum // (data * fsdp)
+        if hbm_bytes and lower_bound_bytes(cfg, max(seqs), micro, fsdp * tensor, remat) > hbm_bytes:
+            continue  # cannot fit: not worth a compile
         out.append(
             {
                 "mesh.data": data,
@@ -100,6 +127,34 @@ def _compile_one(config_dict: dict, workdir: str, slice_args: tuple, phase_index
         return {"error": f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"}
 
 
+def dominated(candidate: dict[str, Any], outcome: dict[str, Any], other: dict[str, Any]) -> bool:
+    """Whether ``outcome`` of ``candidate`` makes compiling ``other`` pointless.
+
+    It fit: the same mesh with as much or more recomputation and as many or more micro-batches is
+    only slower. It ran out of memory: the same micro-batches, as little or less recomputation and
+    no more state sharding (same tensor axis) holds at least as much per device.
+    """
+
+    def layout(c):
+        return c["mesh.tensor"], c["model.scan_layers"], c["model.attention_impl"]
+
+    if layout(other) != layout(candidate) or other == candidate:
+        return False
+    frugal = REMATS.index(other["model.remat"]) - REMATS.index(candidate["model.remat"])
+    accum = other["train.grad_accum_steps"] - candidate["train.grad_accum_steps"]
+    same_mesh = all(other[k] == candidate[k] for k in ("mesh.data", "mesh.fsdp"))
+    if outcome.get("fits"):
+        return same_mesh and frugal >= 0 and accum >= 0
+    if not _out_of_memory(outcome):
+        return False
+    return accum == 0 and frugal <= 0 and other["mesh.fsdp"] <= candidate["mesh.fsdp"]
+
+
+def _out_of_memory(outcome: dict[str, Any]) -> bool:
+    error = outcome.get("error") or ""
+    return outcome.get("fits") is False or "RESOURCE_EXHAUSTED" in error or "memory" in error
+
+
 def run(
     config: ml_collections.ConfigDict,
     workdir: str,
@@ -111,59 +166,53 @@ def run(
     jobs: int = 1,
     search: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """Compiles candidates for ``slice_`` and ranks them; returns the table and the winner."""
-    chips = len(topology.devices(slice_))
-    search = (search if search is not None else candidates(config, chips))[:max_candidates]
+    """Compiles candidates for ``slice_`` (skipping those an outcome already decides, see
+    ``dominated``) and ranks those that fit by estimated step time."""
+    devices = topology.devices(slice_)
+    if search is None:
+        search = candidates(config, len(devices), topology.hbm_bytes(devices[0]))
+    queue = list(search)
     start = time.perf_counter()
     rows: list[dict[str, Any]] = []
     slice_args = (slice_.name, slice_.num_slices)
 
     def record(overrides, report):
         row = {"overrides": overrides}
-        row.update(
-            {
-                k: report.get(k)
-                for k in (
-                    "error",
-                    "fits",
-                    "hbm_bytes_per_device",
-                    "hbm_capacity_bytes",
-                    "est_step_seconds",
-                    "est_tokens_per_sec_per_chip",
-                    "est_mfu",
-                    "compile_seconds",
-                )
-            }
-        )
+        row.update({k: report.get(k) for k in ROW_KEYS})
         rows.append(row)
+        queue[:] = [c for c in queue if not dominated(overrides, report, c)]
 
+    def submit_next(launch):
+        if queue and len(rows) + launched[0] < max_candidates:
+            if time.perf_counter() - start <= budget_seconds:
+                overrides = queue.pop(0)
+                cfg = with_overrides(config, overrides).to_dict()
+                launched[0] += 1
+                return overrides, launch(cfg)
+        return None
+
+    launched = [0]
     if jobs <= 1:
-        for overrides in search:
-            if time.perf_counter() - start > budget_seconds:
-                break
-            report = _compile_one(
-                with_overrides(config, overrides).to_dict(), workdir, slice_args, phase_index
-            )
-            record(overrides, report)
+        while nxt := submit_next(lambda cfg: _compile_one(cfg, workdir, slice_args, phase_index)):
+            launched[0] -= 1
+            record(*nxt)
     else:
-        # Each worker is a fresh process holding its own libtpu; they may share the lock file.
+        # Each worker is a fresh process with its own compile-only libtpu.
         ctx = multiprocessing.get_context("spawn")
         with futures.ProcessPoolExecutor(jobs, mp_context=ctx) as pool:
-            pending = {}
-            queue = list(search)
-            while queue or pending:
-                while queue and len(pending) < jobs:
-                    if time.perf_counter() - start > budget_seconds:
-                        queue.clear()
-                        break
-                    overrides = queue.pop(0)
-                    cfg = with_overrides(config, overrides).to_dict()
-                    fut = pool.submit(_compile_one, cfg, workdir, slice_args, phase_index)
-                    pending[fut] = overrides
+            pending: dict[futures.Future, dict] = {}
+            while True:
+                while len(pending) < jobs and (
+                    nxt := submit_next(
+                        lambda cfg: pool.submit(_compile_one, cfg, workdir, slice_args, phase_index)
+                    )
+                ):
+                    pending[nxt[1]] = nxt[0]
                 if not pending:
                     break
                 done, _ = futures.wait(pending, return_when=futures.FIRST_COMPLETED)
                 for fut in done:
+                    launched[0] -= 1
                     record(pending.pop(fut), fut.result())
     ranked = sorted(
         (r for r in rows if r.get("fits")), key=lambda r: r.get("est_step_seconds") or 1e9

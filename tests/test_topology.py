@@ -105,14 +105,52 @@ def test_plan_ranks_the_candidates_that_fit(tmp_path):
 
     config = plan.with_overrides(bert_base.get_config(), TINY)
     base = dict(zip(plan.SEARCH_KEYS, (4, 1, 1, "none", 1, False, "xla")))
-    search = [
-        {**base, "train.grad_accum_steps": 4, "model.remat": "full"},
-        base,
-    ]
-    result = plan.run(config, str(tmp_path), topology.parse("v5e:2x2"), search=search)
-    assert result["searched"] == 2 and len(result["ranked"]) == 2
+    fsdp = {**base, "mesh.data": 1, "mesh.fsdp": 4}
+    slower = {**base, "train.grad_accum_steps": 4, "model.remat": "full"}
+    result = plan.run(config, str(tmp_path), topology.parse("v5e:2x2"), search=[base, fsdp, slower])
+    # `slower` is never compiled: the same mesh fit with less recomputation and no micro-batches.
+    assert (result["searched"], result["of"], len(result["ranked"])) == (2, 3, 2)
     times = [r["est_step_seconds"] for r in result["ranked"]]
-    assert times == sorted(times)
-    assert result["ranked"][0]["overrides"] == base  # recomputing and micro-batching cost time
-    assert result["best_overrides"] == plan.overrides_flags(base)
-    assert "rank" in plan.format_table(result)
+    assert times == sorted(times) and all(t > 0 for t in times)
+    assert {plan.overrides_flags(r["overrides"]) for r in result["ranked"]} == {
+        plan.overrides_flags(base),
+        plan.overrides_flags(fsdp),
+    }
+    assert result["best_overrides"] == plan.overrides_flags(result["ranked"][0]["overrides"])
+    assert "best: --config.mesh.data=" in plan.format_table(result)
+
+
+def test_plan_skips_what_an_outcome_decides():
+    from bertjax import plan
+
+    base = dict(zip(plan.SEARCH_KEYS, (4, 1, 1, "none", 1, False, "xla")))
+    more_remat = {**base, "model.remat": "dots"}
+    more_accum = {**base, "train.grad_accum_steps": 2}
+    fsdp = {**base, "mesh.data": 1, "mesh.fsdp": 4}
+    assert plan.dominated(base, {"fits": True}, more_remat)
+    assert plan.dominated(base, {"fits": True}, more_accum)
+    assert not plan.dominated(base, {"fits": True}, fsdp)
+    # Out of memory with fsdp over 4: plain data parallelism (less sharding) cannot fit either,
+    # but more recomputation or more micro-batches might.
+    assert plan.dominated(fsdp, {"fits": False}, base)
+    assert not plan.dominated(fsdp, {"fits": False}, {**fsdp, "model.remat": "dots"})
+    assert not plan.dominated(fsdp, {"error": "RESOURCE_EXHAUSTED: hbm"}, more_accum)
+    assert not plan.dominated(fsdp, {"error": "some other failure"}, base)
+
+
+def test_plan_candidates_skip_layouts_that_cannot_fit():
+    from bertjax import plan
+    from configs import bert_large
+
+    config = plan.with_overrides(bert_large.get_config(), {"data.vocab": "", "data.phases": ()})
+    roomy = plan.candidates(config, 16, 95 * topology.GIB)
+    tight = plan.candidates(config, 16, 2 * topology.GIB)
+    assert len(tight) < len(roomy)
+    # 340M parameters x 16 bytes do not fit 2 GiB unsharded: every survivor shards the state.
+    assert all(c["mesh.fsdp"] * c["mesh.tensor"] >= 4 for c in tight)
+    first = roomy[0]
+    assert (first["mesh.data"], first["model.remat"], first["train.grad_accum_steps"]) == (
+        16,
+        "none",
+        1,
+    )
