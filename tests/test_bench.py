@@ -102,10 +102,16 @@ def test_markdown_writer_formats_every_table(tiny_run):
             docs_per_sec=30.24,
             mb_per_sec=0.3835,
             cores_used=1.9,
+            cpu_s=380.0,
+            mb_per_cpu_s=0.2018,
+            examples_per_cpu_s=480.4,
             peak_rss_bytes=812e6,
             data_dir="x",
         )
     ]
+    run = dict(examples=45000, cpu_s=6.5, examples_per_cpu_s=6923.1, peak_rss_bytes=150e6)
+    original = dict(run, cpu_s=47.0, examples_per_cpu_s=957.4, peak_rss_bytes=1.2e9)
+    result["prepare_vs_original"] = dict(bertjax=run, original=original, ratio=7.23)
     result["input"] = dict(examples_per_sec=2500.0, ratio_to_model=25.0)
     result["peers"] = {
         "torch": dict(
@@ -120,12 +126,14 @@ def test_markdown_writer_formats_every_table(tiny_run):
     lines = bench.to_markdown(result).splitlines()
     assert "| tokens/s | 12,346 |" in lines
     assert "| MFU | 45.7% |" in lines
-    assert "| x4 | 76.7 | 6,048 | 200 | 30.2 | 0.384 | 1.9 | 812 |" in lines
+    assert "| x4 | 76.7 | 6,048 | 200 | 380 | 0.202 | 480 | 1.9 | 812 |" in lines
+    assert "| create_pretraining_data.py | 45,000 | 47 | 957 | 1,200 |" in lines
+    assert "bertjax prepare / original, instances per CPU-second: 7.23x" in lines
     assert "tf.data input: 2,500 examples/s = 25x the model's 100 seq/s" in lines
     assert "| transformers-torch | 2 | 3.8 | 6,173 | 2.00x, 2.00x |" in lines
     assert "| bertjax | 1 | 1.9 | 12,346 | 1.00x, 1.00x |" in lines
     headers = [line for line in lines if line.startswith("|---")]
-    assert len(headers) == 3  # results, prepare, peers
+    assert len(headers) == 4  # results, prepare, prepare vs the original, peers
 
 
 def test_bench_config_keys_exist_in_the_base_config():
@@ -187,3 +195,42 @@ def test_modernbert_bench_runs_next_to_its_pytorch_peer():
     peer = result["peers"]["torch-modernbert"]
     assert peer["framework"] == "transformers-torch-modernbert" and peer["bertjax_speedup"] > 0
     assert set(result["peers"]) == {"torch-modernbert"}  # BERT's peers are not run for it
+
+
+_FAKE_ORIGINAL = """
+import sys
+from absl import app, flags
+flags.DEFINE_string("input_file", None, "")
+flags.DEFINE_string("output_file", None, "")
+for name in ("vocab_file", "do_lower_case", "max_seq_length", "max_predictions_per_seq",
+             "masked_lm_prob", "dupe_factor", "random_seed", "do_whole_word_mask"):
+    flags.DEFINE_string(name, None, "")
+import tensorflow as tf  # the shim's tf.compat.v1
+def main(_):
+    with tf.python_io.TFRecordWriter(flags.FLAGS.output_file) as w:
+        for i in range(7):
+            w.write(b"x" * i)
+app.run(main)
+"""
+
+
+def test_prepare_compared_with_the_original_script(tmp_path):
+    """--original_script: the same corpus converted to one sentence per line, both timed."""
+    corpus = tmp_path / "novel.txt"
+    para = "It was a dark night. The wind blew hard. Nobody came."
+    corpus.write_text("\n\n".join([para] * 30) + "\n\n\n\n" + "\n\n".join([para] * 30))
+    vocab = tmp_path / "vocab.txt"
+    words = "it was a dark night . the wind blew hard nobody came".split()
+    vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *words]) + "\n")
+    (tmp_path / "cpd.py").write_text(_FAKE_ORIGINAL)
+    args = bench.parse_args(
+        [f"--corpus={corpus}", f"--vocab={vocab}", f"--cache_dir={tmp_path / 'cache'}",
+         f"--original_script={tmp_path / 'cpd.py'}", "--seq=32", "--prepare_workers=1"]
+    )  # fmt: skip
+    c = bench_data.compare_with_original(args)
+    converted = (tmp_path / "cache" / "corpus-bert-format" / "novel.txt").read_text()
+    assert converted.startswith("It was a dark night.\nThe wind blew hard.\nNobody came.\n")
+    assert c["original"]["examples"] == 7 and c["bertjax"]["examples"] > 0
+    assert c["ratio"] == pytest.approx(
+        c["bertjax"]["examples_per_cpu_s"] / c["original"]["examples_per_cpu_s"]
+    )

@@ -43,7 +43,12 @@ from bertjax import flops, sharding, train
 from bertjax.sharding import RULES
 from bertjax.tasks.pretraining import PretrainingTask
 from bertjax.tools import bench_peers
-from bertjax.tools.bench_data import cached_records, measure_input, measure_prepare  # noqa: F401
+from bertjax.tools.bench_data import (  # noqa: F401
+    cached_records,
+    compare_with_original,
+    measure_input,
+    measure_prepare,
+)
 
 _SHARED = os.environ.get(
     "BERTJAX_SHARED_DATA",
@@ -91,7 +96,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--corpus", default=DEFAULT_CORPUS, help="real text for prepare (glob)")
     p.add_argument("--corpus_format", default="text", choices=("text", "bert"))
     p.add_argument("--vocab", default=DEFAULT_VOCAB, help="WordPiece vocab.txt for prepare")
-    p.add_argument("--prepare_scales", default="1", help="corpus copies per prepare run, e.g. 1,4")
+    p.add_argument("--prepare_scales", default="1,4", help="corpus copies per prepare run")
+    p.add_argument("--whole_word_mask", action="store_true", help="prepare with whole-word masking")
+    p.add_argument(
+        "--original_script", default="",
+        help="google-research/bert's create_pretraining_data.py: also time it on the same corpus",
+    )  # fmt: skip
     p.add_argument("--dupe_factor", type=int, default=1, help="prepare's passes over the corpus")
     p.add_argument("--prepare_workers", type=int, default=0, help="0: all cores")
     p.add_argument("--input_batches", type=int, default=100, help="timed tf.data batches")
@@ -373,15 +383,32 @@ def to_markdown(r: dict) -> str:
     if r.get("prepare"):
         out += [
             "",
-            "| prepare: corpus | MB | docs | wall s | docs/s | MB/s | cores | peak RSS MB |",
-            "|---|---|---|---|---|---|---|---|",
+            "| prepare: corpus | MB | docs | wall s | CPU s | MB/s/core | instances/CPU-s | cores "
+            "| peak RSS MB |",
+            "|---|---|---|---|---|---|---|---|---|",
         ]
         out += [
             f"| x{p['scale']} | {_num(p['input_mb'])} | {p['documents']:,} | {_num(p['wall_s'])}"
-            f" | {_num(p['docs_per_sec'])} | {_num(p['mb_per_sec'])} | {_num(p['cores_used'])}"
-            f" | {p['peak_rss_bytes'] / 1e6:,.0f} |"
+            f" | {_num(p['cpu_s'])} | {_num(p['mb_per_cpu_s'])} | {_num(p['examples_per_cpu_s'])}"
+            f" | {_num(p['cores_used'])} | {p['peak_rss_bytes'] / 1e6:,.0f} |"
             for p in r["prepare"]
         ]
+    if r.get("prepare_vs_original"):
+        c = r["prepare_vs_original"]
+        out += [
+            "",
+            "| same corpus (bert format) | instances | CPU s | instances/CPU-s | peak RSS MB |",
+        ]
+        out += ["|---|---|---|---|---|"]
+        out += [
+            f"| {name} | {m['examples']:,} | {_num(m['cpu_s'])} | {_num(m['examples_per_cpu_s'])}"
+            f" | {m['peak_rss_bytes'] / 1e6:,.0f} |"
+            for name, m in (
+                ("bertjax prepare", c["bertjax"]),
+                ("create_pretraining_data.py", c["original"]),
+            )
+        ]
+        out += ["", f"bertjax prepare / original, instances per CPU-second: {_num(c['ratio'])}x"]
     if r.get("input"):
         i = r["input"]
         out += [
@@ -433,6 +460,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             measure_prepare(args, int(s), os.path.join(args.cache_dir, f"prepared-x{s}"))
             for s in args.prepare_scales.split(",")
         ]
+        if args.original_script:
+            result["prepare_vs_original"] = compare_with_original(args)
     if not args.skip_input:
         data_dir = (
             result["prepare"][0]["data_dir"] if result.get("prepare") else cached_records(args)
