@@ -1,4 +1,6 @@
-"""The offline default of `make pretrain`: a mini BERT on a real-English corpus built locally.
+"""The offline demo with the BERT recipe (`make pretrain CONFIG=configs/bert_demo.py`): a mini BERT,
+MLM + NSP at 15% masking, AdamW with linear decay, on a real-English corpus built locally.
+configs/demo.py (the default of `make pretrain`) runs the modern recipe on the same corpus.
 
 The corpus is the docstrings of the running Python's standard library (bertjax.data.demo_corpus), the
 vocabulary is trained from it, and the run takes a few minutes on 2 CPU cores with MLM accuracy rising.
