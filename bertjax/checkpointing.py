@@ -32,7 +32,8 @@ class Checkpointer:
     """A thin wrapper over ``ocp.CheckpointManager`` with bertjax's three items."""
 
     def __init__(self, directory: str, *, keep: int = 3, async_save: bool = True):
-        self.directory = epath.Path(directory)
+        directory = os.fspath(directory)  # Orbax needs an absolute path (WORKDIR=workdirs/demo)
+        self.directory = epath.Path(directory if "://" in directory else os.path.abspath(directory))
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep,
             create=True,

@@ -261,3 +261,13 @@ def test_kill9_of_finetuning_mid_write_and_mid_training_then_resume_exactly(tmp_
     for seed in ("0", "1"):
         assert got["seeds"][seed]["dev"] == want["seeds"][seed]["dev"]
         assert got["seeds"][seed]["best_value"] == want["seeds"][seed]["best_value"]
+
+
+def test_a_relative_checkpoint_directory_saves(tmp_path, monkeypatch):
+    import jax.numpy as jnp
+
+    monkeypatch.chdir(tmp_path)  # `make pretrain`'s WORKDIR=workdirs/demo is relative
+    ckpt = checkpointing.Checkpointer("workdirs/demo/checkpoints", async_save=True)
+    ckpt.save(1, {"w": jnp.ones((2,))}, {}, "{}", force=True)
+    ckpt.close()
+    assert (tmp_path / "workdirs/demo/checkpoints/1/_CHECKPOINT_METADATA").exists()
