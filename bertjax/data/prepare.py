@@ -138,6 +138,8 @@ def prepare(
     show_progress: bool = True,
     packing: bool = False,
     text_column: str = "text",
+    runner: str | None = None,
+    beam_args: Sequence[str] = (),
 ) -> dict:
     """Turns a corpus into pretraining TFRecord shards + metadata.json; returns the metadata.
 
@@ -177,6 +179,10 @@ def prepare(
     fs.makedirs(output_dir)
     sizes = [fs.size(s.path) if s.kind == "file" else None for s in sources]
     total_bytes = None if None in sizes else sum(sizes)
+    if runner:  # Apache Beam (bertjax.data.beam_prepare): the same units and shards
+        return _prepare_beam(
+            cfg, settings, sources, tokenizer, output_dir, total_bytes, runner, beam_args
+        )
     tmp_dir = _work_dir(output_dir, _resume_key(settings, sources, sizes))
     _remove_stale_shards(cfg, output_dir, tmp_dir)
     done = units.done_units(tmp_dir, len(sources))
@@ -207,6 +213,48 @@ def prepare(
         raise
     # Killed or interrupted (KeyboardInterrupt): tmp_dir stays, and the next run resumes from it.
     shutil.rmtree(tmp_dir, ignore_errors=True)
+    return _publish(
+        output_dir,
+        settings,
+        results,
+        (shards, shard_files, examples),
+        documents,
+        total_bytes,
+        seconds,
+    )
+
+
+def _prepare_beam(cfg, settings, sources, tokenizer, output_dir, total_bytes, runner, beam_args):
+    from bertjax.data import beam_prepare
+
+    spec = (str(tokenizer.vocab_file), bool(tokenizer.do_lower_case))
+    tasks = [(i, source, cfg, spec) for i, source in enumerate(sources)]
+    for split in SPLITS:  # shards of an earlier, unfinished run
+        for path in fs.glob(_join(output_dir, f"{split}-*-of-*.tfrecord")):
+            fs.remove(path)
+    start = time.time()
+    results = beam_prepare.run(tasks, output_dir, cfg.shard_counts(), runner, beam_args)
+    seconds = time.time() - start
+    documents = {s: sum(r["documents"][s] for r in results) for s in SPLITS}
+    _check_documents(cfg, sources, results, documents)
+    table = _shard_table(cfg, results)
+    return _publish(output_dir, settings, results, table, documents, total_bytes, seconds)
+
+
+def _shard_table(cfg: PrepareConfig, results: list):
+    """({shard file: examples}, {split: [shard files]}, {split: examples}) from the units' counts."""
+    shards, shard_files, examples = {}, {}, {}
+    for split, count in cfg.shard_counts().items():
+        shard_files[split] = [_shard_name(split, shard, count) for shard in range(count)]
+        for shard, name in enumerate(shard_files[split]):
+            shards[name] = sum(r["examples"][split].get(shard, 0) for r in results)
+        examples[split] = sum(shards[n] for n in shard_files[split])
+    return shards, shard_files, examples
+
+
+def _publish(output_dir, settings, results, table, documents, total_bytes, seconds) -> dict:
+    """Writes metadata.json (last: it publishes the shard set) and returns it."""
+    shards, shard_files, examples = table
     metadata = {
         **settings,
         "shards": shards,
@@ -297,9 +345,7 @@ def _remove_stale_shards(cfg: PrepareConfig, output_dir: str, tmp_dir: str) -> N
 def _merge_parts(cfg: PrepareConfig, output_dir: str, tmp_dir: str, num_units: int, results: list):
     """Concatenates per-unit parts (in unit order) into shards, each via a temp name + rename;
     a merged shard is marked (`units.mark_merged`) before its parts are removed."""
-    shards, shard_files, examples = {}, {}, {}
     for split, count in cfg.shard_counts().items():
-        shard_files[split] = []
         for shard in range(count):
             name = _shard_name(split, shard, count)
             final = _join(output_dir, name)
@@ -318,10 +364,7 @@ def _merge_parts(cfg: PrepareConfig, output_dir: str, tmp_dir: str, num_units: i
             for part in parts:
                 if os.path.exists(part):
                     os.remove(part)
-            shards[name] = sum(r["examples"][split].get(shard, 0) for r in results)
-            shard_files[split].append(name)
-        examples[split] = sum(shards[n] for n in shard_files[split])
-    return shards, shard_files, examples
+    return _shard_table(cfg, results)
 
 
 def _bool(text: str) -> bool:
@@ -366,7 +409,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--masking", default=d.masking, choices=("static", "dynamic"))
     p.add_argument("--num_workers", type=int, default=None, help="default: all cores")
     p.add_argument("--no_progress", action="store_true")
-    args = p.parse_args(argv)
+    p.add_argument(
+        "--runner", default=None,
+        help="run as an Apache Beam pipeline (DirectRunner, DataflowRunner, ...); other --flags "
+        "go to Beam's pipeline options",
+    )  # fmt: skip
+    args, beam_args = p.parse_known_args(argv)
+    if beam_args and not args.runner:
+        p.error(f"unrecognized arguments: {' '.join(beam_args)}")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
     meta = prepare(
         args.input, args.output_dir, load_tokenizer(args.vocab, args.do_lower_case),
@@ -377,7 +427,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         num_shards=args.num_shards, eval_fraction=args.eval_fraction,
         random_document_buffer=args.random_document_buffer, num_workers=args.num_workers,
         tfds_data_dir=args.tfds_data_dir, show_progress=not args.no_progress, packing=args.packing,
-        text_column=args.text_column,
+        text_column=args.text_column, runner=args.runner, beam_args=beam_args,
     )  # fmt: skip
     print(
         f"{args.output_dir}: {meta['examples']} examples from {meta['documents']} documents, "
