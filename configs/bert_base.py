@@ -19,4 +19,8 @@ def get_config():
     c.train.global_batch_size = 256
     c.optimizer.learning_rate = 1e-4
     c.optimizer.warmup_steps = 10_000
+    # Parameters and AdamW state sharded over all chips (fsdp), the batch too: on a v5p-8, 21.5 ms
+    # per step by XLA's TPU cost model vs 24.5 ms data parallel (`bertjax compile --topology`).
+    c.mesh.data = 1
+    c.mesh.fsdp = -1
     return c
