@@ -50,13 +50,16 @@ def xla_cache(tmp_path_factory):
     cc.reset_cache()
 
 
-def _bertjax(root, workdir, *args, env=None, command="pretrain", config="tiny_pretrain_config"):
+def _bertjax(root, workdir, *args, env=None, command="pretrain", config="tiny_pretrain_config",
+             log=None):  # fmt: skip
     cmd = [sys.executable, str(REPO / "tests" / "fault_inject.py"), command]
     cmd += [f"--config={REPO}/tests/{config}.py:{root}", f"--workdir={workdir}"]
     env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
+    out = open(log, "w") if log else subprocess.PIPE  # noqa: SIM115  (the process's to close)
     return subprocess.Popen(
-        [*cmd, *args], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
+        [*cmd, *args], cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT if log else out,
+        text=True,
+    )  # fmt: skip
 
 
 def _wait_for(predicate, proc, timeout=300):
@@ -72,8 +75,22 @@ def _losses(workdir):
     return [r["loss"] for r in read_metrics(workdir)]
 
 
+@pytest.fixture(scope="module")
+def finetune_reference(tmp_path_factory, xla_cache):
+    """The uninterrupted fine-tuning run (tiny_finetune_config), started in the background when
+    the first test asks for it: it runs beside the pretraining test. Yields (data root, process)."""
+    root = tmp_path_factory.mktemp("finetune")
+    proc = _finetune(root, root / "reference", xla_cache, log=root / "reference.log")
+    yield root, proc
+    if proc.poll() is None:
+        proc.kill()
+    proc.communicate()
+
+
 @pytest.mark.slow
-def test_kill_mid_checkpoint_corrupt_newest_then_disk_full_then_resume_exactly(tmp_path, xla_cache):
+def test_kill_mid_checkpoint_corrupt_newest_then_disk_full_then_resume_exactly(
+    tmp_path, xla_cache, finetune_reference
+):
     rng = np.random.default_rng(SEED)
     train.train_and_evaluate(tiny_config(tmp_path, steps=10), str(tmp_path / "reference"))
     workdir = tmp_path / "run"
@@ -188,8 +205,9 @@ def test_kill9_of_prepare_at_a_random_point_then_rerun_equals_an_uninterrupted_r
 FT_WRITES = ("best/3", "sst2-dev.tsv", "SST-2.tsv", "eval_results.json")  # kill-9 points in writes
 
 
-def _finetune(root, workdir, env):
-    return _bertjax(root, workdir, env=env, command="finetune", config="tiny_finetune_config")
+def _finetune(root, workdir, env, log=None):
+    return _bertjax(root, workdir, env=env, command="finetune", config="tiny_finetune_config",
+                    log=log)  # fmt: skip
 
 
 def _rows(workdir, split):
@@ -213,20 +231,20 @@ def _nothing_half_written_looks_complete(workdir):
 
 
 @pytest.mark.slow
-def test_kill9_of_finetuning_mid_write_and_mid_training_then_resume_exactly(tmp_path, xla_cache):
-    from tiny_finetune_config import get_config
-
-    from bertjax import multiseed
-
+def test_kill9_of_finetuning_mid_write_and_mid_training_then_resume_exactly(
+    tmp_path, xla_cache, finetune_reference
+):
+    root, reference = finetune_reference
+    reference.wait(timeout=600)
+    assert reference.returncode == 0, (root / "reference.log").read_text()[-3000:]
     rng = np.random.default_rng(SEED)
-    multiseed.run(get_config(str(tmp_path)), str(tmp_path / "reference"))
     workdir = tmp_path / "run"
     # 1. kill -9 in the middle of a (seeded) write of seed 0's run: its best checkpoint (step 3),
     # its dev predictions, its GLUE test predictions or its eval_results.json.
     write = str(rng.choice(FT_WRITES))
     fault = {"BERTJAX_FAULT_SLOW_SAVE_STEP": "3"} if write == "best/3" else {}
     fault = fault or {"BERTJAX_FAULT_SLOW_WRITE": write}
-    proc = _finetune(tmp_path, workdir, {**xla_cache, **fault})
+    proc = _finetune(root, workdir, {**xla_cache, **fault})
     pattern = "best/3.orbax-checkpoint-tmp" if write == "best/3" else f".{write}.tmp-*"
     _wait_for(lambda: bool(list(workdir.rglob(pattern))), proc)
     time.sleep(0.2)
@@ -236,18 +254,18 @@ def test_kill9_of_finetuning_mid_write_and_mid_training_then_resume_exactly(tmp_
     assert not (workdir / "eval_results.json").exists()
     # 2. kill -9 at a seeded random training step of seed 1 (after the resumed seed 0 finishes).
     killed_at = int(rng.integers(1, 7))
-    proc = _finetune(tmp_path, workdir, xla_cache)
+    proc = _finetune(root, workdir, xla_cache)
     _wait_for(lambda: killed_at in [s for s, _ in _rows(workdir / "seed_1", "train")], proc)
     time.sleep(float(rng.uniform(0.0, 0.3)))
     proc.send_signal(signal.SIGKILL)
     proc.communicate()
     _nothing_half_written_looks_complete(workdir)
     # 3. a plain run finishes: the metrics, predictions and results of the uninterrupted run.
-    proc = _finetune(tmp_path, workdir, xla_cache)
+    proc = _finetune(root, workdir, xla_cache)
     out, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, out[-2000:] + err[-3000:]
     _nothing_half_written_looks_complete(workdir)
-    ref = tmp_path / "reference"
+    ref = root / "reference"
     for seed in ("seed_0", "seed_1"):
         got, want = _rows(workdir / seed, "train"), _rows(ref / seed, "train")
         assert [s for s, _ in got] == list(range(1, 7)), (seed, write, killed_at)
