@@ -144,16 +144,45 @@ class ExampleBatch:
             np.put_along_axis(rank, order, np.broadcast_to(j, order.shape), axis=1)
             selected = is_cand & (rank < budget[:, None])
         else:
-            selected = np.zeros_like(valid)
-            for r in range(num):
-                n = int(lengths[r])
-                chosen = masking.whole_word_positions(
-                    ids[r, :n], is_cand[r, :n], keys[r, :n], int(budget[r]), c["word_start"]
-                )
-                selected[r, chosen] = True
+            selected = _whole_words(ids, is_cand, keys, budget, c["word_start"])
         replaced = np.where(u_keep < masking.KEEP_PROB, ids, random_ids)
         masked = np.where(
             selected, np.where(u_mask < masking.MASK_PROB, c["mask_id"], replaced), ids
         )
         positions = np.broadcast_to(j, ids.shape)[selected]
         return masked[valid], positions, ids[selected], selected.sum(axis=1)
+
+
+def _whole_words(ids, is_cand, keys, budget, word_start) -> np.ndarray:
+    """[rows, width] bool: whole-word groups taken greedily in key order, as
+    `masking.whole_word_positions` per row, for all rows at once.
+
+    Greedy "take the group if it still fits", in rounds: groups larger than what is left never fit
+    later; of the others, the leading run whose running size fits is taken (what the greedy visit
+    takes too); every round takes at least one group (as `masking._tf_mask_from_draws`).
+    """
+    width = ids.shape[1]
+    prev = np.zeros_like(is_cand)
+    prev[:, 1:] = is_cand[:, :-1]
+    starts = is_cand & (word_start[ids] | ~prev)  # [rows, width]
+    pos = np.broadcast_to(np.arange(width), ids.shape)
+    start_of = np.maximum.accumulate(np.where(starts, pos, -1), axis=1)  # group start per position
+    rows = np.broadcast_to(np.arange(len(ids))[:, None], ids.shape)
+    sizes = np.zeros(ids.shape, np.int64)  # by start position
+    np.add.at(sizes, (rows[is_cand], start_of[is_cand]), 1)
+    order = np.argsort(np.where(starts, keys, 2.0), axis=1, kind="stable")  # groups by key
+    sorted_sizes = np.where(
+        np.take_along_axis(starts, order, axis=1), np.take_along_axis(sizes, order, axis=1), 0
+    )
+    left = budget.astype(np.int64).copy()
+    undecided, taken = sorted_sizes > 0, np.zeros_like(starts)
+    while undecided.any():
+        undecided &= sorted_sizes <= left[:, None]
+        running = np.cumsum(np.where(undecided, sorted_sizes, 0), axis=1)
+        take = undecided & (running <= left[:, None])
+        taken |= take
+        undecided &= ~take
+        left -= np.where(take, sorted_sizes, 0).sum(axis=1)
+    taken_start = np.zeros_like(starts)
+    np.put_along_axis(taken_start, order, taken, axis=1)
+    return is_cand & np.take_along_axis(taken_start, np.maximum(start_of, 0), axis=1)
