@@ -159,7 +159,7 @@ def _whole_words(ids, is_cand, keys, budget, word_start) -> np.ndarray:
 
     Greedy "take the group if it still fits", in rounds: groups larger than what is left never fit
     later; of the others, the leading run whose running size fits is taken (what the greedy visit
-    takes too); every round takes at least one group (as `masking._tf_mask_from_draws`).
+    takes too); every round takes at least one group (as in the TensorFlow twin in masking).
     """
     width = ids.shape[1]
     prev = np.zeros_like(is_cand)
