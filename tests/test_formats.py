@@ -229,3 +229,42 @@ def test_a_killed_run_resumes_with_only_the_unfinished_units(tmp_path, tok, monk
     assert meta["examples"] == ref["examples"] and meta["shards"] == ref["shards"]
     assert _shard_digest(out) == _shard_digest(tmp_path / "ref")
     assert sorted(p.name for p in out.iterdir()) == sorted(["metadata.json", *ref["shards"]])
+
+
+_KILLED_IN_MERGE = """
+import os, sys
+import bertjax.fs as fs
+from bertjax.data import prepare
+from bertjax.text import load_tokenizer
+real, renamed = fs.rename, []
+def dying(source, target):
+    real(source, target)
+    renamed.append(target)
+    if len(renamed) == 2:
+        os._exit(9)  # killed while merging: 2 of the 3 shards are in place, no metadata.json
+fs.rename = dying
+prepare.prepare(sys.argv[1].split(","), sys.argv[2], load_tokenizer(sys.argv[3], True),
+                num_workers=1, show_progress=False, **eval(sys.argv[4]))
+"""
+
+
+def test_a_run_killed_while_merging_publishes_nothing_and_resumes(tmp_path, tok):
+    import subprocess
+    import sys
+
+    docs = _documents(30)
+    paths = []
+    for part in range(3):
+        paths.append(str(tmp_path / f"p{part}.txt"))
+        (tmp_path / f"p{part}.txt").write_text("\n\n".join("\n".join(d) for d in docs[part::3]))
+    kw = dict(max_seq_length=32, max_predictions_per_seq=5, dupe_factor=1, num_shards=3)
+    ref = prepare.prepare(paths, str(tmp_path / "ref"), tok, show_progress=False, **kw)
+    out = tmp_path / "out"
+    args = [",".join(paths), str(out), tok.vocab_file, repr(kw)]
+    proc = subprocess.run([sys.executable, "-c", _KILLED_IN_MERGE, *args], capture_output=True)
+    assert proc.returncode == 9, proc.stderr.decode()[-2000:]
+    assert not (out / "metadata.json").exists() and len(list(out.glob("train-*"))) == 2
+    meta = prepare.prepare(paths, str(out), tok, num_workers=1, show_progress=False, **kw)
+    assert meta["shards"] == ref["shards"]
+    assert _shard_digest(out) == _shard_digest(tmp_path / "ref")
+    assert sorted(p.name for p in out.iterdir()) == sorted(["metadata.json", *ref["shards"]])
