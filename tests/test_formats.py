@@ -181,6 +181,11 @@ def test_open_stream_remote_paths_go_through_gfile(tmp_path):
     _write_jsonl(tmp_path / "g.jsonl.gz", _documents(3), opener=gzip.open)
     texts = list(formats.jsonl_texts(f"file://{tmp_path}/g.jsonl.gz"))
     assert texts == ["\n".join(d) for d in _documents(3)]
+    _write_parquet(tmp_path / "g.parquet", _documents(9), row_group_size=2)
+    seen = []
+    texts = list(formats.parquet_texts(f"file://{tmp_path}/g.parquet", "body", seen.append))
+    assert texts == ["\n".join(d) for d in _documents(9)]
+    assert sum(seen) == os.path.getsize(tmp_path / "g.parquet")
 
 
 _KILLED_RUN = """

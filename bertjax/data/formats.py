@@ -16,6 +16,8 @@ import os
 from collections.abc import Callable, Iterator
 from typing import BinaryIO
 
+import bertjax.fs as fs
+
 COMPRESSED = (".gz", ".zst", ".zstd")
 _PARQUET_BATCH_ROWS = 1024
 
@@ -32,6 +34,32 @@ def open_raw(path: str) -> BinaryIO:
 
         return tf.io.gfile.GFile(path, "rb")
     return open(path, "rb")  # noqa: SIM115 - the caller closes it
+
+
+class _RandomAccess(io.RawIOBase):
+    """A tf.io.gfile.GFile as the seekable raw file pyarrow reads Parquet from."""
+
+    def __init__(self, gfile):
+        super().__init__()
+        self._file = gfile
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        data = self._file.read(len(buffer))
+        buffer[: len(data)] = data
+        return len(data)
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        self._file.seek(offset, whence)
+        return self._file.tell()
+
+    def tell(self) -> int:
+        return self._file.tell()
 
 
 def _zstd_reader(raw: BinaryIO, path: str) -> BinaryIO:
@@ -121,7 +149,7 @@ def parquet_texts(
 
     with open_raw(path) as raw:
         try:
-            parquet = pq.ParquetFile(raw)
+            parquet = pq.ParquetFile(raw if not is_remote(path) else _RandomAccess(raw))
         except (pa.ArrowException, OSError) as err:
             raise ValueError(f"{path}: not a Parquet file ({str(err).splitlines()[0]})") from None
         names = parquet.schema_arrow.names
@@ -134,7 +162,7 @@ def parquet_texts(
         if not (pa.types.is_string(field.type) or pa.types.is_large_string(field.type)):
             raise ValueError(f"{path}: column {column!r} holds {field.type}, not strings")
         total_rows = max(parquet.metadata.num_rows, 1)
-        size = raw.seek(0, os.SEEK_END) if on_bytes is not None else 0
+        size = fs.size(path) if on_bytes is not None else 0
         rows = reported = 0
         for batch in parquet.iter_batches(batch_size=_PARQUET_BATCH_ROWS, columns=[column]):
             for text in batch.column(0).to_pylist():
