@@ -192,9 +192,9 @@ def part_name(split: str, shard: int, index: int) -> str:
 
 def run_units(tasks: list, num_workers: int, total_bytes: int | None, show_progress: bool) -> list:
     """Runs process_unit over the units (in-process or on a process pool) with a tqdm bar."""
-    # fork starts workers at no cost (nothing to import again) and is safe while TensorFlow, whose
-    # threads do not survive a fork, is not loaded: the case for local corpora and output.
-    fork = sys.platform == "linux" and "tensorflow" not in sys.modules
+    # fork starts workers at no cost (nothing to import again) and is safe while neither TensorFlow
+    # nor JAX, whose threads do not survive a fork, is loaded: `bertjax prepare` on local files.
+    fork = sys.platform == "linux" and not {"tensorflow", "jax"} & set(sys.modules)
     ctx = multiprocessing.get_context("fork" if fork else "spawn")
     counters = (ctx.Value("q", 0), ctx.Value("q", 0))  # documents read, bytes read
     bar = tqdm.tqdm(
