@@ -182,7 +182,12 @@ def speed_report(
         "xla_flops_per_device": float((costs or {}).get("flops", 0.0) or 0.0),
         "peak_flops_per_device": peak,
     }
-    if est <= 0:  # the CPU and GPU compilers give no time estimate
+    if est <= 0:  # CPU/GPU: no estimate; TPU: a negative sentinel for ops it cannot price
+        if devices[0].platform == "tpu":
+            report["est_unavailable"] = (
+                f"XLA's cost model gave no step time for {devices[0].device_kind} "
+                f"(optimal_seconds={est:g}: some op of the step has no cost on this chip)"
+            )
         return report
     report.update(
         est_step_seconds=est,
@@ -237,6 +242,8 @@ def format_report(report: dict[str, Any], title: str = "") -> str:
             + (f"MFU {mfu:.1%}" if mfu is not None else "MFU unknown (no peak for this device)")
         )
         lines.append(f"            ({ESTIMATE_NOTE})")
+    if "est_unavailable" in report:
+        lines.append(f"est. step   unavailable: {report['est_unavailable']}")
     lines.append(f"compiled in {report['compile_seconds']:.1f} s")
     lines.append("largest state arrays per device:")
     for row in report["largest_arrays"]:

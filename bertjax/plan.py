@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import concurrent.futures as futures
 import itertools
+import math
 import multiprocessing
 import time
 from typing import Any
@@ -39,6 +40,7 @@ ROW_KEYS = (
     "est_tokens_per_sec_per_chip",
     "est_mfu",
     "compile_seconds",
+    "est_unavailable",
 )
 
 
@@ -214,8 +216,10 @@ def run(
                 for fut in done:
                     launched[0] -= 1
                     record(pending.pop(fut), fut.result())
+    # By estimated step time; where the chip's cost model gives none (see compile's
+    # est_unavailable), in search order: less recomputation and fewer micro-batches first.
     ranked = sorted(
-        (r for r in rows if r.get("fits")), key=lambda r: r.get("est_step_seconds") or 1e9
+        (r for r in rows if r.get("fits")), key=lambda r: r.get("est_step_seconds") or math.inf
     )
     return {
         "topology": slice_.describe(),
@@ -251,11 +255,15 @@ def format_table(result: dict[str, Any]) -> str:
             f"accum={o['train.grad_accum_steps']} scan={o['model.scan_layers']} "
             f"attn={o['model.attention_impl']}"
         )
-        mfu = row.get("est_mfu")
+        mfu, est, tps = (
+            row.get("est_mfu"),
+            row.get("est_step_seconds"),
+            row.get("est_tokens_per_sec_per_chip"),
+        )
         lines.append(
-            f"{i:>4} {row['est_step_seconds'] * 1e3:8.1f} "
-            f"{(f'{mfu:.1%}' if mfu is not None else '?'):>8} "
-            f"{row['est_tokens_per_sec_per_chip']:11,.0f} "
+            f"{i:>4} {(f'{est * 1e3:.1f}' if est else '-'):>8} "
+            f"{(f'{mfu:.1%}' if mfu is not None else '-'):>8} "
+            f"{(f'{tps:,.0f}' if tps else '-'):>11} "
             f"{row['hbm_bytes_per_device'] / gib:8.2f}  {layout}"
         )
     for row in result["rejected"]:
@@ -265,6 +273,10 @@ def format_table(result: dict[str, Any]) -> str:
             f"{row['hbm_capacity_bytes'] / gib:.0f}"
         )
         lines.append(f"   - does not fit: {overrides_flags(o)}: {why}")
+    if any(r.get("est_unavailable") for r in result["ranked"]):
+        lines.append(
+            "(-: XLA's cost model gives no step time for this chip; ranked in search order)"
+        )
     if result["best_overrides"]:
         lines.append(f"best: {result['best_overrides']}")
     else:

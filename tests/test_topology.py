@@ -78,18 +78,18 @@ TINY = {
 def test_compile_for_a_simulated_slice_reports_consistent_estimates(tmp_path):
     out = subprocess.run(
         [sys.executable, "-m", "bertjax.cli", "compile", "--config=configs/bert_base.py",
-         f"--workdir={tmp_path}", "--topology=v5e:2x2", "--json",
+         f"--workdir={tmp_path}", "--topology=v5p:2x2x1", "--json",
          *(f"--config.{k}={v}" for k, v in TINY.items())],
         cwd=REPO, capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]
     report = json.loads(out.stdout)
-    assert report["devices"] == 4 and report["device_kind"] == "TPU v5 lite"
-    assert report["hbm_capacity_bytes"] == 16 * topology.GIB
+    assert report["devices"] == 4 and report["device_kind"] == "TPU v5"
+    assert report["hbm_capacity_bytes"] == 95 * topology.GIB
     assert report["fits"] is True and 0 < report["hbm_bytes_per_device"] < 2 * topology.GIB
     est, mfu = report["est_step_seconds"], report["est_mfu"]
     assert est > 0 and 0 < mfu < 1
-    peak = 197e12
+    peak = 459e12
     assert mfu == pytest.approx(report["analytic_flops_per_step"] / (est * 4 * peak), rel=1e-9)
     assert report["est_tokens_per_sec_per_chip"] == pytest.approx(16 * 128 / est / 4, rel=1e-9)
     assert "estimates" in report["note"]
@@ -107,7 +107,9 @@ def test_plan_ranks_the_candidates_that_fit(tmp_path):
     base = dict(zip(plan.SEARCH_KEYS, (4, 1, 1, "none", 1, False, "xla")))
     fsdp = {**base, "mesh.data": 1, "mesh.fsdp": 4}
     slower = {**base, "train.grad_accum_steps": 4, "model.remat": "full"}
-    result = plan.run(config, str(tmp_path), topology.parse("v5e:2x2"), search=[base, fsdp, slower])
+    result = plan.run(
+        config, str(tmp_path), topology.parse("v5p:2x2x1"), search=[base, fsdp, slower]
+    )
     # `slower` is never compiled: the same mesh fit with less recomputation and no micro-batches.
     assert (result["searched"], result["of"], len(result["ranked"])) == (2, 3, 2)
     times = [r["est_step_seconds"] for r in result["ranked"]]
@@ -154,3 +156,16 @@ def test_plan_candidates_skip_layouts_that_cannot_fit():
         "none",
         1,
     )
+
+
+def test_plan_table_ranks_in_search_order_where_the_chip_has_no_estimate():
+    from bertjax import plan
+
+    base = dict(zip(plan.SEARCH_KEYS, (1, 16, 1, "none", 1, False, "xla")))
+    row = {"overrides": base, "fits": True, "hbm_bytes_per_device": 12 * topology.GIB}
+    row["est_unavailable"] = "XLA's cost model gave no step time for TPU v5 lite"
+    result = {"topology": "v5e-16", "phase": 1, "searched": 1, "of": 9, "seconds": 60.0}
+    result.update(ranked=[row], rejected=[], best_overrides=plan.overrides_flags(base))
+    table = plan.format_table(result)
+    assert "no step time for this chip" in table and "12.00" in table
+    assert table.splitlines()[-1] == "best: " + plan.overrides_flags(base)
