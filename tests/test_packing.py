@@ -361,3 +361,35 @@ def test_prepare_and_train_with_packing(corpus, tmp_path):
         ValueError, match=r"metadata.json: packing=True but config key data.packing"
     ):
         task.after_prepare()
+
+
+def test_evaluate_mlm_runs_packed_rows_as_their_sequences():
+    from bertjax.tools.mlm_eval import masked_lm_sums
+
+    cfg = get_preset("tiny", vocab_size=VOCAB, max_position_embeddings=32)
+    rng = np.random.default_rng(2)
+    seqs = [(np.array([CLS, *rng.integers(5, VOCAB, n - 2), SEP]), np.zeros(n, np.int32))
+            for n in (7, 10, 5)]  # fmt: skip
+    (ids, types, pack_ids, positions), starts = _packed_row(seqs, 24)
+    local = [np.array([1, 3]), np.array([2, 5, 8]), np.array([1])]  # masked positions per sequence
+    targets = [rng.integers(5, VOCAB, len(p)) for p in local]
+    model = BertForPreTraining(cfg, nsp=False)
+    params = model.init(jax.random.key(0), jnp.asarray(ids), masked_lm_positions=jnp.zeros((1, 6), jnp.int32))["params"]  # fmt: skip
+    packed = {
+        "input_ids": ids, "segment_ids": types, "input_mask": (ids > 0).astype(np.int32),
+        "pack_ids": pack_ids, "position_ids": positions,
+        "masked_lm_positions": np.concatenate([p + s for p, s in zip(local, starts)])[None],
+        "masked_lm_ids": np.concatenate(targets)[None].astype(np.int32),
+        "masked_lm_weights": np.ones((1, 6), np.float32),
+    }  # fmt: skip
+    got = np.asarray(masked_lm_sums(model, params, packed))
+    want = np.zeros(3)
+    for (s, t), p, y in zip(seqs, local, targets):
+        alone = {
+            "input_ids": s[None].astype(np.int32), "segment_ids": t[None],
+            "input_mask": np.ones((1, len(s)), np.int32),
+            "masked_lm_positions": p[None].astype(np.int32), "masked_lm_ids": y[None].astype(np.int32),
+            "masked_lm_weights": np.ones((1, len(p)), np.float32),
+        }  # fmt: skip
+        want += np.asarray(masked_lm_sums(model, params, alone))
+    np.testing.assert_allclose(got, want, rtol=1e-5)

@@ -138,11 +138,7 @@ SKIPPED = {  # a command is skipped when it is, or starts with, a key (then a sp
 }
 # Commands that fail today, each with the error it gives (the test fails once one is fixed, so that
 # it moves to the commands that must pass).
-KNOWN_BROKEN = {
-    ".venv/bin/bertjax evaluate-mlm --checkpoint=workdirs/demo --data=workdirs/demo/data": (
-        "packed records; evaluate on unpacked ones"  # the ModernBERT demo prepares packed rows
-    ),
-}
+KNOWN_BROKEN: dict[str, str] = {}
 TINY_FT = ("--config.train.steps=2 --config.train.global_batch_size=8 --config.data.max_seq_length=32"
            " --config.data.eval_batch_size=8")  # fmt: skip
 

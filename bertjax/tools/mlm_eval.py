@@ -3,7 +3,8 @@ architecture, any format) on prepared pretraining records, so that runs trained 
 recipes (masking rates, packing, NSP or not) are compared on the same held-out tokens.
 
 The records fix the masked positions (static masking), so two checkpoints see exactly the same
-predictions to make. The loss is the weighted mean cross-entropy over every masked position of
+predictions to make. Packed records (several sequences per row) are evaluated as packed: each
+sequence attends only to itself, as in training. The loss is the weighted mean cross-entropy over every masked position of
 the split (``bertjax.losses.masked_lm_loss``), the accuracy the fraction predicted exactly.
 """
 
@@ -45,22 +46,7 @@ def evaluate_mlm(
     keep = {models.architecture(config).ENCODER_NAME, "predictions"}
     params = {k: v for k, v in pretrained.params.items() if k in keep}
 
-    @jax.jit
-    def sums(params, batch):
-        out = model.apply(
-            {"params": params},
-            batch["input_ids"],
-            batch["segment_ids"],
-            batch["input_mask"],
-            batch["masked_lm_positions"],
-            deterministic=True,
-        )
-        weights = batch["masked_lm_weights"]
-        loss, accuracy = losses.masked_lm_loss(
-            out["mlm_logits"], batch["masked_lm_ids"], weights, 1.0
-        )
-        return loss, accuracy, weights.sum()
-
+    sums = jax.jit(lambda params, batch: masked_lm_sums(model, params, batch))
     data = pipeline.PretrainingData(
         data_dir, split, batch_size, seed=0, process_index=0, process_count=1,
         repeat=False, shuffle=False, drop_remainder=False,
@@ -70,8 +56,6 @@ def evaluate_mlm(
     for batch in data:
         if max_batches and batches >= max_batches:
             break
-        if "pack_ids" in batch:
-            raise ValueError(f"{data_dir}: packed records; evaluate on unpacked ones")
         totals += np.asarray(jax.device_get(sums(params, batch)), np.float64)
         batches += 1
     if totals[2] == 0:
@@ -82,6 +66,24 @@ def evaluate_mlm(
         "masked_positions": int(totals[2]),
         "batches": batches,
     }
+
+
+def masked_lm_sums(model: PreTrainingModel, params, batch: dict) -> tuple:
+    """(summed loss, summed correct, summed weight) of a batch's masked positions; packed rows
+    (``pack_ids``, ``position_ids``) are run as packed: each sequence attends only to itself."""
+    packed = {k: batch[k] for k in ("pack_ids", "position_ids") if k in batch}
+    out = model.apply(
+        {"params": params},
+        batch["input_ids"],
+        batch["segment_ids"],
+        batch["input_mask"],
+        batch["masked_lm_positions"],
+        deterministic=True,
+        **packed,
+    )
+    weights = batch["masked_lm_weights"]
+    loss, accuracy = losses.masked_lm_loss(out["mlm_logits"], batch["masked_lm_ids"], weights, 1.0)
+    return loss, accuracy, weights.sum()
 
 
 def main(argv: list[str]) -> None:
