@@ -102,6 +102,9 @@ def test_readme_local_sh_example_runs_with_logs_under_the_workdir(tmp_path):
     ]
     workdir = tmp_path / "mh"
     words = [w.replace("/tmp/mh", str(workdir)) for w in shlex.split(line)]
+    # Run from an empty folder (to see that nothing lands in ./workdir): the repo's paths made absolute.
+    words = [str(REPO / w) if w.startswith("launch/") else w for w in words]
+    words = [w.replace("--config=configs/", f"--config={REPO}/configs/") for w in words]
     env = {k: v for k, v in os.environ.items() if k not in ("LOG_DIR", "XLA_FLAGS")}
     proc = subprocess.run(
         ["bash", *words, "--config.train.steps=2"],  # the example, 2 steps
