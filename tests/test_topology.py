@@ -99,7 +99,8 @@ def test_compile_for_a_simulated_slice_reports_consistent_estimates(tmp_path):
 
 @needs_libtpu
 @pytest.mark.slow
-def test_plan_ranks_the_candidates_that_fit(tmp_path):
+@pytest.mark.parametrize("jobs", [1, 2])  # 2: candidates compiled in worker processes
+def test_plan_ranks_the_candidates_that_fit(tmp_path, jobs):
     from bertjax import plan
     from configs import bert_base
 
@@ -108,7 +109,7 @@ def test_plan_ranks_the_candidates_that_fit(tmp_path):
     fsdp = {**base, "mesh.data": 1, "mesh.fsdp": 4}
     slower = {**base, "train.grad_accum_steps": 4, "model.remat": "full"}
     result = plan.run(
-        config, str(tmp_path), topology.parse("v5p:2x2x1"), search=[base, fsdp, slower]
+        config, str(tmp_path), topology.parse("v5p:2x2x1"), search=[base, fsdp, slower], jobs=jobs
     )
     # `slower` is never compiled: the same mesh fit with less recomputation and no micro-batches.
     assert (result["searched"], result["of"], len(result["ranked"])) == (2, 3, 2)
