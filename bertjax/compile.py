@@ -34,6 +34,18 @@ MEMORY_KEYS = (
 )
 
 
+def with_overrides(config: ml_collections.ConfigDict, overrides: dict[str, Any]):
+    """A copy of ``config`` with dotted keys set (the copy is unlocked, the original untouched)."""
+    config = ml_collections.ConfigDict(config.to_dict())
+    for key, value in overrides.items():
+        node = config
+        *parents, leaf = key.split(".")
+        for p in parents:
+            node = node[p]
+        node[leaf] = value
+    return config
+
+
 def shapes_only_task(config: ml_collections.ConfigDict, workdir: str) -> Task:
     """The config's task for compiling: pretraining needs no corpus or prepared data (shapes come
     from the config and the vocabulary's size); fine-tuning tasks read their data as in training."""
@@ -88,16 +100,16 @@ def compile_train_step(
     compiled = _compile(setup, phase, accum)
     compile_seconds = time.perf_counter() - t0
     timed = compiled
-    loops = accum > 1 or bool(config.model.get("scan_layers"))
-    if loops and setup.mesh.devices.flat[0].platform == "tpu":
+    scan = bool(config.model.get("scan_layers"))
+    if (accum > 1 or scan) and setup.mesh.devices.flat[0].platform == "tpu":
         # XLA's cost model counts a loop's body once: time the same step without loops (layers
         # unrolled, micro-batches unrolled), keep the real program's memory.
-        twin_config = ml_collections.ConfigDict(config.to_dict())
-        twin_config.model.scan_layers = False
-        twin_task = task if not config.model.get("scan_layers") else None
-        twin_task = twin_task or shapes_only_task(twin_config, workdir)
-        twin = build(twin_config, workdir, twin_task, devices=devices)
-        timed = _compile(phase_setup(twin, phase), phase, accum, unroll=True)
+        timed_setup = setup
+        if scan:
+            unscanned = with_overrides(config, {"model.scan_layers": False})
+            twin = build(unscanned, workdir, shapes_only_task(unscanned, workdir), devices=devices)
+            timed_setup = phase_setup(twin, phase)
+        timed = _compile(timed_setup, phase, accum, unroll=True)
     arrays = state_arrays(setup.abstract_state, setup.state_shardings)
     mesh_devices = list(setup.mesh.devices.flat)
     report: dict[str, Any] = {
@@ -107,7 +119,7 @@ def compile_train_step(
         "mesh": dict(setup.mesh.shape),
         "phase": phase_index,
         "global_batch_size": phase.global_batch_size,
-        "grad_accum_steps": config.train.grad_accum_steps,
+        "grad_accum_steps": accum,
         "compile_seconds": round(compile_seconds, 2),
         "state_bytes_per_device": sum(r["bytes_per_device"] for r in arrays),
     }

@@ -19,7 +19,9 @@ from typing import Any
 
 import ml_collections
 
+from bertjax import compile as aot
 from bertjax import models, topology
+from bertjax.compile import with_overrides
 
 SEARCH_KEYS = (
     "mesh.data",
@@ -42,18 +44,6 @@ ROW_KEYS = (
     "compile_seconds",
     "est_unavailable",
 )
-
-
-def with_overrides(config: ml_collections.ConfigDict, overrides: dict[str, Any]):
-    """A copy of ``config`` with dotted keys set (the copy is unlocked, the original untouched)."""
-    config = ml_collections.ConfigDict(config.to_dict())
-    for key, value in overrides.items():
-        node = config
-        *parents, leaf = key.split(".")
-        for p in parents:
-            node = node[p]
-        node[leaf] = value
-    return config
 
 
 def lower_bound_bytes(cfg, seq: int, micro_batch: int, state_shards: int, remat: str) -> float:
@@ -119,8 +109,6 @@ def candidates(
 
 def _compile_one(config_dict: dict, workdir: str, slice_args: tuple, phase_index: int) -> dict:
     """One candidate, compiled in this process (also the worker of a process pool)."""
-    from bertjax import compile as aot
-
     config = ml_collections.ConfigDict(config_dict)
     devices = topology.devices(topology.parse(*slice_args))
     try:
@@ -184,37 +172,31 @@ def run(
         rows.append(row)
         queue[:] = [c for c in queue if not dominated(overrides, report, c)]
 
-    def submit_next(launch):
-        if queue and len(rows) + launched[0] < max_candidates:
-            if time.perf_counter() - start <= budget_seconds:
-                overrides = queue.pop(0)
-                cfg = with_overrides(config, overrides).to_dict()
-                launched[0] += 1
-                return overrides, launch(cfg)
-        return None
+    pending: dict[futures.Future, dict[str, Any]] = {}
 
-    launched = [0]
+    def take() -> dict[str, Any] | None:
+        """The next candidate to compile; None once the queue, the count or the time is spent."""
+        if not queue or len(rows) + len(pending) >= max_candidates:
+            return None
+        return queue.pop(0) if time.perf_counter() - start <= budget_seconds else None
+
+    def compile_args(overrides):
+        return with_overrides(config, overrides).to_dict(), workdir, slice_args, phase_index
+
     if jobs <= 1:
-        while nxt := submit_next(lambda cfg: _compile_one(cfg, workdir, slice_args, phase_index)):
-            launched[0] -= 1
-            record(*nxt)
+        while (overrides := take()) is not None:
+            record(overrides, _compile_one(*compile_args(overrides)))
     else:
         # Each worker is a fresh process with its own compile-only libtpu.
         ctx = multiprocessing.get_context("spawn")
         with futures.ProcessPoolExecutor(jobs, mp_context=ctx) as pool:
-            pending: dict[futures.Future, dict] = {}
             while True:
-                while len(pending) < jobs and (
-                    nxt := submit_next(
-                        lambda cfg: pool.submit(_compile_one, cfg, workdir, slice_args, phase_index)
-                    )
-                ):
-                    pending[nxt[1]] = nxt[0]
+                while len(pending) < jobs and (overrides := take()) is not None:
+                    pending[pool.submit(_compile_one, *compile_args(overrides))] = overrides
                 if not pending:
                     break
                 done, _ = futures.wait(pending, return_when=futures.FIRST_COMPLETED)
                 for fut in done:
-                    launched[0] -= 1
                     record(pending.pop(fut), fut.result())
     # By estimated step time; where the chip's cost model gives none (see compile's
     # est_unavailable), in search order: less recomputation and fewer micro-batches first.

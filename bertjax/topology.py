@@ -24,23 +24,22 @@ HOST_BOUNDS = (2, 2, 1)  # chips per TPU VM host
 
 @dataclasses.dataclass(frozen=True)
 class Generation:
-    """One TPU generation: its names, chip grid rank, cores per chip and per-chip figures."""
+    """One TPU generation: its name, chip grid rank, cores per chip, HBM and megacore."""
 
     name: str  # libtpu's name: v4, v5p, v5e, v6e
     dims: int  # 3: a 3-D torus (v4, v5p); 2: a 2-D grid (v5e, v6e)
     cores_per_chip: int  # TensorCores counted by the accelerator type (v4-8 is 4 chips)
-    hbm_bytes: int  # HBM per chip
-    peak_bf16_tflops: float  # dense bf16 peak per chip (vendor figure)
+    hbm_bytes: int  # HBM per chip (peak FLOP/s: bertjax.flops.PEAK_TFLOPS)
     megacore: bool  # both TensorCores of a chip act as one JAX device
 
 
 GENERATIONS = {
     g.name: g
     for g in (
-        Generation("v4", 3, 2, 32 * GIB, 275.0, True),
-        Generation("v5p", 3, 2, 95 * GIB, 459.0, True),
-        Generation("v5e", 2, 1, 16 * GIB, 197.0, False),
-        Generation("v6e", 2, 1, 32 * GIB, 918.0, False),
+        Generation("v4", 3, 2, 32 * GIB, True),
+        Generation("v5p", 3, 2, 95 * GIB, True),
+        Generation("v5e", 2, 1, 16 * GIB, False),
+        Generation("v6e", 2, 1, 32 * GIB, False),
     )
 }
 ALIASES = {"v5litepod": "v5e", "v5lite": "v5e", "v6": "v6e", "trillium": "v6e"}
@@ -161,8 +160,8 @@ def hbm_bytes(device) -> int:
         stats = None
     if stats and stats.get("bytes_limit"):
         return int(stats["bytes_limit"])
-    kind = getattr(device, "device_kind", "")
-    return generation_of_kind(kind).hbm_bytes if generation_of_kind(kind) else 0
+    generation = generation_of_kind(getattr(device, "device_kind", ""))
+    return generation.hbm_bytes if generation else 0
 
 
 def generation_of_kind(kind: str) -> Generation | None:

@@ -187,12 +187,7 @@ def iter_lines(path: str, on_bytes: Callable[[int], None] | None = None) -> Iter
     `on_bytes(n)` (optional) is called with the stored (compressed) bytes read, for progress bars.
     """
     with formats.open_stream(path) as (stream, raw):
-        done = 0
-        for number, raw_line in enumerate(stream, start=1):
-            if on_bytes is not None:
-                position = raw.tell() if raw is not stream else done + len(raw_line)
-                on_bytes(position - done)
-                done = position
+        for number, raw_line in formats.numbered_lines(stream, raw, on_bytes):
             if number == 1 and raw_line.startswith(b"\xef\xbb\xbf"):
                 raw_line = raw_line[3:]
             try:

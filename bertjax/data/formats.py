@@ -94,6 +94,20 @@ def open_stream(path: str) -> Iterator[tuple[BinaryIO, BinaryIO]]:
             yield stream, raw
 
 
+def numbered_lines(
+    stream: BinaryIO, raw: BinaryIO, on_bytes: Callable[[int], None] | None = None
+) -> Iterator[tuple[int, bytes]]:
+    """(1-based line number, line) of an ``open_stream`` pair; ``on_bytes(n)`` (optional) is told
+    the stored (compressed) bytes each line took, for progress bars."""
+    done = 0
+    for number, line in enumerate(stream, start=1):
+        if on_bytes is not None:
+            position = raw.tell() if raw is not stream else done + len(line)
+            on_bytes(position - done)
+            done = position
+        yield number, line
+
+
 def jsonl_texts(
     path: str, column: str = "text", on_bytes: Callable[[int], None] | None = None
 ) -> Iterator[str]:
@@ -104,12 +118,7 @@ def jsonl_texts(
     or a value that is not a string.
     """
     with open_stream(path) as (stream, raw):
-        done = 0
-        for number, line in enumerate(stream, start=1):
-            if on_bytes is not None:
-                position = raw.tell() if raw is not stream else done + len(line)
-                on_bytes(position - done)
-                done = position
+        for number, line in numbered_lines(stream, raw, on_bytes):
             if not line.strip():
                 continue
             try:
