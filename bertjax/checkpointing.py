@@ -10,6 +10,7 @@ complete step. Restoring onto another mesh reshards (the target shardings come f
 from __future__ import annotations
 
 import errno
+import gc
 import json
 import logging
 import math
@@ -90,7 +91,11 @@ class Checkpointer:
             try:
                 restored = self.restore(abstract_state, step)
             except Exception as err:  # noqa: BLE001  (any failure: try the next older step)
-                failures.append((step, _why_unrestorable(str(self.directory / str(step)), err)))
+                step_dir = str(self.directory / str(step))
+                _UNRESTORABLE_DIRS.add(step_dir)
+                _quiet_unraisable_consequences()
+                gc.collect()  # the bad step's abandoned reads end now, under the filters
+                failures.append((step, _why_unrestorable(step_dir, err)))
                 log.warning(
                     "checkpoint step %d in %s does not restore (%s); trying an older one",
                     step,
@@ -158,7 +163,7 @@ class Checkpointer:
         """The one-line error of a failed save: the file or step folder, disk full or the
         reason; the newest complete checkpoint stays (Orbax renames a step only when complete)."""
         self._failed = True
-        _quiet_closed_loops_after_failed_save()
+        _quiet_unraisable_consequences()
         chain = _chain(err)
         step = self._saving if step is None else step
         where = next((e.filename for e in chain if getattr(e, "filename", None)), None)
@@ -220,23 +225,50 @@ def _drain_save_threads(manager, timeout: float = 60.0) -> None:
     time.sleep(0.2)  # their executor threads' last callbacks
 
 
-def _quiet_closed_loops_after_failed_save() -> None:
-    """After a reported failed save, Orbax's executor threads may still hand their (failed)
-    results to the per-save event loops it has already closed: Python then prints
-    "Exception ignored ... RuntimeError: Event loop is closed" through ``sys.unraisablehook``.
-    This hook drops exactly that message; every other unraisable exception goes to the hook
-    in place before (installed once)."""
+_UNRESTORABLE_DIRS: set[str] = set()  # step directories a restore failed on, in this process
+
+
+def _about_unrestorable(err: BaseException | None) -> bool:
+    """Whether ``err`` (or its causes) is a consequence of reading an unrestorable step."""
+    return err is not None and _about_unrestorable_text(" ".join(str(e) for e in _chain(err)))
+
+
+def _about_unrestorable_text(text: str) -> bool:
+    return any(f"{step_dir}/" in text for step_dir in _UNRESTORABLE_DIRS)
+
+
+def _quiet_unraisable_consequences() -> None:
+    """Drops two kinds of "Exception ignored in ..." messages that Python prints through
+    ``sys.unraisablehook`` after an error bertjax has already reported in one line:
+    - after a failed save, Orbax's executor threads may hand their results to the per-save event
+      loops it has closed ("RuntimeError: Event loop is closed");
+    - after a failed restore, TensorStore's other reads of the bad step end in coroutines nobody
+      awaits any more (their errors name the step directory, logged once by ``restore_newest``).
+    Every other unraisable exception goes to the hook in place before (installed once)."""
     previous = sys.unraisablehook
-    if getattr(previous, "_bertjax_closed_loop_filter", False):
+    if getattr(previous, "_bertjax_consequences_filter", False):
         return
 
     def hook(unraisable):
         err = unraisable.exc_value
-        if not (isinstance(err, RuntimeError) and str(err) == "Event loop is closed"):
+        closed_loop = isinstance(err, RuntimeError) and str(err) == "Event loop is closed"
+        if not (closed_loop or _about_unrestorable(err)):
             previous(unraisable)
 
-    hook._bertjax_closed_loop_filter = True
+    hook._bertjax_consequences_filter = True
     sys.unraisablehook = hook
+
+
+class _UnrestorableReadsLogFilter(logging.Filter):
+    """Drops asyncio's "Task exception was never retrieved" records of the other reads of a step
+    that did not restore (``restore_newest`` logs that step once, with the reason)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        err = record.exc_info[1] if record.exc_info else None
+        return not (_about_unrestorable(err) or _about_unrestorable_text(record.getMessage()))
+
+
+logging.getLogger("asyncio").addFilter(_UnrestorableReadsLogFilter())
 
 
 class _DiskFullLogFilter(logging.Filter):
