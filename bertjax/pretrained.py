@@ -25,6 +25,8 @@ from flax import traverse_util
 
 import bertjax.models as models
 from bertjax.convert import Checkpoint, layout, load_checkpoint, unflatten_params
+from bertjax.convert.checkpoint import head_of
+from bertjax.head_init import checkpoint_kinds
 from bertjax.layers.core import output_dense
 from bertjax.models.heads import encoder, tied_word_embeddings
 from bertjax.text import load_tokenizer
@@ -32,6 +34,7 @@ from bertjax.text import load_tokenizer
 log = logging.getLogger("bertjax")
 
 Array = jax.Array
+TASK_HEADS = ("classifier", "token_head", "qa")  # a fine-tuning model's heads outside the encoder
 
 
 class PretrainedEncoder(nn.Module):
@@ -137,7 +140,12 @@ def encode_batch(
 @dataclasses.dataclass
 class Pretrained:
     """A loaded checkpoint: Flax ``module`` with ``params``, ``config``, ``tokenizer``, and the
-    heads absent from the source (``missing``; freshly initialised when loaded with heads="all")."""
+    heads absent from the source (``missing``; freshly initialised when loaded with heads="all").
+
+    ``task_tensors`` are the checkpoint's task-head tensors (flat paths under ``classifier``,
+    ``head``, ``qa_outputs``), kept even where ``module`` does not run them, and ``task_kinds`` the
+    fine-tuning head kinds they serve (``bertjax.head_init``), from ``hf_class`` or the heads.
+    """
 
     module: PretrainedEncoder
     params: dict
@@ -145,6 +153,9 @@ class Pretrained:
     tokenizer: Any
     missing: tuple[str, ...]
     source: str = ""
+    task_tensors: dict = dataclasses.field(default_factory=dict)
+    task_kinds: frozenset = frozenset()
+    hf_class: str | None = None
 
     def __post_init__(self):
         self._apply = _jitted_apply(self.module)
@@ -244,15 +255,25 @@ def pretrained_from_checkpoint(
     present = set(ckpt.heads)
     missing = tuple(h for h in ("pooler", "mlm", "nsp") if h not in present)
     tensors = {k: np.asarray(v, np.float32) for k, v in ckpt.tensors.items()}
+    task_tensors = {k: v for k, v in tensors.items() if head_of(k) in TASK_HEADS}
+    task_kinds = checkpoint_kinds(ckpt.heads, ckpt.hf_class, ckpt.num_labels)
     num_labels = ckpt.num_labels
     if "classifier" in present and "pooler" not in present:
         # A classifier beside an encoder without pooler is a per-token (tagging) head.
-        log.warning("%s: classifier without pooler (a token classifier) is not run", ckpt.source)
+        log.warning(
+            "%s: classifier without pooler (a token classifier) is not run here (fine-tuning "
+            "from it starts from it)",
+            ckpt.source,
+        )
         present.discard("classifier")
         tensors = {k: v for k, v in tensors.items() if not k.startswith("classifier/")}
         num_labels = 0
     if present & {"token_head", "qa"}:  # run by models.heads.TokenClassifier / SpanClassifier
-        log.warning("%s: the token-classification / QA head is not run", ckpt.source)
+        log.warning(
+            "%s: the token-classification / QA head is not run here (fine-tuning from it starts "
+            "from it)",
+            ckpt.source,
+        )
         present -= {"token_head", "qa"}
         tensors = {k: v for k, v in tensors.items() if not k.startswith(("head/", "qa_outputs/"))}
     want = set(present)
@@ -281,7 +302,17 @@ def pretrained_from_checkpoint(
     else:
         log.warning("%s: no vocabulary file found; tokenizer is None", ckpt.source)
     params = jax.device_put(params)
-    return Pretrained(module, params, config, tokenizer, missing, ckpt.source)
+    return Pretrained(
+        module,
+        params,
+        config,
+        tokenizer,
+        missing,
+        ckpt.source,
+        task_tensors,
+        task_kinds,
+        ckpt.hf_class,
+    )
 
 
 def load_pretrained(

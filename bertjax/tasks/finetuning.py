@@ -8,8 +8,10 @@ supplies a head, a loss and host-side scoring; this base class turns them into t
   checkpoint's embedding table is an error;
 * the model config is the init checkpoint's (``config.model`` may change only numerics: dtype,
   dropout, attention implementation, remat, scan), else ``config.model`` + the vocabulary size;
-* ``init_params`` replaces the fresh encoder (``bert`` subtree for BERT) with the checkpoint's; the head stays
-  freshly initialised (and the pooler, when the checkpoint has none);
+* ``init_params`` replaces the fresh encoder (``bert`` subtree for BERT) with the checkpoint's (the
+  pooler stays fresh when the checkpoint has none), and the task head with the checkpoint's own
+  task head where it is of the task's kind and its shapes fit (``bertjax.head_init``: a converted
+  ``*ForSequenceClassification`` with the task's label count, ...); the log names what was taken;
 * training runs ``config.train.epochs`` epochs (``train.steps`` > 0 overrides), with a linear warmup
   over ``optimizer.warmup_proportion`` of the steps (``warmup_steps``; the config is not written), and
   evaluates once per epoch (``train.eval_every`` > 0 overrides) with ``main_metric`` kept as best;
@@ -35,6 +37,7 @@ import numpy as np
 from bertjax import flops, models
 from bertjax.data import packing
 from bertjax.data.pipeline import ArrayData
+from bertjax.head_init import carry_task_head
 from bertjax.pretrained import init_model_config, load_pretrained
 from bertjax.tasks.base import Phase, Task
 from bertjax.text import load_tokenizer
@@ -235,9 +238,18 @@ class FinetuneTask(Task):
     def init_params(self, model, params):
         if self.pretrained is None:
             return params
-        params = self.pretrained.with_encoder(params, self.config.init_checkpoint)
-        log.info("encoder initialised from %s", self.config.init_checkpoint)
-        return params
+        source = self.config.init_checkpoint
+        params = self.pretrained.with_encoder(params, source)
+        log.info("encoder initialised from %s", source)
+        return carry_task_head(
+            params,
+            model,
+            self.pretrained.task_tensors,
+            self.pretrained.task_kinds,
+            source,
+            hf_class=self.pretrained.hf_class,
+            pooler="pooler" not in self.pretrained.missing,
+        )
 
     def phases(self) -> list[Phase]:
         self.after_prepare()
