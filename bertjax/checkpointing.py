@@ -18,6 +18,7 @@ import os
 import sys
 import threading
 import time
+import warnings
 from typing import Any
 
 import jax
@@ -93,7 +94,7 @@ class Checkpointer:
             except Exception as err:  # noqa: BLE001  (any failure: try the next older step)
                 step_dir = str(self.directory / str(step))
                 _UNRESTORABLE_DIRS.add(step_dir)
-                _quiet_unraisable_consequences()
+                _quiet_consequences()
                 gc.collect()  # the bad step's abandoned reads end now, under the filters
                 failures.append((step, _why_unrestorable(step_dir, err)))
                 log.warning(
@@ -163,7 +164,7 @@ class Checkpointer:
         """The one-line error of a failed save: the file or step folder, disk full or the
         reason; the newest complete checkpoint stays (Orbax renames a step only when complete)."""
         self._failed = True
-        _quiet_unraisable_consequences()
+        _quiet_consequences()
         chain = _chain(err)
         step = self._saving if step is None else step
         where = next((e.filename for e in chain if getattr(e, "filename", None)), None)
@@ -237,26 +238,37 @@ def _about_unrestorable_text(text: str) -> bool:
     return any(f"{step_dir}/" in text for step_dir in _UNRESTORABLE_DIRS)
 
 
-def _quiet_unraisable_consequences() -> None:
-    """Drops two kinds of "Exception ignored in ..." messages that Python prints through
-    ``sys.unraisablehook`` after an error bertjax has already reported in one line:
+def _closed_loop(err: BaseException | None) -> bool:
+    return isinstance(err, RuntimeError) and str(err) == "Event loop is closed"
+
+
+def _quiet_consequences() -> None:
+    """Drops what Python would print to stderr, after an error bertjax has already reported in
+    one line, about the work that error abandoned:
     - after a failed save, Orbax's executor threads may hand their results to the per-save event
-      loops it has closed ("RuntimeError: Event loop is closed");
-    - after a failed restore, TensorStore's other reads of the bad step end in coroutines nobody
-      awaits any more (their errors name the step directory, logged once by ``restore_newest``).
-    Every other unraisable exception goes to the hook in place before (installed once)."""
-    previous = sys.unraisablehook
-    if getattr(previous, "_bertjax_consequences_filter", False):
+      loops it has closed ("RuntimeError: Event loop is closed", through ``sys.unraisablehook``);
+    - after a failed restore, TensorStore's other reads of the bad step complete into the closed
+      restore loop (the same error, printed by its C++ callbacks through ``sys.excepthook``) or end
+      as coroutines nobody awaits (errors naming the step directory; "was never awaited").
+    Everything else goes to the hooks in place before (installed once)."""
+    warnings.filterwarnings(
+        "ignore", message="coroutine '_read_array_index_and_device_put' was never awaited"
+    )
+    if getattr(sys.unraisablehook, "_bertjax_consequences_filter", False):
         return
+    previous_unraisable, previous_except = sys.unraisablehook, sys.excepthook
 
-    def hook(unraisable):
+    def unraisable_hook(unraisable):
         err = unraisable.exc_value
-        closed_loop = isinstance(err, RuntimeError) and str(err) == "Event loop is closed"
-        if not (closed_loop or _about_unrestorable(err)):
-            previous(unraisable)
+        if not (_closed_loop(err) or _about_unrestorable(err)):
+            previous_unraisable(unraisable)
 
-    hook._bertjax_consequences_filter = True
-    sys.unraisablehook = hook
+    def except_hook(kind, err, tb):
+        if not (_closed_loop(err) or _about_unrestorable(err)):
+            previous_except(kind, err, tb)
+
+    unraisable_hook._bertjax_consequences_filter = True
+    sys.unraisablehook, sys.excepthook = unraisable_hook, except_hook
 
 
 class _UnrestorableReadsLogFilter(logging.Filter):
