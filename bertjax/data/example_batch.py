@@ -1,159 +1,219 @@
-"""Static masking and serialization of many rows at once: the bytes of `instances.instance_to_example`
-and `instances.packed_to_example`, row by row, at a fraction of the per-row cost.
+"""Rows of pretraining records built, masked (static) and serialized a batch at a time, in NumPy.
 
-A row's random draws are taken when it is added (`add`), in the same calls and order as
-`masking.create_masked_lm_predictions` makes them (three `rng.random(n)` are one `rng.random(3 * n)`:
-doubles use one 64-bit output each), so the generator stream, and hence every later draw of the
-instance algorithm, is unchanged. Masking (`_select`) and the protobuf varints are then computed in
-NumPy over the whole batch; records are emitted in the order rows were added.
+`ExampleBatch` takes instances as spans of documents (`spans.Span`) or as ready rows (packed
+rows), and per batch of rows:
+
+1. lays the rows out as `[CLS] A [SEP] B [SEP]` in a [rows, seq] matrix;
+2. static masking, the original algorithm (`masking`): num_to_predict positions per row
+   (round(real tokens * masked_lm_prob), at least 1, at most max_predictions_per_seq), chosen
+   uniformly among the candidates (not [CLS]/[SEP]/[PAD]): the candidates with the smallest uniform
+   keys; with whole-word masking, whole words taken greedily in key order while they fit. Each chosen
+   position becomes [MASK] with prob 0.8, stays with prob 0.1, becomes a uniform random id with
+   prob 0.1. The draws are taken for the whole batch at once;
+3. serializes the rows as `tf.train.Example`s (`example_codec`) and hands the records, in the order
+   the rows were added, to `emit(blob, lengths)`.
 """
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable
 
 import numpy as np
 
 from bertjax.data import masking
-from bertjax.data.records import example_bytes, packed_feature
+from bertjax.data.example_codec import encode_examples
+from bertjax.data.spans import Span
 
-_BATCH_ROWS = 256
-_ONE_F32, _ZERO_F32 = np.float32(1.0).tobytes(), np.float32(0.0).tobytes()
-
-
-def varint_rows(values: np.ndarray, lengths: np.ndarray) -> list[bytes]:
-    """Packed protobuf varints of consecutive rows of non-negative int64 `values` ([sum(lengths)])."""
-    v = values.astype(np.uint64)
-    nbytes = np.ones(len(v), np.int64)
-    limit = 7
-    while limit < 64 and len(v) and int(v.max()) >> limit:
-        nbytes += v >= np.uint64(1 << limit)
-        limit += 7
-    width = int(nbytes.max()) if len(v) else 1
-    out = np.empty((len(v), width), np.uint8)  # [values, bytes]
-    for k in range(width):
-        more = (nbytes > k + 1).astype(np.uint64) << np.uint64(7)
-        out[:, k] = ((v >> np.uint64(7 * k)) & np.uint64(0x7F)) | more
-    blob = out[np.arange(width)[None, :] < nbytes[:, None]].tobytes()
-    ends = np.concatenate([[0], np.cumsum(nbytes)])  # byte offset after k values
-    bounds = ends[np.concatenate([[0], np.cumsum(lengths)])].tolist()
-    return [blob[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+_BATCH_ROWS = 2048
 
 
 class ExampleBatch:
-    """Buffers rows, masks (static) and serializes them in batches, calling `emit(record)` in order.
+    """Buffers instances; `flush` masks and serializes them (see the module docstring).
 
-    `cfg` is the PrepareConfig; `consts` holds vocab_size, mask_id, pad_id, special_ids and
-    word_start (as `units.process_unit` builds them).
+    `cfg` is the PrepareConfig; `consts` holds vocab_size, mask_id, cls_id, sep_id, pad_id,
+    special_ids and word_start (as `units.process_unit` builds them); `rng` gives every draw.
     """
 
-    def __init__(self, cfg, consts: dict, emit: Callable[[bytes], None], size: int = _BATCH_ROWS):
-        self.cfg, self.consts, self.emit, self.size = cfg, consts, emit, size
-        self.static = cfg.masking == "static"
-        self.rows: list[tuple] = []
-        self.pad = varint_rows(np.array([consts["pad_id"]]), np.array([1]))[0]
-
-    def add(
+    def __init__(
         self,
-        ids: list[int],
-        num_a: int,
-        next_sentence_label: int,
+        cfg,
+        consts: dict,
+        emit: Callable[[bytes, list[int]], None],
         rng: np.random.Generator,
-        extra: dict[str, list[int]] | None = None,
-    ) -> None:
-        """One row of real tokens: segment 0 for the first num_a tokens, then segment 1."""
-        draws = None
-        if self.static:
-            n = len(ids)
-            draws = (rng.random(3 * n), rng.integers(0, self.consts["vocab_size"], n))
-        self.rows.append((ids, num_a, next_sentence_label, draws, extra))
-        if len(self.rows) >= self.size:
+        size: int = _BATCH_ROWS,
+    ):
+        self.cfg, self.consts, self.emit, self.rng, self.size = cfg, consts, emit, rng, size
+        self.items: list = []
+        self._cls = np.array([consts["cls_id"]], np.int32)
+        self._sep = np.array([consts["sep_id"]], np.int32)
+
+    def add_span(self, span: Span) -> None:
+        """An instance of `spans.document_spans`."""
+        self.items.append(span)
+        if len(self.items) >= self.size:
             self.flush()
 
-    def flush(self) -> None:
-        """Emits the records of every buffered row."""
-        if not self.rows:
-            return
-        rows, self.rows = self.rows, []
-        seq, cfg = self.cfg.max_seq_length, self.cfg
-        lengths = np.array([len(r[0]) for r in rows])
-        flat = np.fromiter(itertools.chain.from_iterable(r[0] for r in rows), np.int64)
-        extras = [{}] * len(rows)
-        if self.static:
-            flat, positions, labels, counts = self._mask(rows, flat, lengths)
-            pos_bytes = varint_rows(positions, counts)
-            label_bytes = varint_rows(labels, counts)
-        ids_bytes = varint_rows(flat, lengths)
-        if rows[0][4] is not None:
-            extras = [
-                {
-                    k: (varint_rows(np.array(v), np.array([len(v)]))[0], len(v))
-                    for k, v in r[4].items()
-                }
-                for r in rows
-            ]
-        for i, (_, num_a, label, _, _) in enumerate(rows):
-            n = int(lengths[i])
-            features = {
-                "input_ids": packed_feature(ids_bytes[i] + self.pad * (seq - n)),
-                "input_mask": packed_feature(b"\x01" * n + b"\x00" * (seq - n)),
-                "segment_ids": packed_feature(
-                    b"\x00" * num_a + b"\x01" * (n - num_a) + b"\x00" * (seq - n)
-                ),
-                "next_sentence_labels": packed_feature(bytes([label])),
-            }
-            for key, (packed, count) in extras[i].items():
-                features[key] = packed_feature(packed + b"\x00" * (seq - count))
-            if self.static:
-                k = int(counts[i])
-                pad = cfg.max_predictions_per_seq - k
-                features["masked_lm_positions"] = packed_feature(pos_bytes[i] + b"\x00" * pad)
-                features["masked_lm_ids"] = packed_feature(label_bytes[i] + b"\x00" * pad)
-                features["masked_lm_weights"] = packed_feature(
-                    _ONE_F32 * k + _ZERO_F32 * pad, kind="float"
-                )
-            self.emit(example_bytes(features))
+    def add_row(
+        self, ids: np.ndarray, num_a: int, label: int, extra: dict[str, np.ndarray] | None = None
+    ) -> None:
+        """A ready row of real tokens (segment 0 for the first num_a, then 1); `extra`: more
+        int features of the row ([len] arrays, zero-padded to the sequence length)."""
+        self.items.append((ids, num_a, label, extra))
+        if len(self.items) >= self.size:
+            self.flush()
 
-    def _mask(self, rows, flat: np.ndarray, lengths: np.ndarray):
-        """Masked ids (flat), positions and labels (flat, row-major) and counts [rows]."""
-        c, cfg = self.consts, self.cfg
-        num, width = len(rows), int(lengths.max())
-        valid = np.arange(width)[None, :] < lengths[:, None]  # [rows, width]
-        ids = np.zeros((num, width), np.int64)
+    def _layout(self, items: list):
+        """(flat ids, lengths [rows], num_a [rows], labels [rows], extras) of the items."""
+        pieces, num_a, labels, lengths, extras = [], [], [], [], []
+        cls, sep = self._cls, self._sep
+        for item in items:
+            if isinstance(item, Span):
+                pieces += (cls, item.a[item.a_start : item.a_stop], sep)
+                n = item.a_stop - item.a_start + 2
+                num_a.append(n)
+                if item.b_stop > item.b_start:
+                    pieces += (item.b[item.b_start : item.b_stop], sep)
+                    n += item.b_stop - item.b_start + 1
+                lengths.append(n)
+                labels.append(int(item.is_random_next))
+                extras.append(None)
+            else:
+                ids, na, label, extra = item
+                pieces.append(ids)
+                lengths.append(len(ids))
+                num_a.append(na)
+                labels.append(label)
+                extras.append(extra)
+        flat = np.concatenate(pieces).astype(np.int64)
+        return flat, np.array(lengths, np.int64), np.array(num_a, np.int64), labels, extras
+
+    def flush(self) -> None:
+        """Emits the records of every buffered instance."""
+        if not self.items:
+            return
+        items, self.items = self.items, []
+        cfg, c = self.cfg, self.consts
+        seq = cfg.max_seq_length
+        flat, lengths, num_a, labels, extras = self._layout(items)
+        rows = len(items)
+        j = np.arange(seq)[None, :]
+        valid = j < lengths[:, None]  # [rows, seq]
+        ids = np.full((rows, seq), c["pad_id"], np.int64)
         ids[valid] = flat
-        draws = np.concatenate([r[3][0] for r in rows])  # per row: keys, u_mask, u_keep
-        starts = np.concatenate([[0], np.cumsum(3 * lengths)[:-1]])  # [rows]
-        j = np.arange(width)[None, :]
-        index = np.where(valid, starts[:, None] + j, 0)
-        keys = draws[index]
-        u_mask = draws[index + lengths[:, None]]
-        u_keep = draws[np.where(valid, index + 2 * lengths[:, None], 0)]
-        random_ids = np.zeros((num, width), np.int64)
-        random_ids[valid] = np.concatenate([r[3][1] for r in rows])
+        features = [
+            ("input_mask", valid.astype(np.int64)),
+            ("segment_ids", (valid & (j >= num_a[:, None])).astype(np.int64)),
+            ("next_sentence_labels", np.array(labels, np.int64)[:, None]),
+        ]
+        if extras[0] is not None:
+            for key in extras[0]:
+                values = np.zeros((rows, seq), np.int64)
+                for r, extra in enumerate(extras):
+                    values[r, : len(extra[key])] = extra[key]
+                features.append((key, values))
+        if cfg.masking == "static":
+            ids, masked = self._mask(ids, valid, lengths)
+            features += masked
+        features.append(("input_ids", ids))
+        data, mask = encode_examples(features)
+        self.emit(data[mask].tobytes(), mask.sum(axis=1).tolist())
+
+    def _mask(self, ids: np.ndarray, valid: np.ndarray, lengths: np.ndarray):
+        """Masked ids [rows, seq] and the masked_lm_* features (step 2 of the module docstring)."""
+        c, cfg, rng = self.consts, self.cfg, self.rng
+        rows, seq = ids.shape
+        pred = cfg.max_predictions_per_seq
         is_cand = valid.copy()
         for special in c["special_ids"]:
             is_cand &= ids != special
-        budget = np.minimum(
-            cfg.max_predictions_per_seq,
-            np.maximum(1, np.rint(lengths * cfg.masked_lm_prob).astype(np.int64)),
+        budget = np.minimum(pred, np.maximum(1, np.rint(lengths * cfg.masked_lm_prob))).astype(
+            np.int64
         )  # = masking.num_to_predict per row (round half to even)
-        if c["word_start"] is None:  # the first `budget` candidates of each row by key
-            order = np.argsort(np.where(is_cand, keys, 2.0), axis=1, kind="stable")
-            rank = np.empty_like(order)
-            np.put_along_axis(rank, order, np.broadcast_to(j, order.shape), axis=1)
-            selected = is_cand & (rank < budget[:, None])
+        keys = rng.random((rows, seq))
+        if c["word_start"] is None:  # the `budget` candidates with the smallest keys
+            keys[~is_cand] = 2.0
+            k = min(pred, seq)
+            smallest = np.partition(keys, k - 1, axis=1)[:, :k]
+            smallest.sort(axis=1)
+            threshold = smallest[np.arange(rows), budget - 1]
+            selected = is_cand & (keys <= threshold[:, None])
         else:
             selected = _whole_words(ids, is_cand, keys, budget, c["word_start"])
-        replaced = np.where(u_keep < masking.KEEP_PROB, ids, random_ids)
-        masked = np.where(
-            selected, np.where(u_mask < masking.MASK_PROB, c["mask_id"], replaced), ids
+        row, col = np.nonzero(selected)  # row-major: positions sorted within a row
+        labels = ids[row, col]
+        count = len(labels)
+        u = rng.random(count)
+        random_ids = rng.integers(0, c["vocab_size"], count)
+        kept = np.where(
+            u < masking.MASK_PROB + (1 - masking.MASK_PROB) * masking.KEEP_PROB, labels, random_ids
         )
-        positions = np.broadcast_to(j, ids.shape)[selected]
-        return masked[valid], positions, ids[selected], selected.sum(axis=1)
+        masked = ids.copy()
+        masked[row, col] = np.where(u < masking.MASK_PROB, c["mask_id"], kept)
+        per_row = selected.sum(axis=1)
+        slot = np.arange(count) - np.repeat(np.cumsum(per_row) - per_row, per_row)
+        positions = np.zeros((rows, pred), np.int64)
+        positions[row, slot] = col
+        label_ids = np.zeros((rows, pred), np.int64)
+        label_ids[row, slot] = labels
+        weights = (np.arange(pred)[None, :] < per_row[:, None]).astype(np.float32)
+        return masked, [
+            ("masked_lm_positions", positions),
+            ("masked_lm_ids", label_ids),
+            ("masked_lm_weights", weights),
+        ]
 
 
-def _whole_words(ids, is_cand, keys, budget, word_start) -> np.ndarray:
+def _whole_words(ids, is_cand, keys, budget, word_start, top: int = 32) -> np.ndarray:
+    """[rows, width] bool: whole-word groups taken greedily in key order while they fit, as
+    `masking.whole_word_positions` per row, for all rows at once.
+
+    A group is a word start and the candidates after it up to the next start or non-candidate. The
+    greedy visit runs over each row's `top` groups of smallest key (enough for nearly every row:
+    it stops when the budget is spent); a row with budget left and unvisited groups that could
+    still fit is done again over all its groups (`_whole_words_full`).
+    """
+    rows, width = ids.shape
+    prev = np.zeros_like(is_cand)
+    prev[:, 1:] = is_cand[:, :-1]
+    starts = is_cand & (word_start[ids] | ~prev)  # [rows, width]
+    flat_breaks = (starts | ~is_cand).ravel()
+    index = np.where(flat_breaks, np.arange(rows * width), rows * width)
+    next_break = np.minimum.accumulate(index[::-1])[::-1]  # first break at or after each position
+    after = np.append(next_break[1:], rows * width).reshape(rows, width)
+    sizes = np.where(starts, after - np.arange(rows * width).reshape(rows, width), 0)
+    group_keys = np.where(starts, keys, 2.0)
+    top = min(top, width)
+    first = np.argpartition(group_keys, top - 1, axis=1)[:, :top] if top < width else None
+    if first is None:
+        first = np.broadcast_to(np.arange(width), (rows, width))
+    first = np.take_along_axis(
+        first, np.argsort(np.take_along_axis(group_keys, first, axis=1), axis=1), axis=1
+    )  # [rows, top] positions of the smallest keys, in key order
+    visit = np.take_along_axis(sizes, first, axis=1)  # 0 for "not a group"
+    left = budget.astype(np.int64).copy()
+    taken = np.zeros(visit.shape, bool)
+    for col in range(top):
+        size = visit[:, col]
+        take = (size > 0) & (size <= left)
+        taken[:, col] = take
+        left -= np.where(take, size, 0)
+    seen = np.zeros_like(starts)
+    np.put_along_axis(seen, first, True, axis=1)
+    redo = np.flatnonzero((left > 0) & (starts & ~seen & (sizes <= left[:, None])).any(axis=1))
+    cover = np.zeros((rows, width + 1), np.int64)
+    r = np.broadcast_to(np.arange(rows)[:, None], first.shape)[taken]
+    begin = first[taken]
+    cover[r, begin] += 1
+    np.subtract.at(cover, (r, begin + visit[taken]), 1)
+    selected = np.cumsum(cover[:, :width], axis=1) > 0
+    if len(redo):
+        selected[redo] = _whole_words_full(
+            ids[redo], is_cand[redo], keys[redo], budget[redo], word_start
+        )
+    return selected
+
+
+def _whole_words_full(ids, is_cand, keys, budget, word_start) -> np.ndarray:
     """[rows, width] bool: whole-word groups taken greedily in key order, as
     `masking.whole_word_positions` per row, for all rows at once.
 

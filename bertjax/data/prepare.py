@@ -12,6 +12,12 @@ With packing (nsp=False only) the instances of a unit, pass and split go through
 (`bertjax.data.packing`) so that short ones (document ends, short_seq_prob) share rows; a row is
 masked as a whole (max_predictions_per_seq per row, positions row-global).
 
+Implementation (per unit, no per-token Python): text is tokenized a block of lines at a time
+(`bertjax.text.bulk_wordpiece`, id for id `encode`), documents are token arrays and instances spans
+of them (`spans`), and rows are masked and serialized a batch at a time (`example_batch`,
+`example_codec`). The random draws are taken in bulk, so they differ from those of the list-based
+reference functions in `instances` (the original script's order of calls), not their distributions.
+
 Scalable variant (documented departure from the original, which shuffles the whole corpus in memory):
 every input file (or TFDS slice) is an independent work unit with its own generators seeded by
 (seed, unit index, pass, split), and random next segments come from a sliding window of
@@ -197,6 +203,9 @@ def prepare(
     num_workers = max(1, min(num_workers or os.cpu_count() or 1, len(todo)))
     if num_workers > 1:
         tok_spec = (str(tokenizer.vocab_file), bool(tokenizer.do_lower_case))
+        units.preload_tokenizer(
+            tok_spec, tokenizer, cfg.whole_word_mask
+        )  # forked workers inherit its tables
     tasks = [(i, sources[i], cfg, tok_spec, tmp_dir) for i in todo]
     start = time.time()
     try:

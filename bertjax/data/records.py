@@ -19,6 +19,7 @@ try:
 except ImportError:  # pragma: no cover - fall back to TensorFlow's writer
     _crc32c = None
 
+HAS_CRC32C = _crc32c is not None  # else records are framed by TensorFlow's writer
 _VARINT_TABLE_SIZE = 1 << 16
 _UINT64 = struct.Struct("<Q")
 _UINT32 = struct.Struct("<I")
@@ -35,7 +36,15 @@ def _varint(value: int) -> bytes:
     return bytes(out)
 
 
-_VARINTS = [_varint(v) for v in range(_VARINT_TABLE_SIZE)]
+class _VarintTable(dict):
+    """Varints of 0 .. _VARINT_TABLE_SIZE - 1, each made on first use (imports stay cheap)."""
+
+    def __missing__(self, value: int) -> bytes:
+        out = self[value] = _varint(value)
+        return out
+
+
+_VARINTS = _VarintTable()
 _KEYS: dict[str, bytes] = {}  # feature name -> its serialized map-entry key field
 
 
@@ -102,6 +111,10 @@ class RecordWriter:
             return
         length = _UINT64.pack(len(record))
         self._file.write(b"".join((length, _masked_crc(length), record, _masked_crc(record))))
+
+    def write_framed(self, data: bytes) -> None:
+        """Records already framed (`example_codec.frame_records`); needs the crc32c package."""
+        self._file.write(data)
 
     def close(self) -> None:
         if self._tf_writer is not None:  # pragma: no cover

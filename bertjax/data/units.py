@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import itertools
 import json
 import multiprocessing
 import os
@@ -23,13 +24,14 @@ import sys
 import time
 
 import numpy as np
-import tqdm
 
-from bertjax.data import corpus, lifetime
+from bertjax.data import lifetime, token_docs
 from bertjax.data.example_batch import ExampleBatch
-from bertjax.data.instances import DocumentWindow, PrepareConfig, create_instances_from_document
+from bertjax.data.example_codec import frame_records
+from bertjax.data.instances import DocumentWindow, PrepareConfig
 from bertjax.data.packing import Packer, row_layout
-from bertjax.data.records import RecordWriter
+from bertjax.data.records import HAS_CRC32C, RecordWriter
+from bertjax.data.spans import document_spans
 from bertjax.text import load_tokenizer
 
 SPLITS = ("train", "eval")
@@ -45,6 +47,16 @@ def _init_worker(counters, parent_pid: int | None = None) -> None:
     _WORKER["counters"] = counters
     if parent_pid is not None:  # a pool worker: ends when prepare is killed
         lifetime.die_with_parent(parent_pid)
+
+
+def preload_tokenizer(spec, tokenizer, whole_word: bool = False) -> None:
+    """Makes `tokenizer` (with its bulk encoder's tables) the one for `spec` in this process, so
+    that workers forked from it start with them instead of loading their own."""
+    if hasattr(tokenizer, "bulk_encoder"):
+        tokenizer.bulk_encoder()
+    if whole_word:
+        tokenizer.word_start_table()
+    _WORKER["tokenizer"], _WORKER["tokenizer_spec"] = tokenizer, spec
 
 
 def _tokenizer_for(spec):
@@ -78,17 +90,15 @@ class _Progress:
 
 
 def _tokenized_documents(source, index, cfg, tok, progress):
-    """(split, document) pairs of one unit; a document is a list of non-empty id lists."""
+    """(split, document) pairs of one unit (`token_docs.tokenized_documents`)."""
     eval_rng = np.random.default_rng([cfg.seed, index, _EVAL_STREAM])
-    for doc in corpus.iter_source_documents(
-        source, cfg.corpus_format, lambda n: progress.add(0, n), cfg.text_column
+    on_bytes = lambda n: progress.add(0, n)  # noqa: E731
+    for doc in token_docs.tokenized_documents(
+        source, cfg.corpus_format, tok, on_bytes, cfg.text_column
     ):
         progress.add(1)
-        ids = [s for s in (tok.encode(sentence) for sentence in doc) if s]
-        if not ids:
-            continue
         split = "eval" if cfg.eval_fraction and eval_rng.random() < cfg.eval_fraction else "train"
-        yield split, ids
+        yield split, doc
 
 
 def _doc_stream(source, index: int, cfg: PrepareConfig, tok, cache_path: str, pass_index: int):
@@ -109,6 +119,44 @@ def _doc_stream(source, index: int, cfg: PrepareConfig, tok, cache_path: str, pa
     progress.flush()
 
 
+class _Shards:
+    """The unit's part files: record k of a split goes to shard (k + unit index) % shards."""
+
+    def __init__(self, cfg: PrepareConfig, index: int, tmp_dir: str):
+        self.counts, self.index, self.tmp_dir = cfg.shard_counts(), index, tmp_dir
+        self.writers: dict = {}
+        self.written = collections.Counter()
+        self.examples = {split: collections.Counter() for split in SPLITS}
+
+    def emit(self, split: str, blob: bytes, lengths: list[int]) -> None:
+        """Records laid one after another in blob (`ExampleBatch`'s emit)."""
+        if not HAS_CRC32C:  # pragma: no cover - TensorFlow's writer frames each record
+            framed = []
+            for end, n in zip(itertools.accumulate(lengths), lengths):
+                framed += (b"", blob[end - n : end], b"")
+        else:
+            framed = frame_records(blob, lengths)
+        count, first = self.counts[split], self.written[split] + self.index
+        for k in range(min(count, len(lengths))):
+            shard = (first + k) % count
+            rows = range(k, len(lengths), count)
+            if (split, shard) not in self.writers:
+                part = os.path.join(self.tmp_dir, part_name(split, shard, self.index))
+                self.writers[split, shard] = RecordWriter(part)
+            writer = self.writers[split, shard]
+            if HAS_CRC32C:
+                writer.write_framed(b"".join([p for r in rows for p in framed[3 * r : 3 * r + 3]]))
+            else:  # pragma: no cover
+                for r in rows:
+                    writer.write(framed[3 * r + 1])
+            self.examples[split][shard] += len(rows)
+        self.written[split] += len(lengths)
+
+    def close(self) -> None:
+        for writer in self.writers.values():
+            writer.close()
+
+
 def process_unit(task) -> dict:
     """Worker: all passes over one unit, writing per-shard part files; returns counts."""
     index, source, cfg, tok_spec, tmp_dir = task
@@ -118,39 +166,27 @@ def process_unit(task) -> dict:
         pad_id=tok.pad_id, special_ids=(tok.cls_id, tok.sep_id, tok.pad_id),
         word_start=tok.word_start_table() if cfg.whole_word_mask else None,
     )  # fmt: skip
-    num_shards, writers = cfg.shard_counts(), {}
-    examples = {split: collections.Counter() for split in SPLITS}
-    written = collections.Counter()
+    shards = _Shards(cfg, index, tmp_dir)
     stats = {"documents": dict.fromkeys(SPLITS, 0), "sentences": 0, "tokens": 0, "real_next": 0}
     cache_path = os.path.join(tmp_dir, f"cache-{index:06d}.pkl")
-
-    cls_sep = [consts["cls_id"]], [consts["sep_id"]]
+    cls_sep = np.array([tok.cls_id], np.int32), np.array([tok.sep_id], np.int32)
+    kw = dict(max_seq_length=cfg.max_seq_length, short_seq_prob=cfg.short_seq_prob, nsp=cfg.nsp)
 
     def make_instances(split: str, rng: np.random.Generator, pool, i: int) -> None:
-        kw = dict(max_seq_length=cfg.max_seq_length, short_seq_prob=cfg.short_seq_prob, nsp=cfg.nsp)
-        for a, b, is_random in create_instances_from_document(pool, i, rng=rng, **kw):
-            stats["real_next"] += not is_random
-            if not cfg.packing:  # [CLS] a [SEP] (b [SEP])
-                ids = cls_sep[0] + a + cls_sep[1] + (b + cls_sep[1] if b else [])
-                batches[split].add(ids, len(a) + 2, int(is_random), rng)
+        for span in document_spans(pool, i, rng=rng, **kw):
+            stats["real_next"] += not span.is_random_next
+            if not cfg.packing:
+                batches[split].add_span(span)
                 continue
+            a = span.a[span.a_start : span.a_stop]
             for row in packers[split].add(a, len(a) + 2):  # [CLS] a [SEP]
-                add_packed(split, row, rng)
+                add_packed(split, row)
 
-    def add_packed(split: str, segments: list[list[int]], rng: np.random.Generator) -> None:
-        ids = [t for tokens in segments for t in (*cls_sep[0], *tokens, *cls_sep[1])]
+    def add_packed(split: str, segments: list[np.ndarray]) -> None:
+        ids = np.concatenate([p for tokens in segments for p in (cls_sep[0], tokens, cls_sep[1])])
         pack_ids, position_ids, _ = row_layout([len(t) + 2 for t in segments], len(ids))
-        extra = {"pack_ids": pack_ids.tolist(), "position_ids": position_ids.tolist()}
-        batches[split].add(ids, len(ids), 0, rng, extra)
-
-    def write(split: str, record: bytes) -> None:
-        shard = (written[split] + index) % num_shards[split]  # round robin, offset per unit
-        written[split] += 1
-        if (split, shard) not in writers:
-            part = os.path.join(tmp_dir, part_name(split, shard, index))
-            writers[split, shard] = RecordWriter(part)
-        writers[split, shard].write(record)
-        examples[split][shard] += 1
+        extra = {"pack_ids": pack_ids, "position_ids": position_ids}
+        batches[split].add_row(ids, len(ids), 0, extra)
 
     for pass_index in range(cfg.dupe_factor):
         rngs = {
@@ -159,7 +195,8 @@ def process_unit(task) -> dict:
         }
         packers = {split: Packer(cfg.max_seq_length, min_length=3) for split in SPLITS}
         batches = {
-            split: ExampleBatch(cfg, consts, functools.partial(write, split)) for split in SPLITS
+            split: ExampleBatch(cfg, consts, functools.partial(shards.emit, split), rngs[split])
+            for split in SPLITS
         }
         windows = {
             split: DocumentWindow(
@@ -170,24 +207,44 @@ def process_unit(task) -> dict:
         for split, doc in _doc_stream(source, index, cfg, tok, cache_path, pass_index):
             if pass_index == 0:
                 stats["documents"][split] += 1
-                stats["sentences"] += len(doc)
-                stats["tokens"] += sum(map(len, doc))
+                stats["sentences"] += len(doc.bounds) - 1
+                stats["tokens"] += len(doc.ids)
             windows[split].push(doc)
         for split, window in windows.items():
             window.finish()
             for row in packers[split].flush():
-                add_packed(split, row, rngs[split])
+                add_packed(split, row)
             batches[split].flush()
-    for writer in writers.values():
-        writer.close()
+    shards.close()
     os.remove(cache_path)
-    result = {"index": index, "examples": {s: dict(c) for s, c in examples.items()}, **stats}
+    examples = {s: dict(c) for s, c in shards.examples.items()}
+    result = {"index": index, "examples": examples, **stats}
     _write_json(os.path.join(tmp_dir, _marker_name(index)), result)  # the unit is complete
     return result
 
 
 def part_name(split: str, shard: int, index: int) -> str:
     return f"{split}-{shard:05d}.part-{index:06d}"
+
+
+class _NoBar:
+    """What run_units uses of a tqdm bar, doing nothing (tqdm is not even imported)."""
+
+    n = 0
+
+    def set_postfix_str(self, *args, **kwargs) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _progress_bar(total_bytes: int | None, show: bool):
+    if not show:
+        return _NoBar()
+    import tqdm  # only for a visible bar: its import costs more than a small unit's work
+
+    return tqdm.tqdm(total=total_bytes, unit="B", unit_scale=True, desc="prepare", smoothing=0.1)
 
 
 def run_units(tasks: list, num_workers: int, total_bytes: int | None, show_progress: bool) -> list:
@@ -197,14 +254,7 @@ def run_units(tasks: list, num_workers: int, total_bytes: int | None, show_progr
     fork = sys.platform == "linux" and not {"tensorflow", "jax"} & set(sys.modules)
     ctx = multiprocessing.get_context("fork" if fork else "spawn")
     counters = (ctx.Value("q", 0), ctx.Value("q", 0))  # documents read, bytes read
-    bar = tqdm.tqdm(
-        total=total_bytes,
-        unit="B",
-        unit_scale=True,
-        disable=not show_progress,
-        desc="prepare",
-        smoothing=0.1,
-    )
+    bar = _progress_bar(total_bytes, show_progress)
     start = time.time()
 
     def update():

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 import bertjax.fs as fs
+from bertjax.text.bulk_wordpiece import BulkWordPiece
 from bertjax.text.chars import (  # noqa: F401  (re-exported: the rules' public names)
     SUBWORD_PREFIX,
     basic_split_word,
@@ -173,6 +174,14 @@ class WordPieceTokenizer(TokenizerBase):
         self._cache: dict[str, tuple[int, ...]] = {}  # whitespace word -> ids
         self._piece_cache: dict[str, list[int]] = {}  # basic-tokenized word -> WordPiece ids
         self._tf_graph = None
+        self._bulk = None
+        self._word_start = None
+
+    def bulk_encoder(self):
+        """The block-at-a-time encoder (`bertjax.text.bulk_wordpiece.BulkWordPiece`), built once."""
+        if self._bulk is None:
+            self._bulk = BulkWordPiece(self)
+        return self._bulk
 
     def _wordpiece(self, word: str) -> list[int]:
         """Greedy longest-match-first WordPiece on one basic-tokenized word."""
@@ -233,7 +242,11 @@ class WordPieceTokenizer(TokenizerBase):
 
     def word_start_table(self) -> np.ndarray:
         """[vocab] bool: True where a token starts a word (not a "##" continuation)."""
-        return np.array([not (t.startswith(SUBWORD_PREFIX) and len(t) > 2) for t in self.vocab])
+        if self._word_start is None:
+            self._word_start = np.array(
+                [not (t.startswith(SUBWORD_PREFIX) and len(t) > 2) for t in self.vocab]
+            )
+        return self._word_start
 
     def tf_encode(self, texts: tf.Tensor) -> tf.RaggedTensor:
         """In-graph encode: texts [n] string -> [n, None] int64 ids, equal to `encode`."""

@@ -1,0 +1,136 @@
+"""The original BERT instance algorithm on token arrays: instances as spans of documents.
+
+`document_spans` is `instances.create_instances_from_document` (the reference, on lists) with the
+same rules and distributions, but a document is a `Document` (its token ids in one array and the
+sentence bounds) and an instance is a pair of spans, so the per-document work is one Python step per
+instance (a `bisect` finds where a chunk reaches the target length) instead of per sentence or token:
+
+* the target length is max_num_tokens, or with prob short_seq_prob uniform in [2, max_num_tokens];
+* a chunk takes sentences up to the target; A is its first `a_end` sentences (uniform in
+  [1, sentences - 1]); B is the rest, or with prob 0.5 (always for one sentence) sentences of a random
+  other document (10 tries) from a random start up to the remaining target, the unused sentences of
+  the chunk being put back;
+* truncation trims the longer side one token at a time, each time from the front or the back with
+  prob 0.5: how many tokens each side loses is fixed by the lengths (`trims`), and how many of them
+  come off the front is Binomial(trimmed, 0.5), drawn for all the document's instances at once.
+
+The uniform draws come from one `rng.random(k)` per document (integers as floor(u * n)), so the
+random stream differs from the reference's, not the distributions (tests/test_spans.py).
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from typing import NamedTuple
+
+import numpy as np
+
+
+class Document(NamedTuple):
+    """A tokenized document: ids [tokens] int32 and bounds [sentences + 1] (sentence i is
+    ids[bounds[i]:bounds[i + 1]]; every sentence non-empty)."""
+
+    ids: np.ndarray
+    bounds: list[int]
+
+
+class Span(NamedTuple):
+    """An instance (truncated): A = a[a_start:a_stop], B = b[b_start:b_stop] (empty without NSP),
+    a and b being documents' id arrays."""
+
+    a: np.ndarray
+    a_start: int
+    a_stop: int
+    b: np.ndarray
+    b_start: int
+    b_stop: int
+    is_random_next: bool
+
+
+def trims(len_a: int, len_b: int, max_num_tokens: int) -> tuple[int, int]:
+    """Tokens `truncate_seq_pair` takes off A and B (it trims the longer side, B on a tie)."""
+    excess = len_a + len_b - max_num_tokens
+    if excess <= 0:
+        return 0, 0
+    trim_a = trim_b = 0
+    if len_a > len_b:
+        trim_a = min(excess, len_a - len_b)
+    else:
+        trim_b = min(excess, len_b - len_a)
+    excess -= trim_a + trim_b
+    return trim_a + excess // 2, trim_b + (excess + 1) // 2
+
+
+_EMPTY = np.zeros(0, np.int32)
+
+
+def document_spans(
+    pool, index: int, *, max_seq_length: int, short_seq_prob: float, nsp: bool, rng
+) -> list[Span]:
+    """The instances of document pool[index] as spans (see the module docstring).
+
+    pool: a sequence of `Document`s (random next segments come from pool[j], j != index).
+    """
+    doc = pool[index]
+    bounds, n = doc.bounds, len(doc.bounds) - 1
+    max_num_tokens = max_seq_length - (3 if nsp else 2)
+    draws = rng.random(2 + 4 * n).tolist()  # at most 4 per instance, and instances <= n
+    k = 0
+
+    def below(m: int) -> int:  # uniform int in [0, m)
+        nonlocal k, draws
+        if k == len(draws):  # only after many random-document retries
+            draws, k = rng.random(len(draws) + 8).tolist(), 0
+        k += 1
+        return min(int(draws[k - 1] * m), m - 1)
+
+    target = max_num_tokens
+    if draws[0] < short_seq_prob:
+        target = 2 + min(int(draws[1] * (max_num_tokens - 1)), max_num_tokens - 2)
+    k = 2
+    spans: list[tuple] = []
+    cut: list[tuple[int, int]] = []  # tokens to trim off A and B
+    i = 0
+    while i < n:
+        start = bounds[i]
+        j = min(bisect_left(bounds, start + target, i + 1), n) - 1  # the chunk is sentences i..j
+        if not nsp:
+            length = bounds[j + 1] - start
+            cut.append((max(0, length - max_num_tokens), 0))
+            spans.append((doc.ids, start, bounds[j + 1], _EMPTY, 0, 0, False))
+            i = j + 1
+            continue
+        sentences = j - i + 1
+        a_end = 1 + below(sentences - 1) if sentences >= 2 else 1
+        a_stop = bounds[i + a_end]
+        if sentences == 1 or below(2) == 0:
+            for _ in range(10):
+                other = below(len(pool))
+                if other != index:
+                    break
+            rdoc = pool[other]
+            rb = rdoc.bounds
+            rn = len(rb) - 1
+            s = below(rn)
+            need = target - (a_stop - start)
+            e = min(bisect_left(rb, rb[s] + need, s + 1), rn)
+            b, b_start, b_stop, is_random = rdoc.ids, rb[s], rb[e], True
+            i += a_end  # the chunk's unused sentences are put back
+        else:
+            b, b_start, b_stop, is_random = doc.ids, a_stop, bounds[j + 1], False
+            i = j + 1
+        cut.append(trims(a_stop - start, b_stop - b_start, max_num_tokens))
+        spans.append((doc.ids, start, a_stop, b, b_start, b_stop, is_random))
+    return _truncate(spans, cut, rng)
+
+
+def _truncate(spans: list, cut: list, rng) -> list[Span]:
+    """Spans with (trim A, trim B) tokens off, Binomial(trim, 0.5) of them off the front."""
+    trim = np.array(cut, np.int64).reshape(-1, 2)
+    if not trim.any():
+        return [Span(*s) for s in spans]
+    fronts = rng.binomial(trim, 0.5).tolist()
+    out = []
+    for (a, a0, a1, b, b0, b1, label), (ta, tb), (fa, fb) in zip(spans, trim.tolist(), fronts):
+        out.append(Span(a, a0 + fa, a1 - ta + fa, b, b0 + fb, b1 - tb + fb, label))
+    return out
