@@ -412,8 +412,12 @@ def test_real_gutenberg_sample(tmp_path, uncased_vocab, shared_data):
     records = _read(str(tmp_path / "out" / "train-00000-of-00001.tfrecord"), meta)
     assert len(records) == meta["examples"]["train"] > 400 and meta["documents"]["train"] >= 20
     lengths = np.array([r["input_mask"].sum() for r in records])
-    assert np.mean(lengths == 128) > 0.75  # most fill the sequence; short_seq_prob makes some short
-    assert 0.4 < np.mean([r["next_sentence_labels"][0] for r in records]) < 0.6
+    # Most fill the sequence; short_seq_prob makes some short. With 29 documents one short target
+    # gives many short (and single-sentence, so random-next) instances: over 40 seeds, the original
+    # algorithm gives 47-100% full rows and 49-61% random next here (tests/test_spans.py checks
+    # the rates on many documents).
+    assert np.mean(lengths == 128) > 0.45
+    assert 0.4 < np.mean([r["next_sentence_labels"][0] for r in records]) < 0.66
     text = " ".join(tokenizer.decode(_check_static_record(r, meta, tokenizer)) for r in records)
     assert "elizabeth" in text and "[UNK]" not in text and "project gutenberg" not in text
 

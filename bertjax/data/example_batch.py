@@ -115,8 +115,8 @@ class ExampleBatch:
             ids, masked = self._mask(ids, valid, lengths)
             features += masked
         features.append(("input_ids", ids))
-        data, mask = encode_examples(features)
-        self.emit(data[mask].tobytes(), mask.sum(axis=1).tolist())
+        blob, lengths = encode_examples(features)
+        self.emit(blob, lengths.tolist())
 
     def _mask(self, ids: np.ndarray, valid: np.ndarray, lengths: np.ndarray):
         """Masked ids [rows, seq] and the masked_lm_* features (step 2 of the module docstring)."""

@@ -29,7 +29,18 @@ def _varint_parts(values: np.ndarray):
     rows, n = values.shape
     top = int(values.max()) if values.size else 0
     if top < 0x80:  # one byte each
-        return values.astype(np.uint8), np.ones((rows, n), bool), np.full(rows, n, np.int64)
+        return values.astype(np.uint8), np.broadcast_to(True, (rows, n)), np.full(rows, n, np.int64)
+    if top < 1 << 16:  # token ids: 1 to 3 bytes, in 16-bit arithmetic
+        v = values.astype(np.uint16)
+        two, three = v >= 1 << 7, v >= 1 << 14
+        data = np.empty((rows, n, 3), np.uint8)
+        data[..., 0] = (v & 0x7F).astype(np.uint8) | (two.view(np.uint8) << 7)
+        data[..., 1] = ((v >> 7) & 0x7F).astype(np.uint8) | (three.view(np.uint8) << 7)
+        data[..., 2] = (v >> 14).astype(np.uint8)
+        mask = np.empty((rows, n, 3), bool)
+        mask[..., 0], mask[..., 1], mask[..., 2] = True, two, three
+        count = n + two.sum(axis=1) + three.sum(axis=1)
+        return data.reshape(rows, -1), mask.reshape(rows, -1), count
     max_bytes = (top.bit_length() + 6) // 7
     v = values.astype(np.uint32 if top < 1 << 32 else np.uint64)
     nbytes = np.ones(v.shape, np.uint8)
@@ -45,16 +56,19 @@ def _varint_parts(values: np.ndarray):
 
 def _varint_size(n: np.ndarray) -> np.ndarray:
     size = np.ones(n.shape, np.int64)
+    top = int(n.max()) if n.size else 0
     for k in range(1, 10):
+        if top < 1 << (7 * k):
+            break
         size += n >= (1 << (7 * k))
     return size
 
 
-def encode_examples(features: list[tuple[str, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
-    """Serialized Examples of rows: (data [rows, width] uint8, mask [rows, width] bool).
+def encode_examples(features: list[tuple[str, np.ndarray]]) -> tuple[bytes, np.ndarray]:
+    """Serialized Examples of rows, one after another: (bytes, [rows] record lengths).
 
     `features` are (name, values [rows, n]) pairs: int values (>= 0) become an int64_list,
-    float32 values a float_list. Row r's record is `data[r][mask[r]]`.
+    float32 values a float_list.
     """
     features = sorted(features, key=lambda f: f[0])
     rows = len(features[0][1])
@@ -65,7 +79,7 @@ def encode_examples(features: list[tuple[str, np.ndarray]]) -> tuple[np.ndarray,
             raise ValueError(f"feature {name!r} has no values")
         if values.dtype == np.float32:
             data = values.astype("<f4").view(np.uint8).reshape(rows, -1)
-            payloads.append((b"\x12", data, np.ones(data.shape, bool)))
+            payloads.append((b"\x12", data, np.broadcast_to(True, data.shape)))
             p = np.full(rows, data.shape[1], np.int64)
         else:
             data, mask, p = _varint_parts(values)
@@ -81,7 +95,7 @@ def encode_examples(features: list[tuple[str, np.ndarray]]) -> tuple[np.ndarray,
 
     def const(raw: bytes) -> None:
         data.append(np.broadcast_to(np.frombuffer(raw, np.uint8), (rows, len(raw))))
-        mask.append(np.ones((rows, len(raw)), bool))
+        mask.append(np.broadcast_to(True, (rows, len(raw))))
 
     def head(h: int) -> None:
         data.append(head_data[:, h * width : (h + 1) * width])
@@ -101,7 +115,8 @@ def encode_examples(features: list[tuple[str, np.ndarray]]) -> tuple[np.ndarray,
         head(4 + 4 * i)  # p
         data.append(payload)
         mask.append(payload_mask)
-    return np.concatenate(data, axis=1), np.concatenate(mask, axis=1)
+    data, mask = np.concatenate(data, axis=1), np.concatenate(mask, axis=1)
+    return data[mask].tobytes(), 1 + _varint_size(total) + total
 
 
 def _masked_crc(crc: int) -> int:

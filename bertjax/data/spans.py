@@ -16,6 +16,7 @@ instance (a `bisect` finds where a chunk reaches the target length) instead of p
 
 The uniform draws come from one `rng.random(k)` per document (integers as floor(u * n)), so the
 random stream differs from the reference's, not the distributions (tests/test_spans.py).
+The random-next coin is only drawn for chunks of two or more sentences, as in the original.
 """
 
 from __future__ import annotations
@@ -74,20 +75,14 @@ def document_spans(
     doc = pool[index]
     bounds, n = doc.bounds, len(doc.bounds) - 1
     max_num_tokens = max_seq_length - (3 if nsp else 2)
-    draws = rng.random(2 + 4 * n).tolist()  # at most 4 per instance, and instances <= n
-    k = 0
-
-    def below(m: int) -> int:  # uniform int in [0, m)
-        nonlocal k, draws
-        if k == len(draws):  # only after many random-document retries
-            draws, k = rng.random(len(draws) + 8).tolist(), 0
-        k += 1
-        return min(int(draws[k - 1] * m), m - 1)
-
+    # Uniform draws u in [0, 1); an int in [0, m) is int(u * m), which is < m for every double
+    # u < 1 and m < 2**53. At most 3 draws per instance (13 with all 10 random-document tries).
+    draws = rng.random(2 + 3 * n + 16).tolist()
     target = max_num_tokens
     if draws[0] < short_seq_prob:
-        target = 2 + min(int(draws[1] * (max_num_tokens - 1)), max_num_tokens - 2)
+        target = 2 + int(draws[1] * (max_num_tokens - 1))
     k = 2
+    ids, num_docs = doc.ids, len(pool)
     spans: list[tuple] = []
     cut: list[tuple[int, int]] = []  # tokens to trim off A and B
     i = 0
@@ -97,30 +92,38 @@ def document_spans(
         if not nsp:
             length = bounds[j + 1] - start
             cut.append((max(0, length - max_num_tokens), 0))
-            spans.append((doc.ids, start, bounds[j + 1], _EMPTY, 0, 0, False))
+            spans.append((ids, start, bounds[j + 1], _EMPTY, 0, 0, False))
             i = j + 1
             continue
+        if k + 16 > len(draws):  # only after many random-document retries
+            draws, k = draws[k:] + rng.random(3 * (n - i) + 16).tolist(), 0
         sentences = j - i + 1
-        a_end = 1 + below(sentences - 1) if sentences >= 2 else 1
+        if sentences >= 2:
+            a_end = 1 + int(draws[k] * (sentences - 1))
+            k += 1
+        else:
+            a_end = 1
         a_stop = bounds[i + a_end]
-        if sentences == 1 or below(2) == 0:
+        if sentences == 1 or draws[k] < 0.5:
+            k += sentences > 1
             for _ in range(10):
-                other = below(len(pool))
+                other = int(draws[k] * num_docs)
+                k += 1
                 if other != index:
                     break
-            rdoc = pool[other]
-            rb = rdoc.bounds
+            rb = pool[other].bounds
             rn = len(rb) - 1
-            s = below(rn)
-            need = target - (a_stop - start)
-            e = min(bisect_left(rb, rb[s] + need, s + 1), rn)
-            b, b_start, b_stop, is_random = rdoc.ids, rb[s], rb[e], True
+            s = int(draws[k] * rn)
+            k += 1
+            e = min(bisect_left(rb, rb[s] + target - (a_stop - start), s + 1), rn)
+            b, b_start, b_stop, is_random = pool[other].ids, rb[s], rb[e], True
             i += a_end  # the chunk's unused sentences are put back
         else:
-            b, b_start, b_stop, is_random = doc.ids, a_stop, bounds[j + 1], False
+            k += 1
+            b, b_start, b_stop, is_random = ids, a_stop, bounds[j + 1], False
             i = j + 1
         cut.append(trims(a_stop - start, b_stop - b_start, max_num_tokens))
-        spans.append((doc.ids, start, a_stop, b, b_start, b_stop, is_random))
+        spans.append((ids, start, a_stop, b, b_start, b_stop, is_random))
     return _truncate(spans, cut, rng)
 
 

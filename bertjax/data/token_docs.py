@@ -18,7 +18,7 @@ import numpy as np
 from bertjax.data import corpus, formats
 from bertjax.data.spans import Document
 
-BLOCK_BYTES = 4 << 20
+BLOCK_BYTES = 1 << 20
 _BOM = b"\xef\xbb\xbf"
 
 

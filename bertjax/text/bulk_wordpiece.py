@@ -180,21 +180,22 @@ class BulkWordPiece:
 
     def _prewarm(self) -> None:
         """Enters every whole-word vocabulary token that is a piece of its own (its ids: itself)."""
-        tokens, ids = [], []
+        tokens, ids, lower = [], [], self.lower
         for i, token in enumerate(self.tok.vocab):
+            if token.isascii():  # what basic_split_word(token) == [token] means for ASCII
+                ok = (token.isalnum() or len(token) == 1) and not (lower and token != token.lower())
+            else:
+                ok = basic_split_word(token, lower) == [token]
             raw = token.encode("utf-8")
-            if len(raw) <= 16 and basic_split_word(token, self.lower) == [token]:
-                if not (token.startswith("[") and token.endswith("]")) and b"\n" not in raw:
-                    tokens.append(raw)
-                    ids.append([i])
+            if ok and len(raw) <= 16 and raw != b"\n":
+                tokens.append(raw)
+                ids.append([i])
         if not tokens:
             return
-        keys = np.zeros((len(tokens), 16), np.uint8)
-        for row, raw in enumerate(tokens):
-            keys[row, : len(raw)] = np.frombuffer(raw, np.uint8)
-        if self.lower:
+        keys = np.frombuffer(b"".join(raw.ljust(16, b"\0") for raw in tokens), np.uint8)
+        if lower:
             keys = _LOWER[keys]
-        k = keys.view("<u8")  # [tokens, 2]
+        k = keys.view("<u8").reshape(-1, 2)  # [tokens, 2]
         self._insert(k[:, 0].copy(), k[:, 1].copy(), self._add_entries(tokens, ids))
 
     # Characters.
@@ -269,11 +270,11 @@ class BulkWordPiece:
         if kinds is None:
             return self._line_by_line(data)
         edges = _EDGES[kinds[:-1] * 8 + kinds[1:]]  # [bytes + 1]: between byte i and byte i + 1
-        at = np.flatnonzero(edges) + 1
-        flags = edges[at - 1]
-        starts = at[(flags & _START) != 0]
-        lengths = at[(flags & _END) != 0] - starts
-        entries = self._entries(_LOWER[u] if self.lower else u, starts, lengths)
+        starts = np.flatnonzero((edges & _START) != 0) + 1  # (nonzero is fastest on bools)
+        lengths = np.flatnonzero((edges & _END) != 0) + 1 - starts
+        if self.lower:  # ASCII letters (bytes.lower leaves the others)
+            u = np.frombuffer(b" " + data.lower() + b" ", np.uint8)
+        entries = self._entries(u, starts, lengths)
         lengths = self._lengths_np[entries]
         ends_at = np.cumsum(lengths)
         total = int(ends_at[-1]) if len(ends_at) else 0
