@@ -14,7 +14,7 @@ import os
 import re
 import sys
 
-from bertjax import console
+from bertjax import console, host_memory
 
 COMMANDS = {
     "pretrain": ("bertjax.cli:train_command", "pretrain BERT (MLM + NSP) from a config"),
@@ -228,6 +228,8 @@ def main(argv: list[str] | None = None) -> None:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TensorFlow's C++ start-up chatter
     if argv is None:  # the `bertjax` command (not a caller's in-process call)
         console.quiet_native_logs()  # CPU-only machine: TF/CUDA/TPU start-up noise off stderr
+        if os.environ.get("JAX_PLATFORMS", "").split(",")[0] == "cpu":
+            host_memory.retain_freed_memory()  # XLA's per-step blocks reused, not re-faulted
     argv = list(sys.argv if argv is None else argv)
     if len(argv) < 2 or argv[1] in ("-h", "--help", "help"):
         print(_usage())

@@ -30,10 +30,12 @@ def get_config() -> ml_collections.ConfigDict:
     # data.eval_batch_size then count rows of at most max_examples_per_row examples each.
     c.data.packing = False
     c.data.max_examples_per_row = 8
+    # Evaluation and prediction pack rows by default where the task allows (GLUE, NER): outputs
+    # per example equal the unpacked ones (to float rounding), 2-5x fewer rows on GLUE dev sets.
+    c.data.eval_packing = True
 
     c.model.hidden_dropout = 0.1
     c.model.attention_dropout = 0.1
-    c.model.dropout_impl = "bits16"  # bits16 (cheaper mask) | flax (flax.linen.Dropout's masks)
 
     c.train.epochs = 3.0
     c.train.steps = 0  # > 0 overrides epochs

@@ -234,3 +234,35 @@ def test_prepare_compared_with_the_original_script(tmp_path):
     assert c["ratio"] == pytest.approx(
         c["bertjax"]["examples_per_cpu_s"] / c["original"]["examples_per_cpu_s"]
     )
+
+
+def test_finetune_bench_times_the_task_packed_and_its_pytorch_peer(tmp_path):
+    """`bertjax bench --finetune=glue/sst2 --peers`: the real fine-tuning step and dev evaluation,
+    unpacked and packed, beside transformers' BertForSequenceClassification on the same shapes."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("torch")
+    words = ["the", "a", "film", "good", "bad", "very", "is", "not", "fun", "long"]
+    (tmp_path / "vocab.txt").write_text(
+        "\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *words])
+    )
+    rng = np.random.default_rng(0)
+    sst = tmp_path / "SST-2"
+    sst.mkdir()
+    for split, n in (("train", 40), ("dev", 12)):
+        rows = [f"{' '.join(rng.choice(words, rng.integers(2, 9)))}\t{i % 2}" for i in range(n)]
+        (sst / f"{split}.tsv").write_text("sentence\tlabel\n" + "\n".join(rows) + "\n")
+    args = ["--finetune=glue/sst2", "--preset=tiny", "--seq=16", "--batch=4", "--steps=2"]
+    args += ["--warmup=1", "--devices=1", f"--glue_dir={sst}", f"--vocab={tmp_path / 'vocab.txt'}"]
+    args += ["--json", "--peers", f"--peers_python={sys.executable}", "--peer_steps=1"]
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        bench.main([*args, f"--output_dir={tmp_path / 'out'}"])
+    result = json.loads(printed.getvalue().strip().splitlines()[-1])["finetune"]
+    unpacked, packed, peer = result["unpacked"], result["packed"], result["peer"]
+    assert unpacked["examples_per_step"] == 4 and unpacked["eval_examples"] == 12
+    assert packed["examples_per_step"] > 4  # sentences of 4-10 tokens share rows of 16
+    assert packed["train_rows"] < unpacked["train_rows"] == 40
+    for key in ("step_time_s", "step_cpu_s", "eval_s"):
+        assert unpacked[key] > 0 and packed[key] > 0 and peer[key] > 0
+    assert peer["framework"] == "transformers-torch-cls" and peer["bertjax_speedup_step"] > 0
+    assert "bertjax / PyTorch at equal shapes" in (tmp_path / "out" / "results.md").read_text()

@@ -29,8 +29,11 @@ def _init(cfg, nsp=True):
 
 
 def test_presets_cover_the_miniatures_base_and_large():
-    assert len([k for k in PRESETS if k.startswith("L") and "_H" in k]) == 25  # 24 + L24_H1024
+    assert len([k for k in PRESETS if k.startswith("L") and "_H" in k]) == 26  # 24 + large, MiniLM
     assert ALIASES["tiny"] == "L2_H128" and ALIASES["medium"] == "L8_H512"
+    minilm = get_preset("minilm")  # all-MiniLM-L6-v2's shape: 22.7M parameters, 12 heads of 32
+    assert (minilm.num_layers, minilm.hidden_size, minilm.num_heads) == (6, 384, 12)
+    assert minilm.num_params(include_heads=False) == 22_713_216
     base, large = get_preset("base"), get_preset("large")
     assert (base.num_layers, base.hidden_size, base.num_heads) == (12, 768, 12)
     assert (large.num_layers, large.hidden_size, large.num_heads) == (24, 1024, 16)

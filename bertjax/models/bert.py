@@ -130,6 +130,8 @@ def _miniatures() -> dict[str, dict[str, int]]:
 PRESETS: dict[str, dict[str, int]] = {
     **_miniatures(),
     "L24_H1024": dict(num_layers=24, hidden_size=1024, num_heads=16, intermediate_size=4096),
+    # MiniLM-L6-H384 (all-MiniLM-L6-v2's shape): 12 heads of 32
+    "L6_H384": dict(num_layers=6, hidden_size=384, num_heads=12, intermediate_size=1536),
 }
 ALIASES = {
     "tiny": "L2_H128",
@@ -138,6 +140,7 @@ ALIASES = {
     "medium": "L8_H512",
     "base": "L12_H768",
     "large": "L24_H1024",
+    "minilm": "L6_H384",
 }
 
 

@@ -19,7 +19,10 @@ supplies a head, a loss and host-side scoring; this base class turns them into t
 * ``data.packing`` packs up to ``data.max_examples_per_row`` examples per row
   (``bertjax.data.packing``), train and eval alike: losses and metrics average over real examples
   (``example_weights``) and predictions come back in the original example order, so they equal the
-  unpacked ones. Training rows are packed once (the examples of a row stay together every epoch).
+  unpacked ones. Training rows are packed once (the examples of a row stay together every epoch);
+  a step then trains on a batch of rows, so more examples than unpacked: not the same run.
+* ``data.eval_packing`` (on by default) packs evaluation and prediction only: the same outputs per
+  example (to float rounding) from 2-5x fewer rows, the training run unchanged.
 """
 
 from __future__ import annotations
@@ -95,6 +98,14 @@ class FinetuneTask(Task):
     def packing(self) -> bool:
         """Whether examples are packed several per row (config key data.packing)."""
         return bool(self.config.data.get("packing", False))
+
+    @property
+    def eval_packing(self) -> bool:
+        """Whether evaluation and prediction run packed rows (config key data.eval_packing, on by
+        default where the task can be packed): each example's outputs equal its unpacked ones
+        (to float rounding), in a fraction of the rows. Training packs only with data.packing."""
+        wanted = self.packing or bool(self.config.data.get("eval_packing", False))
+        return wanted and not self.packing_unsupported
 
     def _pack(self, features: dict[str, np.ndarray]):
         return packing.pack_features(features, int(self.config.data.get("max_examples_per_row", 8)))
@@ -332,10 +343,10 @@ class FinetuneTask(Task):
     def predict(self, run: Callable, features: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Every example of ``features`` through ``run`` once: host outputs [n, ...] in order.
 
-        With packing the examples run packed and the outputs are mapped back to example order.
+        With (eval) packing the examples run packed and the outputs are mapped back to example order.
         """
         layout = None
-        if self.packing:
+        if self.eval_packing:
             if id(features) not in self._packed_eval:
                 self._packed_eval[id(features)] = (features, *self._pack(features))
             _, features, layout = self._packed_eval[id(features)]

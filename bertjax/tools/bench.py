@@ -42,7 +42,7 @@ import numpy as np
 from bertjax import flops, sharding, train
 from bertjax.sharding import RULES
 from bertjax.tasks.pretraining import PretrainingTask
-from bertjax.tools import bench_peers
+from bertjax.tools import bench_finetune, bench_peers
 from bertjax.tools.bench_data import (  # noqa: F401
     cached_records,
     compare_with_original,
@@ -50,13 +50,9 @@ from bertjax.tools.bench_data import (  # noqa: F401
     measure_prepare,
 )
 
+_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _SHARED = os.environ.get(
-    "BERTJAX_SHARED_DATA",
-    os.path.join(
-        os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-        "shared",
-        "data",
-    ),
+    "BERTJAX_SHARED_DATA", os.path.join(os.path.dirname(_REPO), "shared", "data")
 )
 DEFAULT_CORPUS = os.path.join(_SHARED, "corpus", "gutenberg", "*.txt")
 DEFAULT_VOCAB = os.path.join(_SHARED, "vocab", "bert-base-uncased", "vocab.txt")
@@ -110,6 +106,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--peers_python", default="", help="python of the peer venv")
     p.add_argument("--peer_steps", type=int, default=5)
     p.add_argument("--profile_dir", default="", help="write a jax.profiler trace of 3 steps")
+    p.add_argument("--finetune", default="", help="e.g. glue/sst2: time fine-tuning instead")
+    p.add_argument("--finetune_config", default=os.path.join(_REPO, "configs", "glue.py"))
+    p.add_argument("--glue_dir", default=os.path.join(_SHARED, "glue", "SST-2"))
+    p.add_argument("--eval_batch", type=int, default=64, help="the peer's dev batch (--finetune)")
     args = p.parse_args(argv)
     args.masked = args.masked or max(1, round(0.15 * args.seq + 0.3))  # 128 -> 20, 512 -> 77
     return args
@@ -440,12 +440,19 @@ def to_markdown(r: dict) -> str:
     return "\n".join(out) + "\n"
 
 
+def report(result: dict) -> str:
+    """The Markdown report of a run (pretraining step, or fine-tuning with ``--finetune``)."""
+    if "finetune" in result:
+        return bench_finetune.to_markdown(result["finetune"])
+    return to_markdown(result)
+
+
 def write_outputs(result: dict, output_dir: str) -> None:
     os.makedirs(output_dir, exist_ok=True)
     with open(os.path.join(output_dir, "results.json"), "w") as f:
         json.dump(result, f, indent=2, sort_keys=True)
     with open(os.path.join(output_dir, "results.md"), "w") as f:
-        f.write(to_markdown(result))
+        f.write(report(result))
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -454,6 +461,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     keys += " attention_dropout dropout_impl"
     result: dict[str, Any] = {"config": {k: getattr(args, k) for k in keys.split()}}
     result["host"] = {"cpu_count": os.cpu_count(), "loadavg_before": os.getloadavg()}
+    if args.finetune:
+        result["finetune"] = bench_finetune.measure_finetune(args)
+        result["host"]["loadavg_after"] = os.getloadavg()
+        return result
     result.update(measure_step(args))
     if not args.skip_prepare:
         result["prepare"] = [
@@ -484,4 +495,4 @@ def main(argv: list[str] | None = None) -> None:
     if args.json:
         print(json.dumps(result, sort_keys=True))
     else:
-        print(to_markdown(result), end="")
+        print(report(result), end="")

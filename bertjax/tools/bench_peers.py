@@ -27,7 +27,7 @@ import subprocess
 import sys
 import time
 
-PEER_FRAMEWORKS = ("flax", "torch", "torch-modernbert")
+PEER_FRAMEWORKS = ("flax", "torch", "torch-modernbert", "torch-cls")
 PEERS = {"bert": ("flax", "torch"), "modernbert": ("torch-modernbert",)}  # per architecture
 
 
@@ -225,6 +225,42 @@ def bench_torch_modernbert(a) -> dict:
     return _bench_torch_model(model, batch, a, "transformers-torch-modernbert", ("bias", "norm"))
 
 
+def bench_torch_cls(a) -> dict:
+    """Fine-tuning in eager PyTorch: BertForSequenceClassification (2 labels, its own loss) trained
+    as ``_bench_torch_model`` does, then the dev set's forward passes (``eval_examples`` rows in
+    batches of ``eval_batch``, ``model.eval()`` under ``torch.no_grad``) timed as one evaluation."""
+    import numpy as np
+    import torch
+    from transformers import BertForSequenceClassification
+
+    torch.manual_seed(0)
+    config = _hf_config(a)
+    config.num_labels = 2
+    model = BertForSequenceClassification(config)
+    rng = np.random.default_rng(0)
+    hf = synthetic_batch(a.batch, a.seq, 0, a.vocab)
+    batch = {k: hf[k] for k in ("input_ids", "attention_mask", "token_type_ids")}
+    batch["labels"] = rng.integers(0, 2, (a.batch,))
+    result = _bench_torch_model(model, batch, a, "transformers-torch-cls", ("bias", "LayerNorm"))
+    dev = synthetic_batch(a.eval_examples, a.seq, 0, a.vocab, seed=1)
+    dev = {k: torch.as_tensor(dev[k]) for k in ("input_ids", "attention_mask", "token_type_ids")}
+
+    def evaluate():
+        model.eval()
+        with torch.no_grad():
+            predictions = [
+                model(**{k: v[i : i + a.eval_batch] for k, v in dev.items()}).logits.argmax(-1)
+                for i in range(0, a.eval_examples, a.eval_batch)
+            ]
+        model.train()
+        return torch.cat(predictions)
+
+    times, cpu_times, _ = _time_steps(evaluate, max(2, a.steps // 3), 1)
+    result.update(eval_s=statistics.median(times), eval_cpu_s=statistics.median(cpu_times))
+    result["batch"] = a.batch
+    return result
+
+
 def _bench_torch_model(model, batch: dict, a, name: str, no_decay: tuple[str, ...]) -> dict:
     """Times eager PyTorch training steps of ``model`` on ``batch`` (its own loss from the labels):
     backward, clip_grad_norm_(1.0), AdamW (weight decay 0.01 except parameters named ``no_decay``)."""
@@ -282,11 +318,18 @@ def main(argv: list[str] | None = None) -> None:
         ("warmup", 2),
         ("window", 128),
         ("global_every", 3),
+        ("eval_examples", 872),
+        ("eval_batch", 64),
     ):
         p.add_argument(f"--{name}", type=int, default=default)
     p.add_argument("--dropout", type=float, default=0.1)
     a = p.parse_args(argv)
-    runners = {"flax": bench_flax, "torch": bench_torch, "torch-modernbert": bench_torch_modernbert}
+    runners = {
+        "flax": bench_flax,
+        "torch": bench_torch,
+        "torch-modernbert": bench_torch_modernbert,
+        "torch-cls": bench_torch_cls,
+    }
     result = runners[a.framework](a)
     result["step_time_s"] = statistics.median(result["times"])
     result["step_cpu_s"] = statistics.median(result["cpu_times"])
