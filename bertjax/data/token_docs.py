@@ -56,10 +56,10 @@ def _joined_blocks(documents: Iterable[list[str]]) -> Iterator[bytes]:
         texts.append("\n".join(doc))
         size += sum(map(len, doc))
         if size >= BLOCK_BYTES // 4:
-            yield "\n\n".join(texts).encode("utf-8")
+            yield ("\n\n".join(texts) + "\n").encode("utf-8")  # ends with a blank line
             texts, size = [], 0
     if texts:
-        yield "\n\n".join(texts).encode("utf-8")
+        yield ("\n\n".join(texts) + "\n").encode("utf-8")
 
 
 def _check_utf8(block: bytes, path: str, first_line: int) -> None:

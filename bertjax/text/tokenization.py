@@ -167,10 +167,15 @@ class WordPieceTokenizer(TokenizerBase):
         self.pad_id, self.unk_id, self.cls_id, self.sep_id, self.mask_id = (
             self._token_to_id[t] for t in SPECIAL_TOKENS
         )
-        # Longest piece (in characters, "##" excluded) bounds the greedy search.
-        self._max_piece_chars = max(
-            len(t[2:]) if t.startswith("##") else len(t) for t in self.vocab
-        )
+        # Continuation pieces without their "##" (no string concatenation per lookup); the longest
+        # piece of each kind bounds the greedy search.
+        self._continuations = {
+            t[2:]: i
+            for i, t in enumerate(self.vocab)
+            if t.startswith(SUBWORD_PREFIX) and len(t) > 2
+        }
+        self._max_piece_chars = max(map(len, self.vocab))
+        self._max_continuation_chars = max(map(len, self._continuations), default=0)
         self._cache: dict[str, tuple[int, ...]] = {}  # whitespace word -> ids
         self._piece_cache: dict[str, list[int]] = {}  # basic-tokenized word -> WordPiece ids
         self._tf_graph = None
@@ -188,22 +193,21 @@ class WordPieceTokenizer(TokenizerBase):
         n = len(word)
         if n > self.max_chars_per_word:
             return [self.unk_id]
-        vocab = self._token_to_id
+        table, longest = self._token_to_id, self._max_piece_chars  # the first piece
         ids = []
         start = 0
         while start < n:
-            end = min(n, start + self._max_piece_chars)
-            piece_id = None
-            while start < end:
-                sub = word[start:end] if start == 0 else SUBWORD_PREFIX + word[start:end]
-                piece_id = vocab.get(sub)
+            end = n if n - start <= longest else start + longest
+            while end > start:
+                piece_id = table.get(word[start:end])
                 if piece_id is not None:
                     break
                 end -= 1
-            if piece_id is None:
+            else:
                 return [self.unk_id]
             ids.append(piece_id)
             start = end
+            table, longest = self._continuations, self._max_continuation_chars  # "##" pieces
         return ids
 
     def _encode_word(self, word: str) -> tuple[int, ...]:
