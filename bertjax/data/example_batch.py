@@ -176,40 +176,49 @@ def _whole_words(ids, is_cand, keys, budget, word_start, top: int = 32) -> np.nd
     prev = np.zeros_like(is_cand)
     prev[:, 1:] = is_cand[:, :-1]
     starts = is_cand & (word_start[ids] | ~prev)  # [rows, width]
-    flat_breaks = (starts | ~is_cand).ravel()
-    index = np.where(flat_breaks, np.arange(rows * width), rows * width)
-    next_break = np.minimum.accumulate(index[::-1])[::-1]  # first break at or after each position
-    after = np.append(next_break[1:], rows * width).reshape(rows, width)
-    sizes = np.where(starts, after - np.arange(rows * width).reshape(rows, width), 0)
+    # first break (a start, a non-candidate or a row's first position) after each position
+    breaks = starts | ~is_cand
+    breaks[:, 0] = True
+    flat = np.arange(rows * width)
+    index = np.where(breaks.ravel(), flat, rows * width)
+    after = np.empty(rows * width + 1, np.int64)
+    after[-1] = rows * width
+    after[:-1] = np.minimum.accumulate(index[::-1])[::-1]
     group_keys = np.where(starts, keys, 2.0)
     top = min(top, width)
-    first = np.argpartition(group_keys, top - 1, axis=1)[:, :top] if top < width else None
-    if first is None:
+    if top < width:
+        first = np.argpartition(group_keys, top - 1, axis=1)[:, :top]
+    else:
         first = np.broadcast_to(np.arange(width), (rows, width))
     first = np.take_along_axis(
         first, np.argsort(np.take_along_axis(group_keys, first, axis=1), axis=1), axis=1
     )  # [rows, top] positions of the smallest keys, in key order
-    visit = np.take_along_axis(sizes, first, axis=1)  # 0 for "not a group"
-    left = budget.astype(np.int64).copy()
+    at = first + (np.arange(rows) * width)[:, None]  # flat positions
+    visit = np.where(np.take_along_axis(starts, first, axis=1), after[at + 1] - at, 0)
+    left = budget.astype(np.int64)
     taken = np.zeros(visit.shape, bool)
-    for col in range(top):
+    for col in range(top):  # the greedy visit; 0 = "not a group"
         size = visit[:, col]
         take = (size > 0) & (size <= left)
         taken[:, col] = take
-        left -= np.where(take, size, 0)
-    seen = np.zeros_like(starts)
-    np.put_along_axis(seen, first, True, axis=1)
-    redo = np.flatnonzero((left > 0) & (starts & ~seen & (sizes <= left[:, None])).any(axis=1))
-    cover = np.zeros((rows, width + 1), np.int64)
-    r = np.broadcast_to(np.arange(rows)[:, None], first.shape)[taken]
-    begin = first[taken]
-    cover[r, begin] += 1
-    np.subtract.at(cover, (r, begin + visit[taken]), 1)
-    selected = np.cumsum(cover[:, :width], axis=1) > 0
-    if len(redo):
-        selected[redo] = _whole_words_full(
-            ids[redo], is_cand[redo], keys[redo], budget[redo], word_start
-        )
+        left = left - np.where(take, size, 0)
+    selected = np.zeros(rows * width, bool)
+    begin, size = at[taken], visit[taken]
+    for offset in range(int(size.max()) if len(size) else 0):  # groups are short
+        selected[(begin + offset)[offset < size]] = True
+    selected = selected.reshape(rows, width)
+    open_rows = np.flatnonzero(left > 0)
+    if len(open_rows):  # unvisited groups that might still fit: the full visit for those rows
+        seen = np.zeros((len(open_rows), width), bool)
+        np.put_along_axis(seen, first[open_rows], True, axis=1)
+        unseen = starts[open_rows] & ~seen
+        row_at = (open_rows * width)[:, None] + np.arange(width)
+        sizes = after[row_at + 1] - row_at
+        redo = open_rows[(unseen & (sizes <= left[open_rows, None])).any(axis=1)]
+        if len(redo):
+            selected[redo] = _whole_words_full(
+                ids[redo], is_cand[redo], keys[redo], budget[redo], word_start
+            )
     return selected
 
 
