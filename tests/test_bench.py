@@ -251,7 +251,7 @@ def test_finetune_bench_times_the_task_packed_and_its_pytorch_peer(tmp_path):
     for split, n in (("train", 40), ("dev", 12)):
         rows = [f"{' '.join(rng.choice(words, rng.integers(2, 9)))}\t{i % 2}" for i in range(n)]
         (sst / f"{split}.tsv").write_text("sentence\tlabel\n" + "\n".join(rows) + "\n")
-    args = ["--finetune=glue/sst2", "--preset=tiny", "--seq=16", "--batch=4", "--steps=2"]
+    args = ["--finetune=glue/sst2", "--preset=tiny", "--seq=32", "--batch=4", "--steps=2"]
     args += ["--warmup=1", "--devices=1", f"--glue_dir={sst}", f"--vocab={tmp_path / 'vocab.txt'}"]
     args += ["--json", "--peers", f"--peers_python={sys.executable}", "--peer_steps=1"]
     printed = io.StringIO()
@@ -259,10 +259,13 @@ def test_finetune_bench_times_the_task_packed_and_its_pytorch_peer(tmp_path):
         bench.main([*args, f"--output_dir={tmp_path / 'out'}"])
     result = json.loads(printed.getvalue().strip().splitlines()[-1])["finetune"]
     unpacked, packed, peer = result["unpacked"], result["packed"], result["peer"]
+    default = result["batch_packed"]
     assert unpacked["examples_per_step"] == 4 and unpacked["eval_examples"] == 12
-    assert packed["examples_per_step"] > 4  # sentences of 4-10 tokens share rows of 16
-    assert packed["train_rows"] < unpacked["train_rows"] == 40
+    assert unpacked["rows_per_step"] == 4
+    assert default["examples_per_step"] == 4 and default["rows_per_step"] < 4  # same batches
+    assert packed["examples_per_step"] > 4  # sentences of 4-11 tokens share rows of 32
+    assert packed["train_rows"] < unpacked["train_rows"] == default["train_rows"] == 40
     for key in ("step_time_s", "step_cpu_s", "eval_s"):
-        assert unpacked[key] > 0 and packed[key] > 0 and peer[key] > 0
+        assert unpacked[key] > 0 and packed[key] > 0 and default[key] > 0 and peer[key] > 0
     assert peer["framework"] == "transformers-torch-cls" and peer["bertjax_speedup_step"] > 0
     assert "bertjax / PyTorch at equal shapes" in (tmp_path / "out" / "results.md").read_text()

@@ -21,8 +21,9 @@ supplies a head, a loss and host-side scoring; this base class turns them into t
   (``example_weights``) and predictions come back in the original example order, so they equal the
   unpacked ones. Training rows are packed once (the examples of a row stay together every epoch);
   a step then trains on a batch of rows, so more examples than unpacked: not the same run.
-* ``data.eval_packing`` (on by default) packs evaluation and prediction only: the same outputs per
-  example (to float rounding) from 2-5x fewer rows, the training run unchanged.
+* ``data.batch_packing`` (on by default) packs each training batch alone: the same examples per
+  step as unpacked, in fewer rows; ``data.eval_packing`` (on by default) packs evaluation and
+  prediction: the same outputs per example (to float rounding) from 2-5x fewer rows.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ import numpy as np
 
 from bertjax import flops, models
 from bertjax.data import packing
+from bertjax.data.batch_packing import BatchPacked, row_buckets
 from bertjax.data.pipeline import ArrayData
 from bertjax.head_init import carry_task_head
 from bertjax.pretrained import init_model_config, load_pretrained
@@ -98,6 +100,14 @@ class FinetuneTask(Task):
     def packing(self) -> bool:
         """Whether examples are packed several per row (config key data.packing)."""
         return bool(self.config.data.get("packing", False))
+
+    @property
+    def batch_packing(self) -> bool:
+        """Whether each training batch is packed into fewer rows, keeping its examples (config key
+        data.batch_packing, on by default where the task can be packed and data.packing is off):
+        the unpacked run's steps at a fraction of the rows (``bertjax.data.batch_packing``)."""
+        wanted = bool(self.config.data.get("batch_packing", False)) and not self.packing
+        return wanted and not self.packing_unsupported
 
     @property
     def eval_packing(self) -> bool:
@@ -318,6 +328,17 @@ class FinetuneTask(Task):
         return self.head_loss(outputs, batch, normalizers)
 
     def train_data(self, phase, process_index, process_count):
+        if self.batch_packing:  # every host packs the global batch and takes its rows
+            data = ArrayData(
+                self.train_features, phase.global_batch_size, seed=self.config.train.seed
+            )
+            return BatchPacked(
+                data,
+                max_examples_per_row=int(self.config.data.get("max_examples_per_row", 8)),
+                buckets=row_buckets(phase.global_batch_size, self._batch_shards()),
+                process_index=process_index,
+                process_count=process_count,
+            )
         return ArrayData(
             self.train_features,
             phase.global_batch_size // process_count,
@@ -333,10 +354,14 @@ class FinetuneTask(Task):
         outputs = model.apply({"params": params}, **self.model_inputs(batch), deterministic=True)
         return {**self.predictions(outputs, batch), "mask": batch["mask"]}
 
+    def _batch_shards(self) -> int:
+        """The devices a batch is split over (all but the tensor axis)."""
+        mesh = self.config.mesh
+        return (mesh.get("num_devices", 0) or jax.device_count()) // max(1, mesh.tensor)
+
     def _eval_batch_size(self) -> int:
         """config.data.eval_batch_size rounded up to a multiple of the batch-sharding devices."""
-        mesh = self.config.mesh
-        devices = (mesh.get("num_devices", 0) or jax.device_count()) // max(1, mesh.tensor)
+        devices = self._batch_shards()
         size = max(1, self.config.data.eval_batch_size)
         return -(-size // devices) * devices
 
