@@ -157,10 +157,13 @@ def phase_setup(setup: Setup, phase: Phase) -> Setup:
         return setup
     init_batch = setup.task.init_batch(phase, 1)
 
-    def shapes(m):
-        return jax.eval_shape(lambda: setup.task.initial_params(m, jax.random.key(0), init_batch))
+    def shapes(m):  # under the run's mesh: the kernels are chosen for its devices (splash on TPU)
+        with jax.set_mesh(setup.mesh), nn.logical_axis_rules(setup.rules):
+            return jax.eval_shape(
+                lambda: setup.task.initial_params(m, jax.random.key(0), init_batch)
+            )
 
-    want, got = nn.meta.unbox(shapes(setup.model)), nn.meta.unbox(shapes(model))  # no mesh: shapes
+    want, got = nn.meta.unbox(shapes(setup.model)), nn.meta.unbox(shapes(model))
     if jax.tree.structure(want) != jax.tree.structure(got) or any(
         a.shape != b.shape for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got))
     ):

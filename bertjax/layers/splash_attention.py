@@ -84,14 +84,17 @@ def block_size(seq_len: int) -> int:
     )
 
 
-def resolve_interpret(interpret: bool | None) -> bool:
+def resolve_interpret(interpret: bool | None, platform: str | None = None) -> bool:
     """Whether to run the kernel in the Pallas interpreter: as asked, else only when the environment
-    asks for it (``BERTJAX_SPLASH_INTERPRET=1``); a non-TPU backend without either is an error."""
+    asks for it (``BERTJAX_SPLASH_INTERPRET=1``); a non-TPU backend without either is an error.
+
+    ``platform`` is that of the devices the step runs on (the mesh in scope: compile-only TPU
+    devices of ``bertjax compile --topology`` on a CPU host), else JAX's default backend."""
     if interpret is not None:
         return interpret
     if os.environ.get(INTERPRET_ENV, "0") not in ("", "0"):
         return True
-    backend = jax.default_backend()
+    backend = platform or jax.default_backend()
     if backend != "tpu":
         raise RuntimeError(
             f"attention_impl='splash' needs a TPU (JAX backend is {backend!r}; the kernel is a "
@@ -108,17 +111,12 @@ def _splash():
     return splash_attention
 
 
-@functools.lru_cache(maxsize=32)
-def _kernel(num_heads: int, seq_len: int, interpret: bool, half_window: int = 0):
-    """A single-device splash MHA kernel for [heads, seq, head_dim] inputs (cached per shape).
+def _make_kernel(num_heads: int, seq_len: int, interpret: bool, half_window: int = 0):
+    """A single-device splash MHA kernel for [heads, seq, head_dim] inputs.
 
     ``half_window`` > 0 makes it a two-sided sliding window (|i - j| <= half_window): a LocalMask,
-    whose key blocks outside the band the kernel skips.
-
-    The mask metadata is built with NumPy when the kernel is made, so one kernel per (local) head
-    count and sequence length is made once and reused by every layer and every trace; it is made
-    under ``ensure_compile_time_eval`` so that its arrays are constants, not tracers of the trace
-    that happened to make it (which a later trace would see as leaked).
+    whose key blocks outside the band the kernel skips. The mask metadata is built with NumPy and
+    turned into arrays in whatever trace is current (see :func:`_kernel` for the cached one).
     """
     splash = _splash()
     block = block_size(seq_len)
@@ -138,16 +136,37 @@ def _kernel(num_heads: int, seq_len: int, interpret: bool, half_window: int = 0)
     else:
         one = splash.FullMask(shape)
     mask = splash.MultiHeadMask([one] * num_heads)
+    return splash.make_splash_mha_single_device(mask, block_sizes=blocks, interpret=interpret)
+
+
+@functools.lru_cache(maxsize=32)
+def _kernel(num_heads: int, seq_len: int, interpret: bool, half_window: int = 0):
+    """:func:`_make_kernel`, made once per (local) head count and sequence length and reused by
+    every layer and every trace: it is made under ``ensure_compile_time_eval`` so that its arrays
+    are constants, not tracers of the trace that happened to make it (which a later trace would
+    see as leaked). That runs on the devices in scope, so it needs devices that can execute."""
     with jax.ensure_compile_time_eval():
-        return splash.make_splash_mha_single_device(mask, block_sizes=blocks, interpret=interpret)
+        return _make_kernel(num_heads, seq_len, interpret, half_window)
 
 
 def _local_attention(
-    q: Array, k: Array, v: Array, segment_ids: Array, *, interpret: bool, half_window: int
+    q: Array,
+    k: Array,
+    v: Array,
+    segment_ids: Array,
+    *,
+    interpret: bool,
+    half_window: int,
+    cached: bool = True,
 ) -> Array:
-    """The kernel on one device's shard: q (already scaled)/k/v [batch, seq, heads, head_dim]."""
+    """The kernel on one device's shard: q (already scaled)/k/v [batch, seq, heads, head_dim].
+
+    ``cached=False`` makes the kernel inside the current trace (its mask arrays are constants of
+    this program only): for compile-only devices (a simulated TPU slice), which cannot run the
+    eager ops the cached kernel is made with."""
     _, seq_len, num_heads, _ = q.shape
-    kernel = _kernel(num_heads, seq_len, interpret, half_window)
+    make = _kernel if cached else _make_kernel
+    kernel = make(num_heads, seq_len, interpret, half_window)
 
     def one_example(q1, k1, v1, ids):  # [heads, seq, head_dim] x3, ids [seq]
         return kernel(q1, k1, v1, segment_ids=_splash().SegmentIds(q=ids, kv=ids))
@@ -207,13 +226,20 @@ def splash_attention(
             f"{segment_ids.shape}"
         )
     block_size(q.shape[1])  # a clear error before the kernel's own
-    interpret = resolve_interpret(interpret)
+    mesh = jax.sharding.get_abstract_mesh()
+    device = None if mesh.empty else mesh.abstract_device
+    platform = getattr(device, "platform", None)
+    interpret = resolve_interpret(interpret, platform)
     scale = jnp.asarray(1.0 / jnp.sqrt(q.shape[-1]), q.dtype)
     q = q * scale
     segment_ids = segment_ids.astype(jnp.int32)
-    local = functools.partial(_local_attention, interpret=interpret, half_window=local_window // 2)
+    # Devices of another platform than this process's backend are compile-only (bertjax compile
+    # --topology): no eager op runs on them, so the kernel is made inside this trace.
+    cached = platform in (None, jax.default_backend())
+    local = functools.partial(
+        _local_attention, interpret=interpret, half_window=local_window // 2, cached=cached
+    )
 
-    mesh = jax.sharding.get_abstract_mesh()
     spec = None if mesh.empty or mesh.size == 1 else _mesh_spec(q.shape, mesh, logical_axes)
     with jax.named_scope("splash_attention"):
         if spec is None:
