@@ -47,9 +47,9 @@ class ExampleBatch:
         self._cls = np.array([consts["cls_id"]], np.int32)
         self._sep = np.array([consts["sep_id"]], np.int32)
 
-    def add_span(self, span: Span) -> None:
-        """An instance of `spans.document_spans`."""
-        self.items.append(span)
+    def add_spans(self, spans: list[Span]) -> None:
+        """Instances of `spans.document_spans`."""
+        self.items += spans
         if len(self.items) >= self.size:
             self.flush()
 

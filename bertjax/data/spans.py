@@ -129,11 +129,14 @@ def document_spans(
 
 def _truncate(spans: list, cut: list, rng) -> list[Span]:
     """Spans with (trim A, trim B) tokens off, Binomial(trim, 0.5) of them off the front."""
-    trim = np.array(cut, np.int64).reshape(-1, 2)
-    if not trim.any():
-        return [Span(*s) for s in spans]
-    fronts = rng.binomial(trim, 0.5).tolist()
-    out = []
-    for (a, a0, a1, b, b0, b1, label), (ta, tb), (fa, fb) in zip(spans, trim.tolist(), fronts):
-        out.append(Span(a, a0 + fa, a1 - ta + fa, b, b0 + fb, b1 - tb + fb, label))
-    return out
+    if not spans:
+        return []
+    a, a0, a1, b, b0, b1, label = zip(*spans)
+    trim = np.array(cut, np.int64)  # [spans, 2]
+    if trim.any():
+        (front_a, front_b), (trim_a, trim_b) = rng.binomial(trim, 0.5).T, trim.T
+        a0 = (np.array(a0) + front_a).tolist()
+        a1 = (np.array(a1) - trim_a + front_a).tolist()
+        b0 = (np.array(b0) + front_b).tolist()
+        b1 = (np.array(b1) - trim_b + front_b).tolist()
+    return list(map(Span, a, a0, a1, b, b0, b1, label))

@@ -173,11 +173,12 @@ def process_unit(task) -> dict:
     kw = dict(max_seq_length=cfg.max_seq_length, short_seq_prob=cfg.short_seq_prob, nsp=cfg.nsp)
 
     def make_instances(split: str, rng: np.random.Generator, pool, i: int) -> None:
-        for span in document_spans(pool, i, rng=rng, **kw):
-            stats["real_next"] += not span.is_random_next
-            if not cfg.packing:
-                batches[split].add_span(span)
-                continue
+        spans = document_spans(pool, i, rng=rng, **kw)
+        stats["real_next"] += sum(not span.is_random_next for span in spans)
+        if not cfg.packing:
+            batches[split].add_spans(spans)
+            return
+        for span in spans:
             a = span.a[span.a_start : span.a_stop]
             for row in packers[split].add(a, len(a) + 2):  # [CLS] a [SEP]
                 add_packed(split, row)

@@ -169,12 +169,17 @@ class BulkWordPiece:
 
     def _piece_ids(self, piece: str) -> list[int]:
         """The tokenizer's ids of one piece (`basic_split_word`, then WordPiece)."""
+        cache, wordpiece = self.tok._piece_cache, self.tok._wordpiece
+        if piece.isascii() and piece.isalnum():  # already lower-cased: its own basic piece
+            got = cache.get(piece)
+            if got is None:
+                got = cache[piece] = wordpiece(piece)
+            return got
         ids: list[int] = []
-        cache = self.tok._piece_cache
         for w in basic_split_word(piece, self.lower):
             got = cache.get(w)
             if got is None:
-                got = cache[w] = self.tok._wordpiece(w)
+                got = cache[w] = wordpiece(w)
             ids += got
         return ids
 
