@@ -1,7 +1,9 @@
 """The original BERT instance algorithm: segment pairs from a document, truncation, serialization.
 
-Moved out of ``prepare.py`` (which orchestrates files, workers and shards); see its docstring for the
-algorithm and the differences from google-research/bert.
+The options (`PrepareConfig`) and the document window of ``prepare``, and the algorithm on lists of
+token lists with the original script's order of random calls: the reference that tests compare
+``spans`` (what ``prepare`` runs, on token arrays with bulk draws) and ``example_batch`` with. See
+``prepare``'s docstring for the algorithm and the differences from google-research/bert.
 """
 
 from __future__ import annotations
