@@ -34,6 +34,16 @@ def _blocks(x: Array, block: int, fill: float) -> Array:
     return jnp.concatenate(parts, axis=2)
 
 
+def _head_blocks(x: Array, block: int) -> Array:
+    """x [b, seq, heads, dim] -> [b, heads, seq // block, 3 * block, dim] (zeros beyond the ends):
+    the keys or values each query block sees, heads-major."""
+    b, seq, h, d = x.shape
+    n = seq // block
+    xh = jnp.transpose(x, (0, 2, 1, 3))  # [b, h, seq, d]
+    xp = jnp.pad(xh, ((0, 0), (0, 0), (block, block), (0, 0))).reshape(b, h, n + 2, block, d)
+    return jnp.concatenate([xp[:, :, j : j + n] for j in range(3)], axis=3)
+
+
 def _band_bias(bias: Array, block: int) -> Array:
     """The additive bias [b, 1, 1 or q, k] on the band: [b, 1, n, 1 or block, 3 * block] fp32."""
     b, _, rows, seq = bias.shape
@@ -59,9 +69,12 @@ def band_attention(q: Array, k: Array, v: Array, bias: Array, half: int, dropout
     block, n = half, seq // half
     dtype = q.dtype
     scale = jnp.asarray(1.0 / np.sqrt(d), dtype)
-    qb = (q * scale).reshape(b, n, block, h, d)
-    kb, vb = _blocks(k, block, 0.0), _blocks(v, block, 0.0)  # [b, n, 3 * block, h, d]
-    logits = jnp.einsum("bnqhd,bnkhd->bhnqk", qb, kb).astype(jnp.float32)
+    # Heads-major blocks: every einsum below has its batch axes (b, h, n) leading and its
+    # operands in matmul order, so XLA needs no transposes around them (on CPU the layout copies
+    # around the [b, n, ., h, d] form cost about a third of this function; see docs/performance.md).
+    qb = jnp.transpose(q * scale, (0, 2, 1, 3)).reshape(b, h, n, block, d)  # [b, h, n, q, d]
+    kb, vb = _head_blocks(k, block), _head_blocks(v, block)  # [b, h, n, 3 * block, d]
+    logits = jnp.einsum("bhnqd,bhnkd->bhnqk", qb, kb).astype(jnp.float32)
     offset = np.arange(3 * block)[None, :] - block - np.arange(block)[:, None]  # key - query
     near = jnp.asarray(np.abs(offset) <= half)  # [block, 3 * block]
     low = jnp.finfo(jnp.float32).min
@@ -69,5 +82,5 @@ def band_attention(q: Array, k: Array, v: Array, bias: Array, half: int, dropout
     probs = jax.nn.softmax(logits, axis=-1)  # [b, h, n, block, 3 * block]
     if dropout is not None:
         probs = dropout(probs)
-    out = jnp.einsum("bhnqk,bnkhd->bnqhd", probs.astype(dtype), vb)
-    return out.reshape(b, seq, h, d)
+    out = jnp.einsum("bhnqk,bhnkd->bhnqd", probs.astype(dtype), vb)  # [b, h, n, q, d]
+    return jnp.transpose(out.reshape(b, h, seq, d), (0, 2, 1, 3))  # [b, seq, h, d]
