@@ -229,7 +229,7 @@ def main(argv: list[str] | None = None) -> None:
     if argv is None:  # the `bertjax` command (not a caller's in-process call)
         console.quiet_native_logs()  # CPU-only machine: TF/CUDA/TPU start-up noise off stderr
         if os.environ.get("JAX_PLATFORMS", "").split(",")[0] == "cpu":
-            host_memory.retain_freed_memory()  # XLA's per-step blocks reused, not re-faulted
+            host_memory.apply_from_environment()  # opt-in: XLA's per-step blocks kept for reuse
     argv = list(sys.argv if argv is None else argv)
     if len(argv) < 2 or argv[1] in ("-h", "--help", "help"):
         print(_usage())

@@ -1,4 +1,4 @@
-"""Host memory policy for JAX on the CPU: freed blocks stay in the process.
+"""Host memory policy for JAX on the CPU (opt-in): freed blocks stay in the process.
 
 XLA's CPU runtime allocates each execution's temporaries as one block (631 MB for the MiniLM-L6
 fine-tuning step at batch 32 x 64, several GB for BERT-base pretraining). glibc's malloc hands
@@ -6,13 +6,14 @@ blocks that large to the kernel on ``free`` (mmap/munmap, also from its per-thre
 ``M_MMAP_MAX`` says), so every step faults the whole block in again, page by page, zero-filled:
 160k minor page faults and about 0.3 of the 1.8 CPU-seconds of that step, measured
 (docs/performance.md, "Fine-tuning speed"). With one arena, no mmap and no trimming, a block freed
-by one step is reused by the next: no faults, no kernel zeroing. The process then keeps its peak
-heap for its lifetime, which is what a training process reaches anyway.
+by one step is reused by the next: no faults, no kernel zeroing (MiniLM step: 2.11 -> 1.81 CPU-s).
 
-``retain_freed_memory`` applies that policy through ``mallopt``; it is what the ``bertjax`` command
-does when JAX runs on the CPU. A program that imports bertjax can call it first thing (before JAX
-starts its threads), or set ``GLIBC_TUNABLES=glibc.malloc.arena_max=1:glibc.malloc.mmap_max=0:
-glibc.malloc.trim_threshold=17179869184`` in the environment.
+The price is memory: with everything in one never-trimmed heap, compilation's memory and the
+steps' blocks fragment it, and the peak RSS grows: 2.55 -> 3.7 GB for that fine-tuning run, 4.1 ->
+6.7-9.3 GB for a BERT-base pretraining bench (batch 8), whose step gains nothing (7.6 CPU-s
+either way: the faults are small next to its compute). So it is opt-in: the ``bertjax`` command
+applies it when JAX runs on the CPU and ``BERTJAX_RETAIN_HOST_MEMORY=1`` is set. A program that
+imports bertjax can call ``retain_freed_memory()`` first thing (before JAX starts its threads).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import os
 import sys
 
 log = logging.getLogger(__name__)
@@ -47,3 +49,10 @@ def retain_freed_memory() -> bool:
     if not applied:
         log.debug("mallopt refused the host memory settings: freed memory is returned as before")
     return applied
+
+
+def apply_from_environment() -> bool:
+    """``retain_freed_memory()`` when ``BERTJAX_RETAIN_HOST_MEMORY=1``; returns whether applied."""
+    if os.environ.get("BERTJAX_RETAIN_HOST_MEMORY", "0") != "1":
+        return False
+    return retain_freed_memory()

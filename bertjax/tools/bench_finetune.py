@@ -193,14 +193,15 @@ def to_markdown(r: dict) -> str:
     """The fine-tuning section of bench's report."""
     out = [f"## Fine-tuning: {r['task']} ({r['glue_dir']})", ""]
     out.append(
-        "| | step s (median) | step CPU s | steps/s | examples/step | examples/s | dev eval s |"
+        "| | rows/step | step s (median) | step CPU s | steps/s | examples/step | examples/s "
+        "| dev eval s |"
     )
-    out.append("|---|---|---|---|---|---|---|")
-    for name in ("unpacked", "packed"):
+    out.append("|---|---|---|---|---|---|---|---|")
+    for name in MODES:
         x = r[name]
         out.append(
-            f"| bertjax {name} | {x['step_time_s']:.3f} | {x['step_cpu_s']:.3f} | "
-            f"{x['steps_per_sec']:.2f} | {x['examples_per_step']:.1f} | "
+            f"| bertjax {name} | {x['rows_per_step']:.1f} | {x['step_time_s']:.3f} | "
+            f"{x['step_cpu_s']:.3f} | {x['steps_per_sec']:.2f} | {x['examples_per_step']:.1f} | "
             f"{x['examples_per_sec']:.1f} | {x['eval_s']:.2f} |"
         )
     peer = r.get("peer")
