@@ -149,7 +149,11 @@ def test_kill9_of_prepare_ends_its_workers_and_the_next_run_cleans_up(tmp_path, 
         show_progress=False, random_document_buffer=10,
     )  # fmt: skip
     assert meta["examples"]["train"] > 0 and not list(out.glob(".prepare-tmp-*"))
-    assert f"removed {stale}, the temporary folder of an interrupted run" in caplog.text
+    # The killed run's folder is either resumed (a unit had finished before the kill: prepare is
+    # fast enough for that now) or removed as stale; either way it is gone afterwards.
+    resumed = "units were done by an interrupted run" in caplog.text
+    removed = f"removed {stale}, the temporary folder of an interrupted run" in caplog.text
+    assert resumed or removed, caplog.text
 
 
 def test_a_live_runs_temp_folder_is_left_alone(tmp_path):
