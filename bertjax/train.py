@@ -390,7 +390,7 @@ def _run_phase(run: _Run, phase, phase_index, state, step, data_state) -> dict:
     step_flops = task.flops_per_step(setup.model.config, phase)
     n_devices = len(setup.mesh.devices.flat)
     meter = Throughput()
-    sums, count = None, 0
+    sums, count, rows = None, 0, 0  # rows: global batch rows (fewer when batches are packed)
     last_train: dict[str, float] = {}
     last_eval: dict[str, float] = {}
     guard = "disallow" if tcfg.get("transfer_guard", True) else "allow"
@@ -403,7 +403,9 @@ def _run_phase(run: _Run, phase, phase_index, state, step, data_state) -> dict:
         if last_eval:
             writer.write(0, last_eval, "eval")
     while step < phase.until_step:
-        batch = sharding.global_batch(next(data), setup.mesh, setup.rules)
+        host_batch = next(data)
+        rows += len(host_batch["input_ids"]) * pcount
+        batch = sharding.global_batch(host_batch, setup.mesh, setup.rules)
         with (
             jax.set_mesh(setup.mesh),
             nn.logical_axis_rules(setup.rules),
@@ -423,7 +425,8 @@ def _run_phase(run: _Run, phase, phase_index, state, step, data_state) -> dict:
                     "lower optimizer.learning_rate or check the data"
                 )
             rates = meter.rates(phase.global_batch_size, seq_len)
-            achieved = rates["steps_per_sec"] * step_flops / n_devices / 1e12
+            rows_share = rows / count / phase.global_batch_size  # FLOPs scale with the rows run
+            achieved = rates["steps_per_sec"] * step_flops * rows_share / n_devices / 1e12
             last_train.update(rates, tflops_per_device=achieved)
             if peak:
                 last_train["mfu"] = achieved / peak
@@ -434,7 +437,7 @@ def _run_phase(run: _Run, phase, phase_index, state, step, data_state) -> dict:
                 setup.phases[-1].until_step,
                 time.perf_counter() - t_start if step > first_step else None,
             )
-            sums, count = None, 0
+            sums, count, rows = None, 0, 0
             meter.reset()
         if (eval_every and step % eval_every == 0) or is_last:
             last_eval = run_eval(state.params)

@@ -179,17 +179,21 @@ def test_batch_packing_trains_the_unpacked_run(files, tmp_path, task, data_dir):
     examples, in fewer rows, so the logged losses and the final dev metrics equal the unpacked
     run's (dropout off)."""
     make = glue_config.get_config if data_dir == "glue" else ner_config.get_config
-    runs = {}
+    runs, rows = {}, {}
     for batch_packing in (False, True):
         c = _config(make(), files, data_dir, False, task=task)
         c.data.batch_packing, c.data.eval_packing = batch_packing, False
         c.train.steps, c.train.global_batch_size = 4, 8
         workdir = tmp_path / f"batch_packing_{batch_packing}"
         result = train.train_and_evaluate(c, str(workdir))
-        rows = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
-        runs[batch_packing] = result, [r["loss"] for r in rows if r.get("split") == "train"]
+        logged = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
+        rows[batch_packing] = [r for r in logged if r.get("split") == "train"]
+        runs[batch_packing] = result, [r["loss"] for r in rows[batch_packing]]
     (plain, plain_losses), (packed, packed_losses) = runs[False], runs[True]
     assert len(plain_losses) == 4
+    # FLOPs counted from the rows run: per step, fewer for the packed batches.
+    flops = {k: [r["tflops_per_device"] / r["steps_per_sec"] for r in rows[k]] for k in rows}
+    assert max(flops[True]) < min(flops[False])
     np.testing.assert_allclose(packed_losses, plain_losses, rtol=2e-5)
     for key, value in plain["eval"].items():
         np.testing.assert_allclose(packed["eval"][key], value, rtol=1e-4, atol=1e-5, err_msg=key)
