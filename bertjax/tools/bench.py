@@ -316,13 +316,8 @@ def measure_peers(args, result: dict) -> dict[str, Any]:
     python = args.peers_python or bench_peers.default_peer_python()
     if not os.path.exists(python):
         return {"skipped": f"no peer virtualenv python at {python}"}
-    m = result["model"]
-    shape = dict(
-        layers=m["num_layers"],
-        hidden=m["hidden_size"],
-        heads=m["num_heads"],
-        intermediate=m["intermediate_size"],
-        vocab=m["vocab_size"],
+    shape = bench_peers.peer_shape(
+        result["model"],
         batch=args.batch,
         seq=args.seq,
         masked=args.masked,

@@ -23,7 +23,6 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 from typing import Any
 
 import flax.linen as nn
@@ -31,8 +30,6 @@ import jax
 
 from bertjax import sharding, train
 from bertjax.tools import bench_peers
-
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def load_config_file(path: str):
@@ -72,16 +69,6 @@ def finetune_config(args: argparse.Namespace, mode: str):
     return c
 
 
-def _timed(fn, steps: int) -> tuple[list[float], list[float]]:
-    times, cpu = [], []
-    for _ in range(steps):
-        t0, c0 = time.perf_counter(), time.process_time()
-        fn()
-        times.append(time.perf_counter() - t0)
-        cpu.append(time.process_time() - c0)
-    return times, cpu
-
-
 def measure(args: argparse.Namespace, mode: str) -> dict[str, Any]:
     """Times the task's jitted train step and its whole-dev-set evaluation."""
     config = finetune_config(args, mode)
@@ -96,30 +83,29 @@ def measure(args: argparse.Namespace, mode: str) -> dict[str, Any]:
             state = setup.init_state(jax.random.key_data(jax.random.key(0)))
             host = [next(data) for _ in range(args.steps)]
             batches = [sharding.global_batch(b, setup.mesh, setup.rules) for b in host]
-            holder, used = {"state": state, "i": 0}, []
+            holder, used = {"state": state}, []  # used: the batch index of every call
 
             def one_step():  # batch-packed batches differ in rows: one compile per row count
-                used.append(holder["i"] % len(batches))
+                used.append(len(used) % len(batches))
                 holder["state"], metrics = step(holder["state"], batches[used[-1]])
-                holder["i"] += 1
                 jax.block_until_ready(metrics)
 
-            t0 = time.perf_counter()
-            one_step()
-            compile_s = time.perf_counter() - t0  # the first step: compile included
-            _timed(one_step, len(batches) - 1 + args.warmup)  # every row count compiled
-            del used[:]
-            times, cpu = _timed(one_step, args.steps)
+            # The first call compiles; every row count is compiled before the timed steps.
+            times, cpu, compile_s = bench_peers.time_steps(
+                one_step, args.steps, warmup=len(batches) + args.warmup
+            )
 
         def run(batch):  # what fine-tuning's evaluation calls per batch
             gb = sharding.global_batch(batch, setup.mesh, setup.rules)
             with jax.set_mesh(setup.mesh), nn.logical_axis_rules(setup.rules):
                 return jax.device_get(setup.eval_fn(holder["state"].params, gb))
 
-        task.evaluate(run, phase)  # compiles the eval step
-        eval_times, eval_cpu = _timed(lambda: task.evaluate(run, phase), max(2, args.steps // 3))
-    examples = [_examples(host[i]) for i in used]  # of the timed steps
-    rows = [len(host[i]["input_ids"]) for i in used]
+        eval_times, eval_cpu, _ = bench_peers.time_steps(  # the untimed call compiles
+            lambda: task.evaluate(run, phase), max(2, args.steps // 3), warmup=1
+        )
+    timed = used[-args.steps :]
+    examples = [_examples(host[i]) for i in timed]
+    rows = [len(host[i]["input_ids"]) for i in timed]
     step_s = statistics.median(times)
     dev = sum(e.size for e in task.eval_sets)
     return {
@@ -163,13 +149,9 @@ def measure_peer(args: argparse.Namespace, result: dict) -> dict[str, Any]:
     python = args.peers_python or bench_peers.default_peer_python()
     if not os.path.exists(python):
         return {"skipped": f"no peer virtualenv python at {python}"}
-    m, unpacked, default = result["unpacked"]["model"], result["unpacked"], result["batch_packed"]
-    shape = dict(
-        layers=m["num_layers"],
-        hidden=m["hidden_size"],
-        heads=m["num_heads"],
-        intermediate=m["intermediate_size"],
-        vocab=m["vocab_size"],
+    unpacked, default = result["unpacked"], result["batch_packed"]
+    shape = bench_peers.peer_shape(
+        unpacked["model"],
         batch=args.batch,
         seq=args.seq,
         masked=0,

@@ -59,6 +59,14 @@ def run_peer(python: str, framework: str, shape: dict, timeout: float = 1800.0) 
     return json.loads(lines[-1])
 
 
+def peer_shape(model: dict, **sizes) -> dict:
+    """``run_peer``'s shape for a bertjax model config dict (layers, hidden, heads, intermediate,
+    vocab) plus ``sizes`` (batch, seq, masked, steps, warmup, dropout, ...)."""
+    keys = ("num_layers", "hidden_size", "num_heads", "intermediate_size", "vocab_size")
+    names = ("layers", "hidden", "heads", "intermediate", "vocab")
+    return {**{name: model[key] for name, key in zip(names, keys)}, **sizes}
+
+
 def synthetic_batch(batch: int, seq: int, masked: int, vocab: int, seed: int = 0) -> dict:
     """NumPy batch: ids [batch, seq], masked positions/labels [batch, masked], nsp [batch]."""
     import numpy as np
@@ -99,8 +107,9 @@ def _hf_config(a):
     )
 
 
-def _time_steps(run_step, steps: int, warmup: int) -> tuple[list[float], list[float], float]:
-    """Calls ``run_step()`` (which must block until done): per-step wall and CPU s, first call s."""
+def time_steps(run_step, steps: int, warmup: int) -> tuple[list[float], list[float], float]:
+    """Calls ``run_step()`` (which must block until done) ``warmup`` times untimed, then ``steps``
+    times timed: (per-step wall s, per-step CPU s, the first call's wall s)."""
     t0 = time.perf_counter()
     run_step()
     first = time.perf_counter() - t0
@@ -173,7 +182,7 @@ def bench_flax(a) -> dict:
         holder["state"], loss = step(holder["state"], batch)
         loss.block_until_ready()
 
-    times, cpu_times, first = _time_steps(run, a.steps, a.warmup)
+    times, cpu_times, first = time_steps(run, a.steps, a.warmup)
     return {
         "framework": "transformers-flax",
         "times": times,
@@ -255,7 +264,7 @@ def bench_torch_cls(a) -> dict:
         model.train()
         return torch.cat(predictions)
 
-    times, cpu_times, _ = _time_steps(evaluate, max(2, a.steps // 3), 1)
+    times, cpu_times, _ = time_steps(evaluate, max(2, a.steps // 3), 1)
     result.update(eval_s=statistics.median(times), eval_cpu_s=statistics.median(cpu_times))
     result["batch"] = a.batch
     return result
@@ -284,7 +293,7 @@ def _bench_torch_model(model, batch: dict, a, name: str, no_decay: tuple[str, ..
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    times, cpu_times, first = _time_steps(run, a.steps, a.warmup)
+    times, cpu_times, first = time_steps(run, a.steps, a.warmup)
     return {
         "framework": name,
         "times": times,
