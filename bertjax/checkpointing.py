@@ -310,9 +310,7 @@ def _why_unrestorable(step_dir: str, err: BaseException) -> str:
                     json.loads(f.read())
             except ValueError as bad:
                 return f"{path}: invalid JSON ({bad})"
-    chain = [err]
-    while len(chain) < 10 and (chain[-1].__cause__ or chain[-1].__context__) is not None:
-        chain.append(chain[-1].__cause__ or chain[-1].__context__)
+    chain = _chain(err)
     # The innermost error naming the step (TensorStore's: the file and what is wrong with it); the
     # outer ones dump a whole TensorStore spec.
     chosen = next((e for e in reversed(chain) if step_dir in str(e)), err)

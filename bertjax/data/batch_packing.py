@@ -7,7 +7,8 @@ examples, in the same order, as unpacked training draws) is packed into as few r
 rounded up to one of a few row counts (``row_buckets``: jit compiles one step per count used).
 Losses average over the batch's examples (``example_weights``), so a step's loss and gradient
 equal the unpacked step's, to float rounding, with dropout off; with dropout on the masks fall
-elsewhere (the same rate). On GLUE SST-2 at 64 tokens, a batch of 32 examples fits 8 rows.
+elsewhere (the same rate). On GLUE SST-2 at 64 tokens, a batch of 32 examples needs 9 rows on
+average (buckets 8 and 16).
 
 Every host packs the whole global batch (all hosts hold all features) and takes its share of the
 rows, so hosts agree on the row count without talking; the position is the wrapped ``ArrayData``'s
