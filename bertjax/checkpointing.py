@@ -47,6 +47,9 @@ class Checkpointer:
         )
         self._failed = False
         self._saving: int | None = None  # the step of the last save started
+        # Before any save or restore: an abandoned read or write can end, in another thread,
+        # between Orbax closing its loop and bertjax catching the error (CI saw it).
+        _quiet_consequences()
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
@@ -238,13 +241,26 @@ def _about_unrestorable_text(text: str) -> bool:
     return any(f"{step_dir}/" in text for step_dir in _UNRESTORABLE_DIRS)
 
 
-def _closed_loop(err: BaseException | None) -> bool:
-    return isinstance(err, RuntimeError) and str(err) == "Event loop is closed"
+_LOOP_INTERNALS = (f"{os.sep}asyncio{os.sep}", f"{os.sep}concurrent{os.sep}futures{os.sep}")
+
+
+def _closed_loop(err: BaseException | None, tb=None) -> bool:
+    """Whether ``err`` is a result handed to a closed event loop by native code or by
+    asyncio/concurrent.futures themselves (no other frame in its traceback): the abandoned work
+    of Orbax's per-operation loops, never an error of the caller's own code."""
+    if not (isinstance(err, RuntimeError) and str(err) == "Event loop is closed"):
+        return False
+    tb = tb if tb is not None else err.__traceback__
+    while tb is not None:
+        if not any(part in tb.tb_frame.f_code.co_filename for part in _LOOP_INTERNALS):
+            return False
+        tb = tb.tb_next
+    return True
 
 
 def _quiet_consequences() -> None:
     """Drops what Python would print to stderr, after an error bertjax has already reported in
-    one line, about the work that error abandoned:
+    one line, about the work that error abandoned (installed once, by the first Checkpointer):
     - after a failed save, Orbax's executor threads may hand their results to the per-save event
       loops it has closed ("RuntimeError: Event loop is closed", through ``sys.unraisablehook``);
     - after a failed restore, TensorStore's other reads of the bad step complete into the closed
@@ -260,11 +276,12 @@ def _quiet_consequences() -> None:
 
     def unraisable_hook(unraisable):
         err = unraisable.exc_value
-        if not (_closed_loop(err) or _about_unrestorable(err)):
+        if not (_closed_loop(err, getattr(unraisable, "exc_traceback", None))
+                or _about_unrestorable(err)):  # fmt: skip
             previous_unraisable(unraisable)
 
     def except_hook(kind, err, tb):
-        if not (_closed_loop(err) or _about_unrestorable(err)):
+        if not (_closed_loop(err, tb) or _about_unrestorable(err)):
             previous_except(kind, err, tb)
 
     unraisable_hook._bertjax_consequences_filter = True
