@@ -297,6 +297,41 @@ def test_token_classifier_keeps_its_encoder_and_round_trips(tmp_path, uncased_vo
     assert not any(info.values()), info
 
 
+def test_question_answering_checkpoint_converts_to_every_format_and_back(tmp_path, uncased_vocab):
+    """BertForQuestionAnswering (no pooler, ``qa_outputs``): HF -> bertjax -> TF (run_squad.py's
+    ``cls/squad/output_*``) -> HF is bit-identical and loads in transformers with nothing missing."""
+    transformers = pytest.importorskip("transformers")
+    make_hf_model(tmp_path / "qa", uncased_vocab, "BertForQuestionAnswering")
+    ckpt = load_checkpoint(str(tmp_path / "qa"))
+    assert ckpt.heads == ("qa",) and ckpt.tensors["qa_outputs/kernel"].shape == (48, 2)
+    convert_main([str(tmp_path / "qa"), "--to=bertjax", str(tmp_path / "bj")])
+    convert_main([str(tmp_path / "bj"), "--to=tf", str(tmp_path / "tf")])
+    tf_names = dict(_tf_variables(tmp_path / "tf"))
+    assert (
+        tf_names["cls/squad/output_weights"] == [2, 48]
+        and "bert/pooler/dense/kernel" not in tf_names
+    )
+    convert_main([str(tmp_path / "tf"), "--to=hf", str(tmp_path / "hf")])
+    _assert_same_tensors(
+        read_safetensors(str(tmp_path / "qa" / "model.safetensors")),
+        read_safetensors(str(tmp_path / "hf" / "model.safetensors")),
+    )
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["architectures"] == [
+        "BertForQuestionAnswering"
+    ]
+    _, info = transformers.BertForQuestionAnswering.from_pretrained(
+        tmp_path / "hf", output_loading_info=True
+    )
+    assert not any(info.values()), info
+
+
+def _tf_variables(directory):
+    import tensorflow as tf
+
+    index = next(str(p)[: -len(".index")] for p in pathlib.Path(directory).glob("*.index"))
+    return tf.train.list_variables(index)
+
+
 # ---------------------------------------------------------------------------------------------
 # Round trips and writing HF directories.
 # ---------------------------------------------------------------------------------------------

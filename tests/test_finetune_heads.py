@@ -144,6 +144,7 @@ def _torch_logits(model, arch: str, batch):
         ("modernbert", "choice"),
         ("bert", "sequence"),
         ("bert", "token"),
+        ("bert", "span"),
         ("bert", "choice"),
     ],
 )

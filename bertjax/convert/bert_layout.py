@@ -87,6 +87,9 @@ def layout(config: BertConfig, heads=HEADS, num_labels: int = 0) -> list[Entry]:
     if "classifier" in heads and num_labels > 0:
         add("classifier/kernel", "output_weights", (h, num_labels), "kernel_t", "classifier")
         add("classifier/bias", "output_bias", (num_labels,), "copy", "classifier")
+    if "qa" in heads:  # run_squad.py's span head; HF's qa_outputs
+        add("qa_outputs/kernel", "cls/squad/output_weights", (h, 2), "kernel_t", "qa")
+        add("qa_outputs/bias", "cls/squad/output_bias", (2,), "copy", "qa")
     return out
 
 

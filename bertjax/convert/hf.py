@@ -3,8 +3,8 @@
 HF names follow the original Google names with ``.`` for ``/``, ``weight``/``bias`` for
 ``kernel``/``gamma``/``beta`` and ``[out, in]`` Linear weights. Accepted namings: BertModel
 (no prefix), BertForPreTraining / BertForMaskedLM / BertForNextSentencePrediction /
-BertForSequenceClassification / BertForTokenClassification (``bert.`` prefix, ``cls.*``,
-``classifier.*``), legacy ``LayerNorm.gamma/beta``, the ``embeddings.position_ids`` buffer and a
+BertForSequenceClassification / BertForTokenClassification / BertForQuestionAnswering (``bert.``
+prefix, ``cls.*``, ``classifier.*``, ``qa_outputs.*``), legacy ``LayerNorm.gamma/beta``, the ``embeddings.position_ids`` buffer and a
 tied ``cls.predictions.decoder.weight``.
 
 ``pytorch_model.bin`` is read by :func:`read_torch_file`: the zip archive's ``data.pkl`` is
@@ -57,6 +57,8 @@ _SPECIAL_NAMES = {
     "cls/seq_relationship/output_bias": "cls.seq_relationship.bias",
     "output_weights": "classifier.weight",
     "output_bias": "classifier.bias",
+    "cls/squad/output_weights": "qa_outputs.weight",
+    "cls/squad/output_bias": "qa_outputs.bias",
 }
 _ARCHITECTURES = {  # heads present -> HF class whose state dict holds exactly those tensors
     frozenset(): "BertModel",
@@ -67,6 +69,7 @@ _ARCHITECTURES = {  # heads present -> HF class whose state dict holds exactly t
     frozenset({"pooler", "nsp"}): "BertForNextSentencePrediction",
     frozenset({"pooler", "classifier"}): "BertForSequenceClassification",
     frozenset({"classifier"}): "BertForTokenClassification",
+    frozenset({"qa"}): "BertForQuestionAnswering",
 }
 
 
