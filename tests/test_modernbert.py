@@ -516,6 +516,25 @@ def test_attend_sliding_window(impl):
     assert bool(jnp.isfinite(got).all())
 
 
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN attention needs an NVIDIA GPU")
+def test_attend_sliding_window_cudnn_equals_the_reference_on_gpu():
+    """``attention_impl=cudnn``: the window joins the bias (cuDNN has no two-sided window) on a
+    padded bf16 batch; runs where a GPU is (CI and this project's CPU box skip it)."""
+    from bertjax.layers.core import attention_bias
+
+    window, seq = 32, 128
+    q, k, v, mask = _window_inputs(seq, (128, 77), heads=2, dim=64, seed=5)
+    pos = np.arange(seq)
+    allowed = (np.abs(pos[:, None] - pos[None]) <= window // 2)[None] & (mask[:, None, :] > 0)
+    want = _reference_attention(q, k, v, allowed)
+    bias = attention_bias(jnp.asarray(mask), jnp.float32)
+    qkv = [jnp.asarray(x, jnp.bfloat16) for x in (q, k, v)]
+    kwargs = dict(impl="cudnn", dropout_rate=0.0, dropout_impl="bits16", deterministic=True)
+    got = jax.jit(lambda q, k, v, b: attend(q, k, v, b, **kwargs, local_window=window))(*qkv, bias)
+    real = mask > 0
+    np.testing.assert_allclose(np.asarray(got, np.float32)[real], want[real], atol=3e-2)
+
+
 def test_splash_sliding_window_in_interpreter(monkeypatch):
     """The LocalMask splash kernel (Pallas interpreter) equals the explicit window (3x3 blocks
     of 128, the corner ones skipped), and the model with attention_impl=splash equals xla."""
