@@ -110,22 +110,3 @@ def test_model_losses_equal_without_dropout_and_differ_with_it():
 def test_bad_dropout_impl_is_a_config_error():
     with pytest.raises(ValueError, match="dropout_impl"):
         get_preset("tiny", dropout_impl="fast")
-
-
-@pytest.mark.parametrize("impl", ["flax", "bits16"])
-def test_a_kept_mask_gives_the_same_values_and_gradients(impl):
-    """``keep_mask=True`` (the attention probabilities' dropout) only moves where the mask is
-    computed: outputs and gradients are bit for bit those of the recomputed mask."""
-    x = jax.random.normal(jax.random.key(3), (2, 4, 16, 16))
-    rngs = {"dropout": jax.random.key(11)}
-
-    def run(keep_mask):
-        layer = Dropout(0.1, impl, keep_mask=keep_mask)
-        f = lambda x: jnp.sum(jnp.sin(layer.apply({}, x, False, rngs=rngs)))  # noqa: E731
-        return jax.value_and_grad(f)(x), str(jax.make_jaxpr(jax.grad(f))(x))
-
-    (kept, kept_grad), jaxpr = run(True)
-    (plain, plain_grad), plain_jaxpr = run(False)
-    assert "optimization_barrier" in jaxpr and "optimization_barrier" not in plain_jaxpr
-    np.testing.assert_array_equal(np.asarray(kept), np.asarray(plain))
-    np.testing.assert_array_equal(np.asarray(kept_grad), np.asarray(plain_grad))

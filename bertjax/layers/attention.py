@@ -91,7 +91,7 @@ def attend(
         # The band by blocks (bertjax.layers.band_attention): no full [q, k] matrix.
         dropout = None
         if use_dropout:
-            module = Dropout(dropout_rate, dropout_impl, keep_mask=True)
+            module = Dropout(dropout_rate, dropout_impl)
             dropout = lambda p: module(p, deterministic=False)  # noqa: E731
         return band_attention(q, k, v, bias, half, dropout)
     if local_window and (impl in ("xla", "cudnn") or use_dropout):
@@ -103,7 +103,7 @@ def attend(
         logits = jnp.einsum("bqhd,bkhd->bhqk", q * scale, k).astype(jnp.float32)
         probs = jax.nn.softmax(logits + bias.astype(jnp.float32), axis=-1)  # [b, h, q, k]
         if use_dropout:
-            probs = Dropout(dropout_rate, dropout_impl, keep_mask=True)(probs, deterministic=False)
+            probs = Dropout(dropout_rate, dropout_impl)(probs, deterministic=False)
         return jnp.einsum("bhqk,bkhd->bqhd", probs.astype(dtype), v)
     if impl == "splash":
         if segment_ids is None:

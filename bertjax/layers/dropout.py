@@ -96,38 +96,24 @@ def keep_threshold(rate: float) -> int:
     return int(round((1.0 - rate) * 2**_BITS))
 
 
-def dropout_bits16(rng: jax.Array, x: jax.Array, rate: float, keep_mask: bool = False) -> jax.Array:
+def dropout_bits16(rng: jax.Array, x: jax.Array, rate: float) -> jax.Array:
     """Inverted dropout of ``x`` with a 16-bit mask; ``E[result] == x`` exactly."""
     threshold = keep_threshold(rate)
     if threshold <= 0:
         return jnp.zeros_like(x)
     if threshold >= 2**_BITS:  # rate below 2**-17: nothing to drop at this resolution
         return x
-    keep = _materialised(random_halfwords(rng, x.shape) < np.uint16(threshold), keep_mask)
+    keep = random_halfwords(rng, x.shape) < np.uint16(threshold)
     scale = jnp.asarray(2**_BITS / threshold, x.dtype)
     return jnp.where(keep, x * scale, jnp.zeros((), x.dtype))
 
 
-def _materialised(keep: jax.Array, keep_mask: bool) -> jax.Array:
-    """``keep`` behind an optimization barrier when ``keep_mask``: XLA then computes the mask once
-    and the backward reads it (one byte per element), instead of fusing the hash into the forward
-    and again into each backward consumer. Same values either way."""
-    return lax.optimization_barrier(keep) if keep_mask else keep
-
-
 class Dropout(nn.Module):
-    """Drop-in for ``nn.Dropout(rate)(x, deterministic=...)`` with a selectable mask generator.
-
-    ``keep_mask=True`` stores the mask for the backward instead of hashing it again there: for the
-    attention probabilities (BERT-base seq 128 on a v5p chip, XLA's cost model: one layer 1.579 ->
-    1.509 ms); the activations' masks are cheaper recomputed inside their fusions (1.533 ms with
-    every mask kept). The values are the same either way.
-    """
+    """Drop-in for ``nn.Dropout(rate)(x, deterministic=...)`` with a selectable mask generator."""
 
     rate: float
     impl: str = "auto"  # auto | bits16 | flax (see resolve_impl)
     rng_collection: str = "dropout"
-    keep_mask: bool = False
 
     @nn.compact
     def __call__(self, x: jax.Array, deterministic: bool) -> jax.Array:
@@ -137,7 +123,7 @@ class Dropout(nn.Module):
             return x
         rng = self.make_rng(self.rng_collection)
         if resolve_impl(self.impl) == "bits16":
-            return dropout_bits16(rng, x, self.rate, self.keep_mask)
+            return dropout_bits16(rng, x, self.rate)
         keep_prob = 1.0 - self.rate  # what flax.linen.Dropout draws, bit for bit
-        keep = _materialised(jax.random.bernoulli(rng, p=keep_prob, shape=x.shape), self.keep_mask)
+        keep = jax.random.bernoulli(rng, p=keep_prob, shape=x.shape)
         return lax.select(keep, x / keep_prob, jnp.zeros_like(x))
