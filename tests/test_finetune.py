@@ -147,7 +147,7 @@ def files(tmp_path_factory):
     return root
 
 
-def _small(c, files, data_dir, **overrides):
+def small_config(c, files, data_dir, **overrides):
     """A tiny model, short sequences and a 3-step run on one device (the same programs for every
     SST-2 run, so the compilation cache serves them)."""
     c.vocab = str(files / "vocab.txt")
@@ -182,7 +182,9 @@ def _results(workdir):
 
 
 def test_glue_classification_trains_and_writes_submission(files, tmp_path):
-    c = _small(glue_config.get_config(), files, "glue", **{"train.steps": 0, "train.epochs": 1.0})
+    c = small_config(
+        glue_config.get_config(), files, "glue", **{"train.steps": 0, "train.epochs": 1.0}
+    )
     result = train.train_and_evaluate(c, str(tmp_path))
     final = _results(tmp_path)
     assert result["step"] == 3  # 24 examples / batch 8 * 1 epoch
@@ -203,7 +205,7 @@ def test_glue_classification_trains_and_writes_submission(files, tmp_path):
 
 
 def test_mnli_evaluates_matched_and_mismatched_and_ax_predicts_diagnostic(files, tmp_path):
-    c = _small(glue_config.get_config(), files, "glue", task="glue/ax")
+    c = small_config(glue_config.get_config(), files, "glue", task="glue/ax")
     train.train_and_evaluate(c, str(tmp_path))
     final = _results(tmp_path)
     assert final["task"] == "glue/ax" and final["best_metric"] == "dev_matched/accuracy"
@@ -218,7 +220,7 @@ def test_mnli_evaluates_matched_and_mismatched_and_ax_predicts_diagnostic(files,
 
 
 def test_squad_v2_trains_and_writes_official_predictions(files, tmp_path):
-    c = _small(
+    c = small_config(
         squad_config.get_config(),
         files,
         "squad",
@@ -256,7 +258,7 @@ def _oracle(rows):
 
 @pytest.mark.parametrize("version", ["1.1", "2.0"])
 def test_squad_scoring_of_a_perfect_model_is_100(files, tmp_path, version):
-    c = _small(
+    c = small_config(
         squad_config.get_config(),
         files,
         "squad",
@@ -285,7 +287,7 @@ def test_squad_scoring_of_a_perfect_model_is_100(files, tmp_path, version):
 
 def test_ner_scoring_maps_pieces_back_to_words(files, tmp_path):
     # The oracle answers per unpacked feature row.
-    c = _small(ner_config.get_config(), files, "ner", **{"data.eval_packing": False})
+    c = small_config(ner_config.get_config(), files, "ner", **{"data.eval_packing": False})
     task = get_task(c.task, c, str(tmp_path))
     task.after_prepare()
     gold, word_ids = task.eval_sets[0].meta
@@ -303,7 +305,7 @@ def test_ner_scoring_maps_pieces_back_to_words(files, tmp_path):
 
 
 def test_ner_reports_entity_f1_on_dev_and_test(files, tmp_path):
-    c = _small(ner_config.get_config(), files, "ner")
+    c = small_config(ner_config.get_config(), files, "ner")
     train.train_and_evaluate(c, str(tmp_path))
     final = _results(tmp_path)
     assert final["best_metric"] == "f1"
@@ -312,7 +314,7 @@ def test_ner_reports_entity_f1_on_dev_and_test(files, tmp_path):
 
 
 def test_swag_trains_and_predicts_test(files, tmp_path):
-    c = _small(swag_config.get_config(), files, "swag")
+    c = small_config(swag_config.get_config(), files, "swag")
     train.train_and_evaluate(c, str(tmp_path))
     final = _results(tmp_path)
     assert set(final["dev"]) == {"accuracy"}
@@ -351,7 +353,7 @@ def test_init_checkpoint_replaces_the_encoder(files, tmp_path, scan):
         max_position_embeddings=64,
     )
     _tiny_hf_checkpoint(files, tmp_path / "ckpt", cfg)
-    c = _small(
+    c = small_config(
         glue_config.get_config(),
         files,
         "glue",
@@ -403,7 +405,7 @@ def test_vocabulary_must_match_the_init_checkpoint(files, tmp_path):
     _tiny_hf_checkpoint(files, tmp_path / "ckpt", cfg)
     other = tmp_path / "vocab2.txt"
     other.write_text((files / "vocab.txt").read_text() + "extra\n")
-    c = _small(
+    c = small_config(
         glue_config.get_config(),
         files,
         "glue",
@@ -415,7 +417,7 @@ def test_vocabulary_must_match_the_init_checkpoint(files, tmp_path):
 
 
 def test_resume_continues_exactly(files, tmp_path):
-    c = _small(
+    c = small_config(
         glue_config.get_config(),
         files,
         "glue",
@@ -429,7 +431,7 @@ def test_resume_continues_exactly(files, tmp_path):
     shutil.rmtree(cut / "checkpoints" / "3")
     shutil.rmtree(cut / "best")
     os.remove(cut / "eval_results.json")
-    c2 = _small(
+    c2 = small_config(
         glue_config.get_config(),
         files,
         "glue",
@@ -447,7 +449,7 @@ def test_resume_continues_exactly(files, tmp_path):
 
 
 def test_several_seeds_report_median_and_best_dev_run(files, tmp_path):
-    c = _small(glue_config.get_config(), files, "glue", seeds=(0, 1))
+    c = small_config(glue_config.get_config(), files, "glue", seeds=(0, 1))
     result = finetune.run(c, str(tmp_path))
     summary = _results(tmp_path)
     assert set(summary["seeds"]) == {"0", "1"} and summary["main_metric"] == "accuracy"
@@ -460,7 +462,7 @@ def test_several_seeds_report_median_and_best_dev_run(files, tmp_path):
 
 
 def test_bad_inputs_give_one_line_errors(files, tmp_path):
-    c = _small(glue_config.get_config(), files, "glue", task="glue/nope")
+    c = small_config(glue_config.get_config(), files, "glue", task="glue/nope")
     with pytest.raises(ValueError, match=r"^config key task='glue/nope' is not a known task"):
         get_task(c.task, c, str(tmp_path))
     bad = tmp_path / "bad"
@@ -468,18 +470,20 @@ def test_bad_inputs_give_one_line_errors(files, tmp_path):
     text = (bad / "SST-2" / "train.tsv").read_text().splitlines()
     text[3] = text[3].rsplit("\t", 1)[0] + "\t2"
     (bad / "SST-2" / "train.tsv").write_text("\n".join(text) + "\n")
-    c = _small(glue_config.get_config(), files, "")
+    c = small_config(glue_config.get_config(), files, "")
     c.data_dir = str(bad)
     with pytest.raises(ValueError) as err:
         get_task(c.task, c, str(tmp_path)).after_prepare()
     assert str(err.value) == f"{bad}/SST-2/train.tsv:4: label '2' not in ['0', '1']"
-    c = _small(swag_config.get_config(), files, "")  # TFDS has no SWAG: local files are required
+    c = small_config(
+        swag_config.get_config(), files, ""
+    )  # TFDS has no SWAG: local files are required
     with pytest.raises(ValueError, match="^config key data_dir is empty"):
         get_task(c.task, c, str(tmp_path)).after_prepare()
     bad_ner = tmp_path / "ner"
     shutil.copytree(files / "ner", bad_ner)
     (bad_ner / "valid.txt").write_text("john NN B-NP B-PER\nsmith NN B-NP B-XYZ\n")
-    c = _small(ner_config.get_config(), files, "")
+    c = small_config(ner_config.get_config(), files, "")
     c.data_dir = str(bad_ner)
     with pytest.raises(ValueError, match=r"valid\.txt: sentence 0 word 1: tag 'B-XYZ' not in"):
         get_task(c.task, c, str(tmp_path)).after_prepare()
@@ -528,7 +532,7 @@ MODERNBERT = {
     ],
 )
 def test_every_task_fine_tunes_a_modernbert(files, tmp_path, task, config, data_dir, extra):
-    c = _small(config.get_config(), files, data_dir, task=task, **MODERNBERT, **extra)
+    c = small_config(config.get_config(), files, data_dir, task=task, **MODERNBERT, **extra)
     result = train.train_and_evaluate(c, str(tmp_path))
     final = _results(tmp_path)
     assert result["step"] == 3 and final["dev"]
@@ -561,7 +565,9 @@ def test_modernbert_init_checkpoint_from_transformers_fine_tunes(files, tmp_path
     torch.manual_seed(0)
     transformers.ModernBertForMaskedLM(hf_config).save_pretrained(tmp_path / "ckpt")
     shutil.copy(files / "vocab.txt", tmp_path / "ckpt" / "vocab.txt")
-    c = _small(glue_config.get_config(), files, "glue", init_checkpoint=str(tmp_path / "ckpt"))
+    c = small_config(
+        glue_config.get_config(), files, "glue", init_checkpoint=str(tmp_path / "ckpt")
+    )
     task = get_task(c.task, c, str(tmp_path / "run"))
     task.after_prepare()
     setup = train.build(c, str(tmp_path / "run"), task)

@@ -30,7 +30,7 @@ transformers = pytest.importorskip("transformers")
 # test_finetune's tiny files in the official formats, its run config and its compilation cache.
 files = test_finetune.files
 compilation_cache = test_finetune.compilation_cache
-_small = test_finetune._small
+small_config = test_finetune.small_config
 
 TOL = 1e-4
 NER_LABELS = 9  # CoNLL-2003's tag set (the fixture's tags are a subset of it)
@@ -106,7 +106,7 @@ def _write_hf_model(files, path, arch: str, suffix: str, num_labels: int, seed: 
 
 def _setup(files, tmp_path, kind: str, ckpt):
     task_name, config, data_dir, extra, _ = TASKS[kind]
-    c = _small(
+    c = small_config(
         config.get_config(), files, data_dir, task=task_name, init_checkpoint=str(ckpt), **extra
     )
     task = get_task(c.task, c, str(tmp_path / "run"))
