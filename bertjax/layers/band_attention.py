@@ -23,25 +23,17 @@ def band_applies(seq_len: int, half: int) -> bool:
     return half >= 4 and seq_len % half == 0 and seq_len >= 4 * half
 
 
-def _blocks(x: Array, block: int, fill: float) -> Array:
-    """x [b, seq, ...] -> [b, seq // block, 3 * block, ...]: row n holds blocks n-1, n, n+1
-    (``fill`` beyond the ends)."""
-    n = x.shape[1] // block
+def _blocks(x: Array, block: int, fill: float, axis: int = 1) -> Array:
+    """x [..., seq, ...] (the sequence on ``axis``) -> [..., seq // block, 3 * block, ...]: row n
+    holds blocks n-1, n, n+1 (``fill`` beyond the ends)."""
+    n = x.shape[axis] // block
     pad = [(0, 0)] * x.ndim
-    pad[1] = (block, block)
-    xp = jnp.pad(x, pad, constant_values=fill).reshape(x.shape[0], n + 2, block, *x.shape[2:])
-    parts = [xp[:, j : j + n] for j in range(3)]  # each [b, n, block, ...]
-    return jnp.concatenate(parts, axis=2)
-
-
-def _head_blocks(x: Array, block: int) -> Array:
-    """x [b, seq, heads, dim] -> [b, heads, seq // block, 3 * block, dim] (zeros beyond the ends):
-    the keys or values each query block sees, heads-major."""
-    b, seq, h, d = x.shape
-    n = seq // block
-    xh = jnp.transpose(x, (0, 2, 1, 3))  # [b, h, seq, d]
-    xp = jnp.pad(xh, ((0, 0), (0, 0), (block, block), (0, 0))).reshape(b, h, n + 2, block, d)
-    return jnp.concatenate([xp[:, :, j : j + n] for j in range(3)], axis=3)
+    pad[axis] = (block, block)
+    xp = jnp.pad(x, pad, constant_values=fill)
+    xp = xp.reshape(*x.shape[:axis], n + 2, block, *x.shape[axis + 1 :])
+    index = (slice(None),) * axis
+    parts = [xp[(*index, slice(j, j + n))] for j in range(3)]  # each [..., n, block, ...]
+    return jnp.concatenate(parts, axis=axis + 1)
 
 
 def _band_bias(bias: Array, block: int) -> Array:
@@ -73,7 +65,8 @@ def band_attention(q: Array, k: Array, v: Array, bias: Array, half: int, dropout
     # operands in matmul order, so XLA needs no transposes around them (on CPU the layout copies
     # around the [b, n, ., h, d] form cost about a third of this function; see docs/performance.md).
     qb = jnp.transpose(q * scale, (0, 2, 1, 3)).reshape(b, h, n, block, d)  # [b, h, n, q, d]
-    kb, vb = _head_blocks(k, block), _head_blocks(v, block)  # [b, h, n, 3 * block, d]
+    # the keys and values each query block sees: [b, h, n, 3 * block, d] (zeros beyond the ends)
+    kb, vb = (_blocks(jnp.transpose(x, (0, 2, 1, 3)), block, 0.0, axis=2) for x in (k, v))
     logits = jnp.einsum("bhnqd,bhnkd->bhnqk", qb, kb).astype(jnp.float32)
     offset = np.arange(3 * block)[None, :] - block - np.arange(block)[:, None]  # key - query
     near = jnp.asarray(np.abs(offset) <= half)  # [block, 3 * block]
