@@ -2,14 +2,9 @@
 ones) lowers and compiles for a simulated TPU slice (``bertjax compile --topology``) on a CPU-only
 machine: the Mosaic kernel is lowered for the slice's compile-only devices, never run here."""
 
-import importlib.util
-import json
-import subprocess
-import sys
-
 import pytest
+from test_topology import compile_report, needs_libtpu
 
-REPO = __import__("pathlib").Path(__file__).resolve().parent.parent
 TINY_MODERNBERT = {
     "model.preset": "modernbert-tiny",
     "model.num_layers": 2,  # layer 0 global, layer 1 sliding-window
@@ -25,16 +20,9 @@ TINY_MODERNBERT = {
 }
 
 
-@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="libtpu is not installed")
+@needs_libtpu
 @pytest.mark.slow  # about 40 s on the loaded 2-core box
 def test_modernbert_splash_compiles_for_a_simulated_tpu_slice(tmp_path):
-    out = subprocess.run(
-        [sys.executable, "-m", "bertjax.cli", "compile", "--config=configs/modernbert_base.py",
-         f"--workdir={tmp_path}", "--topology=v5p:2x2x1", "--json",
-         *(f"--config.{k}={v}" for k, v in TINY_MODERNBERT.items())],
-        cwd=REPO, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert out.returncode == 0, out.stderr[-2000:]
-    report = json.loads(out.stdout)
+    report = compile_report(tmp_path, "configs/modernbert_base.py", TINY_MODERNBERT, timeout=600)
     assert report["devices"] == 4 and report["platform"] == "tpu"
     assert report["fits"] is True and report["hbm_bytes_per_device"] > 0

@@ -17,6 +17,19 @@ needs_libtpu = pytest.mark.skipif(
 )
 
 
+def compile_report(workdir, config: str, overrides: dict, timeout: int = 900) -> dict:
+    """`bertjax compile --topology=v5p:2x2x1 --json` of ``config`` with ``overrides`` (a
+    subprocess, as a user runs it): its JSON report; the command must succeed."""
+    out = subprocess.run(
+        [sys.executable, "-m", "bertjax.cli", "compile", f"--config={config}",
+         f"--workdir={workdir}", "--topology=v5p:2x2x1", "--json",
+         *(f"--config.{k}={v}" for k, v in overrides.items())],
+        cwd=REPO, capture_output=True, text=True, timeout=timeout,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout)
+
+
 @pytest.mark.parametrize(
     "name,libtpu_name,chips",
     [
@@ -76,14 +89,7 @@ TINY = {
 @needs_libtpu
 @pytest.mark.slow
 def test_compile_for_a_simulated_slice_reports_consistent_estimates(tmp_path):
-    out = subprocess.run(
-        [sys.executable, "-m", "bertjax.cli", "compile", "--config=configs/bert_base.py",
-         f"--workdir={tmp_path}", "--topology=v5p:2x2x1", "--json",
-         *(f"--config.{k}={v}" for k, v in TINY.items())],
-        cwd=REPO, capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
-    assert out.returncode == 0, out.stderr[-2000:]
-    report = json.loads(out.stdout)
+    report = compile_report(tmp_path, "configs/bert_base.py", TINY)
     assert report["devices"] == 4 and report["device_kind"] == "TPU v5"
     assert report["hbm_capacity_bytes"] == 95 * topology.GIB
     assert report["fits"] is True and 0 < report["hbm_bytes_per_device"] < 2 * topology.GIB
