@@ -4,8 +4,8 @@ HF names follow the original Google names with ``.`` for ``/``, ``weight``/``bia
 ``kernel``/``gamma``/``beta`` and ``[out, in]`` Linear weights. Accepted namings: BertModel
 (no prefix), BertForPreTraining / BertForMaskedLM / BertForNextSentencePrediction /
 BertForSequenceClassification / BertForTokenClassification / BertForQuestionAnswering (``bert.``
-prefix, ``cls.*``, ``classifier.*``, ``qa_outputs.*``), legacy ``LayerNorm.gamma/beta``, the ``embeddings.position_ids`` buffer and a
-tied ``cls.predictions.decoder.weight``.
+prefix, ``cls.*``, ``classifier.*``, ``qa_outputs.*``), legacy ``LayerNorm.gamma/beta``, the
+``embeddings.position_ids`` buffer and a tied ``cls.predictions.decoder.weight``.
 
 ``pytorch_model.bin`` is read by :func:`read_torch_file`: the zip archive's ``data.pkl`` is
 unpickled with an allow-list (OrderedDict, tensor rebuild functions, storage types) and every
