@@ -129,6 +129,7 @@ def test_readme_local_sh_example_runs_with_logs_under_the_workdir(tmp_path):
 SKIPPED = {  # a command is skipped when it is, or starts with, a key (then a space)
     "make test": "the test suite itself (checked with make -n)",
     "make install": "pip install needs the network (checked with make -n)",
+    "make test-beam": "installs Beam (the network); make test runs it after the suite",
     "make bench": "a benchmark of minutes on real sizes; tests/test_bench.py runs it small",
     "make pretrain CONFIG=configs/bert_base.py WORKDIR=gs://my-bucket/runs/base": "gs://",
     "make pretrain CONFIG=configs/bert_base.py": "BERT-base on a Wikipedia corpus: hours",
