@@ -76,3 +76,16 @@ def rmtree(path: str) -> None:
             _gfile().rmtree(path)
     else:
         shutil.rmtree(path, ignore_errors=True)
+
+
+def utf8_error(path: str | os.PathLike, err: UnicodeDecodeError) -> ValueError:
+    """The one-line error for a text file that is not UTF-8: ``path:line: not valid UTF-8``,
+    naming the first bad line (a decoder's ``err`` only knows an offset in its buffer)."""
+    path = os.fspath(path)
+    with open_file(path, "rb") as f:
+        for number, line in enumerate(f, start=1):
+            try:
+                line.decode("utf-8")
+            except UnicodeDecodeError as bad:
+                return ValueError(f"{path}:{number}: not valid UTF-8 ({bad.reason})")
+    return ValueError(f"{path}: not valid UTF-8 ({err.reason})")

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from bertjax import atomic
+from bertjax import atomic, fs
 
 __all__ = [
     "GLUE_TASKS",
@@ -156,11 +156,14 @@ def get_task(name: str) -> GlueTask:
 def _read_tsv_rows(path: pathlib.Path) -> list[tuple[int, list[str]]]:
     """(1-based line number, fields) for every non-empty line; tabs only, no quoting, BOM dropped."""
     rows = []
-    with open(path, encoding="utf-8-sig", newline="\n") as f:
-        for lineno, line in enumerate(f, start=1):
-            line = line.rstrip("\n").rstrip("\r")
-            if line:
-                rows.append((lineno, line.split("\t")))
+    try:
+        with open(path, encoding="utf-8-sig", newline="\n") as f:
+            for lineno, line in enumerate(f, start=1):
+                line = line.rstrip("\n").rstrip("\r")
+                if line:
+                    rows.append((lineno, line.split("\t")))
+    except UnicodeDecodeError as err:
+        raise fs.utf8_error(path, err) from None
     return rows
 
 

@@ -21,6 +21,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from bertjax import fs
+
 IGNORE_INDEX = -1
 CONLL2003_LABELS = ("O", "B-PER", "I-PER", "B-ORG", "I-ORG", "B-LOC", "I-LOC", "B-MISC", "I-MISC")
 _TAG_RE = re.compile(r"^(O|[BIES]-\S+)$")
@@ -47,25 +49,28 @@ def read_conll(path: str | os.PathLike) -> list[TaggedSentence]:
             words.clear()
             tags.clear()
 
-    with open(path, encoding="utf-8-sig", newline="\n") as f:
-        for lineno, line in enumerate(f, start=1):
-            fields = line.split()
-            if not fields:
-                flush()
-                continue
-            if fields[0] == "-DOCSTART-":
-                flush()
-                continue
-            if len(fields) < 2:
-                raise ValueError(
-                    f"{path}:{lineno}: expected a token and a tag, got {line.strip()!r}"
-                )
-            if not _TAG_RE.match(fields[-1]):
-                raise ValueError(
-                    f"{path}:{lineno}: tag {fields[-1]!r} is not O, B-X, I-X, E-X or S-X"
-                )
-            words.append(fields[0])
-            tags.append(fields[-1])
+    try:
+        with open(path, encoding="utf-8-sig", newline="\n") as f:
+            for lineno, line in enumerate(f, start=1):
+                fields = line.split()
+                if not fields:
+                    flush()
+                    continue
+                if fields[0] == "-DOCSTART-":
+                    flush()
+                    continue
+                if len(fields) < 2:
+                    raise ValueError(
+                        f"{path}:{lineno}: expected a token and a tag, got {line.strip()!r}"
+                    )
+                if not _TAG_RE.match(fields[-1]):
+                    raise ValueError(
+                        f"{path}:{lineno}: tag {fields[-1]!r} is not O, B-X, I-X, E-X or S-X"
+                    )
+                words.append(fields[0])
+                tags.append(fields[-1])
+    except UnicodeDecodeError as err:
+        raise fs.utf8_error(path, err) from None
     flush()
     if not sentences:
         raise ValueError(f"{path}: no sentences")

@@ -23,6 +23,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from bertjax import fs
+
 logger = logging.getLogger(__name__)
 
 
@@ -109,9 +111,61 @@ def load_squad_json(path: str | os.PathLike) -> list[dict]:
             data = json.load(f)
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}:{e.lineno}: invalid JSON: {e.msg}") from None
+    except UnicodeDecodeError as e:
+        raise fs.utf8_error(path, e) from None
     if not isinstance(data, dict) or "data" not in data:
         raise ValueError(f"{path}: not a SQuAD file (no top-level 'data' key)")
+    check_squad_data(data["data"], str(path))
     return data["data"]
+
+
+_SQUAD_FIELDS = {  # level -> (key, types, what) of the keys every item of that level needs
+    "article": (("paragraphs", list, "a list"),),
+    "paragraph": (("context", str, "a string"), ("qas", list, "a list")),
+    "question": (
+        ("id", (str, int), "a string"),
+        ("question", str, "a string"),
+        ("answers", list, "a list"),
+    ),
+    "answer": (("text", str, "a string"), ("answer_start", int, "an integer")),
+}
+_SCORED = {"paragraphs", "qas", "id", "answers", "text"}  # what the official scorers read
+
+
+def check_squad_data(data, source: str, scoring: bool = False) -> None:
+    """ValueError naming the place (``data[0].paragraphs[1].qas[2]``, the question id) and the key
+    of the first item of a SQuAD "data" list without a key it needs or with one of the wrong type
+    (JSON has no line numbers once parsed; the path finds it in any editor or ``jq``).
+    ``scoring``: only the keys the official scorers read (a dataset file without contexts)."""
+
+    def check(item, level: str, where: str) -> None:
+        if not isinstance(item, dict):
+            raise ValueError(f"{source}: {where} is a {type(item).__name__}, not a {level} object")
+        for key, kind, what in _SQUAD_FIELDS[level]:
+            if scoring and key not in _SCORED:
+                continue
+            if key not in item:
+                raise ValueError(f"{source}: {where} has no {key!r}")
+            value = item[key]
+            if not isinstance(value, kind) or isinstance(value, bool):
+                shown = json.dumps(value)
+                shown = shown if len(shown) <= 40 else shown[:37] + "..."
+                raise ValueError(f"{source}: {where}: {key!r} is {shown}, not {what}")
+
+    if not isinstance(data, list):
+        raise ValueError(f"{source}: 'data' is a {type(data).__name__}, not a list of articles")
+    for a, article in enumerate(data):
+        check(article, "article", f"data[{a}]")
+        for p, paragraph in enumerate(article["paragraphs"]):
+            check(paragraph, "paragraph", f"data[{a}].paragraphs[{p}]")
+            for q, qa in enumerate(paragraph["qas"]):
+                place = f"data[{a}].paragraphs[{p}].qas[{q}]"
+                named = isinstance(qa, dict) and "id" in qa
+                check(qa, "question", f"question {qa['id']} ({place})" if named else place)
+                for field in ("answers", "plausible_answers"):
+                    for i, answer in enumerate(qa.get(field) or ()):
+                        where = f"question {qa['id']} ({place}.{field}[{i}])"
+                        check(answer, "answer", where)
 
 
 def read_squad_examples(

@@ -17,6 +17,7 @@ from typing import NoReturn
 
 import numpy as np
 
+from bertjax import fs
 from bertjax.tasks.glue_data import truncate_seq_pair
 
 NUM_SWAG_CHOICES = 4
@@ -37,40 +38,45 @@ class ChoiceExample:
 def read_swag(path: str | os.PathLike) -> list[ChoiceExample]:
     """Read a SWAG CSV file; raises ValueError naming the file and line for a malformed row or label."""
     path = pathlib.Path(path)
-    with open(path, encoding="utf-8-sig", newline="") as f:
-        reader = csv.reader(f)
-        header = next(reader, None)
-        if header is None:
-            raise ValueError(f"{path}: empty file, expected a header line")
-        missing = [c for c in _REQUIRED if c not in header]
-        if missing:
-            raise ValueError(f"{path}:1: header lacks columns {missing}")
-        col = {name: header.index(name) for name in header if name}
-        label_col = col.get("label")
-        examples = []
-        for row in reader:
-            lineno = reader.line_num
-            if not row:
-                continue
-            if len(row) != len(header):
-                raise ValueError(f"{path}:{lineno}: expected {len(header)} columns, got {len(row)}")
-            label = None
-            if label_col is not None:
-                raw = row[label_col]
-                if raw not in {str(i) for i in range(NUM_SWAG_CHOICES)}:
+    try:
+        with open(path, encoding="utf-8-sig", newline="") as f:
+            reader = csv.reader(f)
+            header = next(reader, None)
+            if header is None:
+                raise ValueError(f"{path}: empty file, expected a header line")
+            missing = [c for c in _REQUIRED if c not in header]
+            if missing:
+                raise ValueError(f"{path}:1: header lacks columns {missing}")
+            col = {name: header.index(name) for name in header if name}
+            label_col = col.get("label")
+            examples = []
+            for row in reader:
+                lineno = reader.line_num
+                if not row:
+                    continue
+                if len(row) != len(header):
                     raise ValueError(
-                        f"{path}:{lineno}: label {raw!r} not in 0..{NUM_SWAG_CHOICES - 1}"
+                        f"{path}:{lineno}: expected {len(header)} columns, got {len(row)}"
                     )
-                label = int(raw)
-            examples.append(
-                ChoiceExample(
-                    guid=f"{row[col['video-id']]}-{row[col['fold-ind']]}",
-                    context=row[col["sent1"]],
-                    start_ending=row[col["sent2"]],
-                    endings=tuple(row[col[f"ending{i}"]] for i in range(NUM_SWAG_CHOICES)),
-                    label=label,
+                label = None
+                if label_col is not None:
+                    raw = row[label_col]
+                    if raw not in {str(i) for i in range(NUM_SWAG_CHOICES)}:
+                        raise ValueError(
+                            f"{path}:{lineno}: label {raw!r} not in 0..{NUM_SWAG_CHOICES - 1}"
+                        )
+                    label = int(raw)
+                examples.append(
+                    ChoiceExample(
+                        guid=f"{row[col['video-id']]}-{row[col['fold-ind']]}",
+                        context=row[col["sent1"]],
+                        start_ending=row[col["sent2"]],
+                        endings=tuple(row[col[f"ending{i}"]] for i in range(NUM_SWAG_CHOICES)),
+                        label=label,
+                    )
                 )
-            )
+    except UnicodeDecodeError as err:
+        raise fs.utf8_error(path, err) from None
     if not examples:
         raise ValueError(f"{path}: no examples")
     return examples

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bertjax import atomic
+from bertjax import atomic, fs
 from bertjax.pretrained import Pretrained, encode_batch, load_pretrained
 
 log = logging.getLogger("bertjax")
@@ -36,8 +36,11 @@ _PAIR = re.compile(r"^(.*) \|\|\| (.*)$")
 
 def read_examples(path: str) -> list[str | tuple[str, str]]:
     """One example per line: a sentence, or ``(A, B)`` for a line ``A ||| B``."""
-    with open(path, encoding="utf-8") as f:
-        lines = f.read().splitlines()
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except UnicodeDecodeError as err:
+        raise fs.utf8_error(path, err) from None
     examples: list[str | tuple[str, str]] = []
     for line in lines:
         match = _PAIR.match(line.strip())

@@ -18,7 +18,8 @@ import pathlib
 import sys
 from collections.abc import Sequence
 
-from bertjax.tasks import glue_data, metrics
+from bertjax import fs
+from bertjax.tasks import glue_data, metrics, squad_data
 
 
 def _load_json(path: str, what: str):
@@ -27,6 +28,8 @@ def _load_json(path: str, what: str):
             return json.load(f)
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}:{e.lineno}: invalid JSON in the {what} file: {e.msg}") from None
+    except UnicodeDecodeError as e:
+        raise fs.utf8_error(path, e) from None
 
 
 def evaluate_squad_files(
@@ -40,6 +43,7 @@ def evaluate_squad_files(
     if not isinstance(full, dict) or "data" not in full:
         raise ValueError(f"{dataset_path}: not a SQuAD file (no top-level 'data' key)")
     dataset = full["data"]
+    squad_data.check_squad_data(dataset, dataset_path, scoring=True)
     predictions = _load_json(predictions_path, "predictions")
     if not isinstance(predictions, dict):
         raise ValueError(f"{predictions_path}: predictions must be a JSON object of id -> answer")
