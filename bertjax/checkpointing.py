@@ -331,7 +331,8 @@ def _why_unrestorable(step_dir: str, err: BaseException) -> str:
     # The innermost error naming the step (TensorStore's: the file and what is wrong with it); the
     # outer ones dump a whole TensorStore spec.
     chosen = next((e for e in reversed(chain) if step_dir in str(e)), err)
-    text = str(chosen).split("See full TensorStore details")[0].strip()
+    text = str(chosen.args[0] if isinstance(chosen, KeyError) and chosen.args else chosen)
+    text = text.split("See full TensorStore details")[0].strip()
     line = text.splitlines()[0] if text else ""
     return f"{type(chosen).__name__}: {line}"[:500]
 
@@ -408,29 +409,38 @@ def restore_params(directory: str, abstract_params: Any | None = None, step: int
         step = ckpt.latest_step() if step is None else step
         if step is None:
             raise FileNotFoundError(f"no complete bertjax checkpoint in {directory}")
-        metadata = ckpt.manager.item_metadata(step)
-        state_meta = metadata["state"]
-        if abstract_params is None:
-            target = jax.tree.map(
-                lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=_single_device()),
-                state_meta,
-            )
-        else:
-            target = dict(state_meta)
-            target = jax.tree.map(
-                lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=_single_device()), target
-            )
-            target["params"] = abstract_params
-        restored = ckpt.manager.restore(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(target),
-                config=ocp.args.JsonRestore(),
-            ),
-        )
+        try:
+            restored = _restore_state_and_config(ckpt, step, abstract_params)
+        except Exception as err:  # noqa: BLE001  (Orbax/TensorStore raise many types)
+            step_dir = str(ckpt.directory / str(step))
+            _UNRESTORABLE_DIRS.add(step_dir)
+            _quiet_consequences()
+            gc.collect()  # the bad step's abandoned reads end now, under the filters
+            raise CheckpointRestoreError(
+                f"checkpoint step {step} in {directory} does not restore "
+                f"({_why_unrestorable(step_dir, err)})"
+            ) from err
         return restored["state"]["params"], dict(restored["config"] or {}), step
     finally:
         ckpt.close()
+
+
+def _restore_state_and_config(ckpt: Checkpointer, step: int, abstract_params: Any | None):
+    """``restore_params``' read: the state (its params onto ``abstract_params`` when given) and
+    the config of one step, on this process's first device."""
+    state_meta = ckpt.manager.item_metadata(step)["state"]
+    target = jax.tree.map(
+        lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=_single_device()),
+        dict(state_meta) if abstract_params is not None else state_meta,
+    )
+    if abstract_params is not None:
+        target["params"] = abstract_params
+    return ckpt.manager.restore(
+        step,
+        args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(target), config=ocp.args.JsonRestore()
+        ),
+    )
 
 
 def _single_device():

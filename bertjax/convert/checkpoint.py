@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import os
 import shutil
 import uuid
@@ -153,6 +154,19 @@ def with_param_dtype(config: Any, tensors: dict[str, np.ndarray]) -> Any:
     if len(kinds) == 1 and next(iter(kinds)) in ("float32", "bfloat16", "float16"):
         return config.replace(param_dtype=next(iter(kinds)))
     return config
+
+
+def read_json_object(path: str, what: str) -> dict:
+    """A JSON object file (a model config, a weights index, a tokenizer config); a ValueError
+    naming ``path`` when it cannot be read, is not JSON or holds no object."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = json.load(f)
+    except (OSError, ValueError) as e:  # ValueError: invalid JSON or not UTF-8
+        raise ValueError(f"{path}: cannot read the {what} ({e})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path}: the {what} is a JSON {type(value).__name__}, not an object")
+    return value
 
 
 def find_vocab(*directories: str) -> str | None:

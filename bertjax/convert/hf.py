@@ -37,6 +37,7 @@ from bertjax.convert.checkpoint import (
     Entry,
     find_vocab,
     match_tensors,
+    read_json_object,
     with_param_dtype,
 )
 from bertjax.convert.modernbert_hf import (
@@ -308,8 +309,10 @@ def read_hf_weights(directory: str) -> tuple[dict[str, np.ndarray], str]:
         if os.path.isfile(single):
             return reader(single), single
         if os.path.isfile(index):
-            with open(index) as f:
-                shards = sorted(set(json.load(f)["weight_map"].values()))
+            weight_map = read_json_object(index, "weights index").get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise ValueError(f"{index}: no 'weight_map' object (tensor name -> shard file)")
+            shards = sorted(set(weight_map.values()))
             state: dict[str, np.ndarray] = {}
             for shard in shards:
                 state.update(reader(os.path.join(directory, shard)))
@@ -323,8 +326,7 @@ def read_hf_weights(directory: str) -> tuple[dict[str, np.ndarray], str]:
 def _do_lower_case(directory: str) -> bool | None:
     path = os.path.join(directory, "tokenizer_config.json")
     if os.path.isfile(path):
-        with open(path) as f:
-            value = json.load(f).get("do_lower_case")
+        value = read_json_object(path, "tokenizer config").get("do_lower_case")
         return None if value is None else bool(value)
     return None
 
@@ -332,11 +334,7 @@ def _do_lower_case(directory: str) -> bool | None:
 def load_hf(directory: str) -> Checkpoint:
     """Reads a HF BERT model directory (config.json + weights + optional vocab.txt)."""
     config_path = os.path.join(directory, "config.json")
-    try:
-        with open(config_path) as f:
-            values = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"{config_path}: cannot read the model config ({e})") from None
+    values = read_json_object(config_path, "model config")
     state, weights = read_hf_weights(directory)
     if values.get("model_type") == "modernbert":
         config = config_from_hf(values)

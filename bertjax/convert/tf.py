@@ -24,6 +24,7 @@ from bertjax.convert.checkpoint import (
     Checkpoint,
     find_vocab,
     match_tensors,
+    read_json_object,
     with_param_dtype,
 )
 from bertjax.models.bert import BertConfig
@@ -174,11 +175,7 @@ def load_tf(path: str) -> Checkpoint:
     prefix = find_checkpoint_prefix(path)
     directory = path if os.path.isdir(path) else os.path.dirname(path)
     config_path = os.path.join(directory, CONFIG_NAME)
-    try:
-        with open(config_path) as f:
-            values = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"{config_path}: cannot read the model config ({e})") from None
+    values = read_json_object(config_path, "model config")
     config = config_from_original(values, config_path)
     tensors = tf_to_tensors(read_tf_checkpoint(prefix), config, prefix)
     config = with_param_dtype(config, tensors)
