@@ -63,18 +63,40 @@ def setup_logging() -> None:
     logger.propagate = False
 
 
+def _config_file(argv: list[str]) -> str | None:
+    """The file of ``--config=FILE[:ARG]`` (None without the flag)."""
+    for i, arg in enumerate(argv):
+        if arg.startswith("--config="):
+            return arg.split("=", 1)[1].split(":")[0]
+        if arg == "--config" and i + 1 < len(argv):
+            return argv[i + 1].split(":")[0]
+    return None
+
+
 def _add_config_root_to_path(argv: list[str]) -> None:
     """Config files import their base as ``configs.base``: put the folder above configs/ on sys.path."""
-    for i, arg in enumerate(argv):
-        path = None
-        if arg.startswith("--config="):
-            path = arg.split("=", 1)[1]
-        elif arg == "--config" and i + 1 < len(argv):
-            path = argv[i + 1]
-        if path:
-            root = os.path.dirname(os.path.dirname(os.path.abspath(path.split(":")[0])))
-            if root not in sys.path:
-                sys.path.insert(0, root)
+    path = _config_file(argv)
+    if path:
+        root = os.path.dirname(os.path.dirname(os.path.abspath(path)))
+        if root not in sys.path:
+            sys.path.insert(0, root)
+
+
+def _config_file_error(err: BaseException, path: str | None) -> str | None:
+    """One line for a config file that does not load (None for other errors): a syntax error at
+    its line, no ``get_config``, or the error ``get_config`` raised at the file's line
+    (ml_collections hands that on as a whole traceback in the text)."""
+    if isinstance(err, SyntaxError):
+        return f"{err.filename}:{err.lineno}: invalid config file: {err.msg}"
+    text = str(err)
+    if isinstance(err, AttributeError) and "'get_config'" in text:
+        return f"{path}: the config file defines no get_config()"
+    if "Error whilst parsing config file" not in text or not path:
+        return None
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    where = f'File "{os.path.abspath(path)}", line '
+    at = [line[len(where) :].split(",")[0] for line in lines if line.startswith(where)]
+    return f"{path}{':' + at[-1] if at else ''}: get_config() failed: {lines[-1]}"
 
 
 def _one_line(err: BaseException) -> str:
@@ -166,16 +188,20 @@ def train_command(argv: list[str], command: str) -> None:
     if command in ("compile", "plan"):
         _define_aot_flags(flags)
     verbose = "--verbose" in argv or "--verbose=true" in argv
+    config_file = _config_file(argv)
+    if config_file and not os.path.isfile(config_file):
+        _fail(FileNotFoundError(f"--config={config_file}: no such config file"), verbose)
 
     def parse(args: list[str]) -> list[str]:
         try:
             return flags.FLAGS(args)
-        except flags.Error as err:
-            _fail(err, verbose)
-        except (AttributeError, KeyError, TypeError, ValueError) as err:  # a --config. override
+        except (flags.Error, SyntaxError, AttributeError, KeyError, TypeError, ValueError) as err:
             if verbose:
                 raise
-            sys.exit(f"bertjax: error: {_config_override_error(err, args)}")
+            message = _config_file_error(err, config_file)
+            if message is None and isinstance(err, flags.Error):
+                message = _one_line(err)
+            sys.exit(f"bertjax: error: {message or _config_override_error(err, args)}")
 
     distributed.define_flags()
     flags.mark_flags_as_required(["config", "workdir"])
@@ -196,9 +222,9 @@ def train_command(argv: list[str], command: str) -> None:
         from bertjax.workdir_lock import WorkdirLockedError
 
         config, workdir = config_flag.value, flags.FLAGS.workdir
-        if command == "finetune" and config.task == "pretrain":
-            raise app.UsageError("finetune needs --config.task=<a fine-tuning task>")
         try:
+            if command == "finetune" and config.task == "pretrain":
+                raise app.UsageError("finetune needs --config.task=<a fine-tuning task>")
             if command in ("compile", "plan") or flags.FLAGS.dry_run:
                 _aot_command(command, config, workdir, flags.FLAGS)
                 return

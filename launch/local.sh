@@ -63,6 +63,8 @@ while [[ $# -gt 0 ]]; do
   esac
 done
 [[ $devices =~ ^[1-9][0-9]*$ ]] || die "--devices_per_process must be a positive integer, got '$devices'"
+[[ $# -ge 1 || -n ${BERTJAX_CMD:-} ]] ||
+  die "no bertjax command after '--' (e.g. -- pretrain --config=... --workdir=...)"
 
 python="$repo_root/.venv/bin/python"
 [[ -x $python ]] || python="$(command -v python3 || true)"
