@@ -80,6 +80,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--remat", default="none", choices=("none", "dots", "full"))
     p.add_argument("--dropout_impl", default="auto", choices=("auto", "bits16", "flax"))
     p.add_argument("--scan_layers", action="store_true")
+    p.add_argument(
+        "--grad_accum_steps", type=int, default=1,
+        help="micro-batches per step (the same global batch; fewer activations live at once)",
+    )  # fmt: skip
     p.add_argument("--dropout", type=float, default=0.1, help="hidden (and attention) dropout")
     p.add_argument("--attention_dropout", type=float, default=None, help="default: --dropout")
     p.add_argument("--devices", type=int, default=0, help="use the first N devices (0: all)")
@@ -132,7 +136,12 @@ def bench_config(args: argparse.Namespace):
     optimizer.update(b1=0.9, b2=0.999, eps=1e-6, weight_decay=0.01, end_lr_factor=0.0)
     mesh = dict(data=-1, fsdp=1, tensor=1, num_devices=args.devices)
     mesh["rules"] = [list(rule) for rule in RULES]
-    train = dict(steps=1_000_000, seed=0, global_batch_size=args.batch, grad_accum_steps=1)
+    train = dict(
+        steps=1_000_000,
+        seed=0,
+        global_batch_size=args.batch,
+        grad_accum_steps=args.grad_accum_steps,
+    )
     c = dict(task="pretrain", model=model, data=dict(data, prepared_dir=""), train=train)
     return ml_collections.ConfigDict(dict(c, optimizer=optimizer, mesh=mesh))
 
@@ -233,7 +242,7 @@ def measure_step(args: argparse.Namespace) -> dict[str, Any]:
         state = setup.init_state(jax.random.key_data(jax.random.key(0)))
         batch = synthetic_batch(task, phase, args.vocab_size)
         batch = sharding.global_batch(batch, setup.mesh, setup.rules)
-        step = train.jit_train_step(setup, accum_steps=1)
+        step = train.jit_train_step(setup, accum_steps=args.grad_accum_steps)
         t0 = time.perf_counter()
         compiled = step.lower(state, batch).compile()
         compile_s = time.perf_counter() - t0
@@ -355,7 +364,15 @@ def to_markdown(r: dict) -> str:
             f"attention {c['attention_impl']}, remat {c['remat']}, scan {c['scan_layers']}, "
             f"dropout {c['dropout']} ({c.get('dropout_impl', 'flax')})",
         ),
-        ("shape", f"batch {c['batch']} x seq {c['seq']}, {c['masked']} MLM predictions/seq"),
+        (
+            "shape",
+            f"batch {c['batch']} x seq {c['seq']}, {c['masked']} MLM predictions/seq"
+            + (
+                f", {c['grad_accum_steps']} micro-batches"
+                if c.get("grad_accum_steps", 1) > 1
+                else ""
+            ),
+        ),
         ("devices", f"{r['num_devices']} x {r['device_kind']} ({r['platform']})"),
         ("compile time (s)", _num(r["compile_s"])),
         ("step time, median (s)", _num(r["step_time_s"])),
@@ -453,7 +470,7 @@ def write_outputs(result: dict, output_dir: str) -> None:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Every measurement the flags ask for, as one JSON-able dict."""
     keys = "preset batch seq masked steps warmup dtype attention_impl remat scan_layers dropout"
-    keys += " attention_dropout dropout_impl"
+    keys += " attention_dropout dropout_impl grad_accum_steps"
     result: dict[str, Any] = {"config": {k: getattr(args, k) for k in keys.split()}}
     result["host"] = {"cpu_count": os.cpu_count(), "loadavg_before": os.getloadavg()}
     if args.finetune:
