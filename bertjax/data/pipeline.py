@@ -26,9 +26,10 @@ import numpy as np
 import tensorflow as tf
 from absl import logging
 
-from bertjax.data import masking
+from bertjax.data import masking, shard_faults
 from bertjax.data.array_data import ArrayData, check_state  # noqa: F401  (ArrayData re-exported)
 from bertjax.data.metadata import METADATA_FILE, read_metadata  # noqa: F401  (re-exported)
+from bertjax.data.shard_faults import ShardCorruptedError  # noqa: F401  (re-exported)
 
 _SHARD_RE = re.compile(r"^(?P<split>[\w.-]+)-(?P<index>\d{5})-of-(?P<count>\d{5})\.tfrecord$")
 # Tags keep the stateless streams of different purposes apart.
@@ -289,6 +290,7 @@ def pretraining_dataset(
         )
     meta = read_metadata(data_dir)
     files, by_record, epoch_examples = _host_input(data_dir, split, process_index, process_count)
+    counts = shard_example_counts(meta, files)
     order_index = -1 if by_record else process_index  # split records: one file order for all
     if epoch_examples == 0:
         raise ValueError(f"{data_dir}: host {process_index} has 0 {split} examples in {files}")
@@ -304,6 +306,13 @@ def pretraining_dataset(
     cycle_length = min(len(files), _MAX_CYCLE_LENGTH)
     block = int(shuffle_buffer)
 
+    all_files, all_counts = tf.constant(files), tf.constant(counts, tf.int64)
+
+    def read_shard(name: tf.Tensor) -> tf.data.Dataset:
+        """A shard's records; an error once it holds more or fewer than metadata.json says."""
+        count = tf.gather(all_counts, tf.argmax(tf.cast(tf.equal(all_files, name), tf.int32)))
+        return tf.data.TFRecordDataset(name).apply(tf.data.experimental.assert_cardinality(count))
+
     def epoch_records(epoch: tf.Tensor) -> tf.data.Dataset:
         """(epoch, index in epoch, serialized record), starting at the resume offset."""
         skip = tf.where(
@@ -315,7 +324,7 @@ def pretraining_dataset(
                 names, seed=_stateless_seed(seed, _TAG_FILE_ORDER, epoch, order_index)
             )
         records = tf.data.Dataset.from_tensor_slices(names).interleave(
-            tf.data.TFRecordDataset,
+            read_shard,
             cycle_length=cycle_length,
             block_length=1,
             num_parallel_calls=tf.data.AUTOTUNE,
@@ -365,48 +374,6 @@ def pretraining_dataset(
     options = tf.data.Options()
     options.deterministic = True
     return ds.with_options(options).prefetch(tf.data.AUTOTUNE)
-
-
-class ShardCorruptedError(ValueError):
-    """A TFRecord shard is truncated or corrupted (the message names the file)."""
-
-
-def _name_bad_shard(files: Sequence[str], err: tf.errors.DataLossError) -> str:
-    """One line naming the shard behind a DataLossError (the interleaved stream loses the name):
-    each file is read through until one fails."""
-    reason = " ".join(str(err.message).split())
-    for path in files:
-        try:
-            for _ in tf.data.TFRecordDataset(path):
-                pass
-        except tf.errors.DataLossError as bad:
-            reason = " ".join(str(bad.message).split())
-            return f"{path}: corrupted or truncated TFRecord shard ({reason}); prepare it again"
-    return f"one of {len(files)} shard(s) is corrupted or truncated ({reason}): {files}"
-
-
-def _name_bad_record(files: Sequence[str], meta: Mapping[str, Any]) -> str | None:
-    """One line naming the shard and record that does not parse as a prepared example (a feature
-    missing or of the wrong length); None when every record parses."""
-    spec = _feature_spec(meta, with_masks=meta["masking"] == "static")
-    for path in files:
-        for first, records in enumerate(tf.data.TFRecordDataset(path).batch(256)):
-            try:
-                tf.io.parse_example(records, spec)
-                continue
-            except tf.errors.InvalidArgumentError:
-                pass
-            for i, record in enumerate(records):
-                try:
-                    tf.io.parse_single_example(record, spec)
-                except tf.errors.InvalidArgumentError as bad:
-                    reason = re.sub(r"\{\{.*?\}\}|\[Op:\w+\]", "", str(bad.message))
-                    reason = " ".join(reason.split())
-                    return (
-                        f"{path}: record {first * 256 + i} is not a prepared example of this data "
-                        f"set ({reason}); prepare it again"
-                    )
-    return None
 
 
 def _to_numpy(batch: Mapping[str, tf.Tensor]) -> dict[str, np.ndarray]:
@@ -463,9 +430,18 @@ class PretrainingData:
         try:
             batch = next(self._iterator)
         except tf.errors.DataLossError as err:
-            raise ShardCorruptedError(_name_bad_shard(self._files, err)) from err
+            raise ShardCorruptedError(shard_faults.name_bad_shard(self._files, err)) from err
+        except tf.errors.FailedPreconditionError as err:  # a shard's count is not metadata's
+            meta = read_metadata(self._args["data_dir"])
+            counts = shard_example_counts(meta, self._files)
+            bad = shard_faults.name_miscounted_shard(self._files, counts)
+            if bad is None:
+                raise
+            raise ShardCorruptedError(bad) from err
         except tf.errors.InvalidArgumentError as err:  # a valid record that is no valid example
-            bad = _name_bad_record(self._files, read_metadata(self._args["data_dir"]))
+            meta = read_metadata(self._args["data_dir"])
+            spec = _feature_spec(meta, with_masks=meta["masking"] == "static")
+            bad = shard_faults.name_bad_record(self._files, spec)
             if bad is None:
                 raise
             raise ShardCorruptedError(bad) from err
