@@ -43,7 +43,7 @@ class Checkpointer:
             cleanup_tmp_directories=True,
         )
         self.manager = ocp.CheckpointManager(
-            self.directory, options=options, item_names=("state", "data", "config")
+            self.directory, options=options, handler_registry=_handler_registry()
         )
         self._failed = False
         self._saving: int | None = None  # the step of the last save started
@@ -441,6 +441,23 @@ def _restore_state_and_config(ckpt: Checkpointer, step: int, abstract_params: An
             state=ocp.args.StandardRestore(target), config=ocp.args.JsonRestore()
         ),
     )
+
+
+def _handler_registry() -> ocp.handlers.DefaultCheckpointHandlerRegistry:
+    """Each item's handler, known before any save or restore: a manager told only the item names
+    learns a handler from the first save or restore naming the item, and until then (reading the
+    newest step's item metadata, or restoring only some items) Orbax warns that each item "was
+    found in the checkpoint, but could not be restored"."""
+    registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
+    for name, save, restore, handler in (
+        ("state", ocp.args.StandardSave, ocp.args.StandardRestore, ocp.StandardCheckpointHandler),
+        ("data", ocp.args.JsonSave, ocp.args.JsonRestore, ocp.JsonCheckpointHandler),
+        ("config", ocp.args.JsonSave, ocp.args.JsonRestore, ocp.JsonCheckpointHandler),
+    ):
+        handler = handler()  # one instance saves and restores the item
+        registry.add(name, save, handler)
+        registry.add(name, restore, handler)
+    return registry
 
 
 def _single_device():

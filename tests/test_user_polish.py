@@ -160,3 +160,25 @@ def test_a_live_runs_temp_folder_is_left_alone(tmp_path):
     mine = lifetime.make_tmp_dir(".prepare-tmp-", str(tmp_path))  # this (live) process's
     assert lifetime.remove_stale_tmp_dirs(str(tmp_path), ".prepare-tmp-") == []
     assert os.path.isdir(mine)
+
+
+def test_convert_of_a_bertjax_checkpoint_prints_no_orbax_warning(tmp_path):
+    """Orbax knows each item's handler up front: no 'Item "config" was found in the checkpoint,
+    but could not be restored' warnings on a successful convert."""
+    transformers = pytest.importorskip("transformers")
+    from bertjax.convert import main as convert_main
+
+    (tmp_path / "hf").mkdir()
+    vocab = write_vocab(tmp_path / "hf" / "vocab.txt")
+    config = transformers.BertConfig(
+        vocab_size=len(vocab.read_text().split()), hidden_size=16, num_hidden_layers=1,
+        num_attention_heads=2, intermediate_size=32, max_position_embeddings=32,
+    )  # fmt: skip
+    transformers.BertForPreTraining(config).save_pretrained(tmp_path / "hf")
+    convert_main(["--from=hf", str(tmp_path / "hf"), "--to=bertjax", str(tmp_path / "bj")])
+    cmd = [str(ROOT / ".venv" / "bin" / "bertjax"), "convert", "--from=bertjax"]
+    cmd += [str(tmp_path / "bj"), "--to=hf", str(tmp_path / "out")]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert (tmp_path / "out" / "model.safetensors").is_file()
+    assert "CheckpointHandlerRegistry" not in out.stderr and "absl" not in out.stderr, out.stderr
