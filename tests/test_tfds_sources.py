@@ -11,6 +11,7 @@ import pytest
 from bertjax.tasks import ner_data as td
 from bertjax.tasks import squad_data as sd
 from bertjax.tasks import swag_data as cd
+from bertjax.tasks import tfds_offline
 from bertjax.tasks.metrics import evaluate_squad_v1, evaluate_squad_v2
 
 tfds = pytest.importorskip("tensorflow_datasets")
@@ -171,3 +172,23 @@ def test_swag_has_no_tfds_source():
     assert "swag" not in tfds.list_builders(with_community_datasets=False)
     with pytest.raises(ValueError, match="^config key data_dir is empty and TFDS has no SWAG"):
         cd.load_swag_tfds("train")
+
+
+@pytest.mark.parametrize("task", ["glue", "squad", "conll2003"])
+def test_tfds_without_data_or_network_is_one_line_naming_local_files(tmp_path, monkeypatch, task):
+    """No prepared TFDS data and no network: one line at once, not minutes of download retries."""
+    from bertjax.tasks import glue_data
+
+    hosts = []
+    monkeypatch.setattr(tfds_offline, "network_reachable", lambda host: hosts.append(host) or False)
+    load, files = {
+        "glue": (lambda: glue_data.load_glue_tfds("sst2", "train", tmp_path), "SST-2/train.tsv"),
+        "squad": (lambda: sd.load_squad_tfds("1.1", "train", True, tmp_path), "train-v1.1.json"),
+        "conll2003": (lambda: td.load_conll2003_tfds("train", tmp_path), "train.txt"),
+    }[task]
+    with pytest.raises(ValueError) as err:
+        load()
+    message = str(err.value)
+    assert "\n" not in message and message.startswith(f"tfds:{task}")
+    assert "unreachable" in message and "--config.data_dir=" in message and files in message
+    assert len(hosts) == 1

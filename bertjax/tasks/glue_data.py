@@ -259,9 +259,14 @@ def load_glue_tfds(
     """
     import tensorflow_datasets as tfds
 
+    from bertjax.tasks import tfds_offline
+
     spec = get_task(task)
     builder = tfds.builder(
         f"glue/{spec.tfds_name}", data_dir=None if data_dir is None else str(data_dir)
+    )
+    tfds_offline.require_prepared_or_online(
+        builder, ", ".join(f"{spec.dir_name}/{name}" for name in spec.splits.values())
     )
     text_keys = list(builder.builder_config.text_features)
     label_feature = builder.info.features["label"]

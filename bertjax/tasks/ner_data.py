@@ -100,9 +100,14 @@ def load_conll2003_tfds(
     """
     import tensorflow_datasets as tfds
 
+    from bertjax.tasks import tfds_offline
+
     if split not in ("train", "dev", "test"):
         raise ValueError(f"CoNLL-2003 split {split!r} is not one of ['train', 'dev', 'test']")
     builder = tfds.builder("conll2003", data_dir=None if data_dir is None else str(data_dir))
+    tfds_offline.require_prepared_or_online(
+        builder, "train.txt, valid.txt and test.txt (CoNLL-2003 columns; or eng.train, ...)"
+    )
     ner = builder.info.features["ner"].feature
     ds = tfds.load(
         "conll2003",

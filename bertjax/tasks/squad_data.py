@@ -289,11 +289,17 @@ def load_squad_tfds(
     """
     import tensorflow_datasets as tfds
 
+    from bertjax.tasks import tfds_offline
+
     if version not in ("1.1", "2.0"):
         raise ValueError(f"SQuAD version {version!r} is not 1.1 or 2.0")
     if split not in _TFDS_SPLITS:
         raise ValueError(f"SQuAD split {split!r} is not one of {list(_TFDS_SPLITS)}")
     name = f"squad/v{version}"
+    builder = tfds.builder(name, data_dir=None if data_dir is None else str(data_dir))
+    tfds_offline.require_prepared_or_online(
+        builder, f"train-v{version}.json and dev-v{version}.json"
+    )
     ds = tfds.load(
         name,
         split=_TFDS_SPLITS[split],
