@@ -39,13 +39,16 @@ TASK_HEADS = ("classifier", "token_head", "qa")  # a fine-tuning model's heads o
 
 class PretrainedEncoder(nn.Module):
     """An encoder of any architecture plus whichever heads a checkpoint holds: ``predictions`` (MLM,
-    tied decoder), ``seq_relationship`` (NSP) and ``classifier`` (sequence classification)."""
+    tied decoder), ``seq_relationship`` (NSP) and ``classifier`` (sequence classification).
+    ``pool_first_token``: the pooler reads the first unpadded token (a ModernBERT multiple-choice
+    scorer, as transformers' ``attention_mask.argmax(-1)``), not position 0."""
 
     config: Any
     pooler: bool = True
     mlm: bool = False
     nsp: bool = False
     num_labels: int = 0
+    pool_first_token: bool = False
 
     @nn.compact
     def __call__(
@@ -59,21 +62,28 @@ class PretrainedEncoder(nn.Module):
     ) -> dict[str, Any]:
         cfg = self.config
         enc = encoder(cfg, add_pooler=self.pooler)
+        first = None
+        if self.pool_first_token and attention_mask is not None:
+            first = jnp.argmax(attention_mask, axis=-1).astype(jnp.int32)[:, None]  # [batch, 1]
         out = enc(
             input_ids,
             token_type_ids,
             attention_mask,
             deterministic=deterministic,
             output_hidden_states=output_hidden_states,
+            pool_positions=first,
         )
-        result = {"sequence_output": out.sequence_output, "pooled_output": out.pooled_output}
+        pooled_output = out.pooled_output
+        if first is not None and pooled_output is not None:
+            pooled_output = pooled_output[:, 0]  # [batch, hidden]
+        result = {"sequence_output": out.sequence_output, "pooled_output": pooled_output}
         if output_hidden_states:
             result["hidden_states"] = out.hidden_states  # L + 1 of [batch, seq, hidden]
         if self.mlm:
             head = models.architecture(cfg).MaskedLMHead(cfg, name="predictions")
             words = tied_word_embeddings(cfg, enc)
             result["mlm_logits"] = head(out.sequence_output, words)  # [b, seq, vocab]
-        pooled = None if out.pooled_output is None else out.pooled_output.astype(jnp.float32)
+        pooled = None if pooled_output is None else pooled_output.astype(jnp.float32)
         if self.nsp:
             result["nsp_logits"] = output_dense(cfg, 2, "seq_relationship")(pooled)  # [b, 2]
         if self.num_labels:
@@ -282,12 +292,14 @@ def pretrained_from_checkpoint(
     if "nsp" in want:
         want.add("pooler")  # NSP reads the pooled output
     config = ckpt.config.replace(dtype=dtype, param_dtype="float32", scan_layers=False)
+    choice_pools_first = getattr(models.architecture(config), "CHOICE_POOLS_FIRST_TOKEN", False)
     module = PretrainedEncoder(
         config,
         pooler="pooler" in want,
         mlm="mlm" in want,
         nsp="nsp" in want,
         num_labels=num_labels,
+        pool_first_token=choice_pools_first and task_kinds == frozenset({"choice"}),
     )
     fresh = sorted(want - present)
     if fresh:

@@ -310,8 +310,11 @@ def test_config_conversion_round_trip_and_hf_defaults():
     assert mhf.config_from_hf(legacy) == cfg
     with pytest.raises(ValueError, match="model_type"):
         mhf.config_from_hf({"model_type": "bert"})
+    # Any pattern of layer types (transformers 5), not only "global every n layers".
+    lone = mhf.config_from_hf({**hf, "layer_types": ["sliding_attention"] * cfg.num_layers})
+    assert lone.layer_pattern == "llll" and not any(map(lone.is_global, range(4)))
     with pytest.raises(ValueError, match="layer_types"):
-        mhf.config_from_hf({**hf, "layer_types": ["sliding_attention"] * cfg.num_layers})
+        mhf.config_from_hf({**hf, "layer_types": ["sliding_attention"] * (cfg.num_layers - 1)})
 
 
 def test_from_hf_tensors_lists_every_problem():
@@ -447,7 +450,9 @@ def test_config_presets_and_validation():
         (dict(local_attention=0), "local_attention"),
         (dict(hidden_size=100, num_heads=3), "hidden_size"),
         (dict(hidden_size=66, num_heads=6), "odd head_dim=11"),
-        (dict(classifier_activation="tanh"), "classifier_activation"),
+        (dict(classifier_activation="prelu"), "classifier_activation"),
+        (dict(layer_pattern="glg"), "layer_pattern"),
+        (dict(global_rope_scaling='{"rope_type": "ntk"}'), "global_rope_scaling"),
         (dict(attention_impl="flash"), "attention_impl"),
     ):
         with pytest.raises(ValueError, match=key):

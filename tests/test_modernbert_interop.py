@@ -71,12 +71,14 @@ def test_load_pretrained_matches_transformers_and_converts_both_ways(tmp_path):
     np.testing.assert_allclose(_torch_logits(again, ids, mask)[real], want[real], atol=1e-5)
 
 
-def test_continued_pretraining_starts_from_the_checkpoint(tmp_path):
+@pytest.mark.parametrize("tied", [True, False])
+def test_continued_pretraining_starts_from_the_checkpoint(tmp_path, tied):
     """pretrain --config.init_checkpoint=<HF ModernBERT>: step-0 MLM loss equals the checkpoint's
-    own loss on the same batch, and training goes on from there."""
+    own loss on the same batch, and training goes on from there (the decoder tied to the word
+    embeddings or, tie_word_embeddings=False, its own, predictions/decoder)."""
     vocab = write_vocab(tmp_path / "vocab.txt")
     size = len(vocab.read_text().split())
-    _hf_dir(tmp_path / "hf", vocab_size=size)
+    _hf_dir(tmp_path / "hf", vocab_size=size, tie_word_embeddings=tied)
     c = tiny_config(tmp_path, steps=2)
     c.init_checkpoint = str(tmp_path / "hf")
     c.data.nsp = False
@@ -92,6 +94,7 @@ def test_continued_pretraining_starts_from_the_checkpoint(tmp_path):
     assert np.isfinite(first["mlm_loss"]) and first["step"] == 0
     state = setup.init_state(jax.random.key_data(jax.random.key(0)))
     want = task.pretrained.params
+    assert ("decoder" in state.params["predictions"]) == (not tied)
     for head in ("model", "predictions"):  # the encoder and the MLM head come from the checkpoint
         for a, b in zip(jax.tree.leaves(want[head]), jax.tree.leaves(state.params[head])):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -12,7 +12,8 @@ with its transformers state-dict name and a *transform*, how the array is laid o
 Heads: ``pooler`` is the ``head.*`` of ForSequenceClassification and ForMultipleChoice (bertjax
 ``model/pooler``: pooled, then dense + act + norm), ``mlm`` ForMaskedLM's ``head.*`` and
 ``decoder.bias`` (bertjax ``predictions``; ``decoder.weight`` is tied to
-``model.embeddings.tok_embeddings.weight``), ``token_head`` the per-token ``head.*`` of
+``model.embeddings.tok_embeddings.weight``, or with ``tie_word_embeddings=False`` bertjax's
+``predictions/decoder``), ``token_head`` the per-token ``head.*`` of
 ForTokenClassification and ForQuestionAnswering (bertjax ``head``, run by the TokenClassifier and
 SpanClassifier heads), ``classifier`` is ``classifier.*``, and ForQuestionAnswering's
 ``classifier.*`` [2, hidden] is ``qa`` (bertjax ``qa_outputs``). These classes share tensor names,
@@ -30,6 +31,8 @@ import numpy as np
 from safetensors.numpy import load_file, save_file
 
 from bertjax.convert.checkpoint import fmt_shape, listing, mismatch_report
+from bertjax.layers.core import ACTIVATIONS
+from bertjax.layers.rope import frequencies, parse_schedule, schedule_json
 from bertjax.models.modernbert import ModernBertConfig
 
 HEADS = ("pooler", "mlm", "classifier", "token_head", "qa")
@@ -52,51 +55,85 @@ _ROPE_DEFAULTS = {"full_attention": 160_000.0, "sliding_attention": 10_000.0}
 # ---------------------------------------------------------------------------------------------
 # config.json
 # ---------------------------------------------------------------------------------------------
+def _layer_pattern(hf: dict[str, Any], layers: int) -> tuple[int, str]:
+    """(global_attn_every_n_layers, layer_pattern) of ``layer_types`` (transformers 5) or
+    ``global_attn_every_n_layers`` (older files; transformers' default 3)."""
+    every = hf.get("global_attn_every_n_layers")
+    types = hf.get("layer_types")
+    if types is None:
+        return int(every if every is not None else 3), ""
+    unknown = sorted(set(types) - {"full_attention", "sliding_attention"})
+    if unknown or len(types) != layers:
+        raise ValueError(
+            f"HF config: layer_types={types} is not full_attention / sliding_attention for each "
+            f"of the num_hidden_layers={layers} layers"
+        )
+    full = [i for i, t in enumerate(types) if t == "full_attention"]
+    candidates = [int(every)] if every is not None else []
+    candidates += [full[1] - full[0] if len(full) > 1 else max(layers, 1)]
+    for n in candidates:  # the legacy every-n rule where it gives these layer types
+        if n >= 1 and full == list(range(0, layers, n)):
+            return n, ""
+    pattern = "".join("g" if t == "full_attention" else "l" for t in types)
+    return int(every if every is not None else 3), pattern
+
+
+def _rope_schedules(hf: dict[str, Any]) -> dict[str, tuple[float, str]]:
+    """{layer type: (rope_theta, schedule JSON)} as transformers' ModernBertConfig reads
+    ``rope_parameters`` (or legacy ``rope_scaling`` + ``global_rope_theta`` /
+    ``local_rope_theta``; a top-level ``partial_rotary_factor`` joins each layer type's)."""
+    rope = hf.get("rope_parameters") or {}
+    out = {}
+    for kind, legacy in (
+        ("full_attention", "global_rope_theta"),
+        ("sliding_attention", "local_rope_theta"),
+    ):
+        params = dict(rope.get(kind) or {"rope_type": "default"})
+        params.update(hf.get("rope_scaling") or {})  # legacy: applies to both layer types
+        if hf.get("partial_rotary_factor") is not None:
+            params.setdefault("partial_rotary_factor", hf["partial_rotary_factor"])
+        theta = params.get("rope_theta")
+        if theta is None:
+            theta = hf.get(legacy, _ROPE_DEFAULTS[kind])
+        rope_type = params.get("rope_type", params.get("type", "default"))
+        if rope_type in ("yarn", "longrope", "llama3"):
+            params.setdefault("original_max_position_embeddings", hf.get("max_position_embeddings"))
+        out[kind] = (float(theta), schedule_json(params))
+    return out
+
+
 def config_from_hf(hf: dict[str, Any]) -> ModernBertConfig:
     """A ModernBertConfig from a transformers ModernBERT config.json (dict).
 
-    Reads ``layer_types`` + ``rope_parameters`` (transformers 5) or ``global_attn_every_n_layers``
-    + ``global_rope_theta``/``local_rope_theta`` (older files). The dropouts collapse into
+    Reads ``layer_types`` + ``rope_parameters`` (transformers 5; any pattern of layer types, any
+    RoPE schedule of ``bertjax.layers.rope``) or ``global_attn_every_n_layers`` +
+    ``global_rope_theta``/``local_rope_theta`` (older files). The dropouts collapse into
     ``hidden_dropout`` (the largest of embedding/mlp/classifier dropout); ``dtype`` (or
     ``torch_dtype``) becomes ``param_dtype``. Unsupported settings are a ValueError naming the key.
     """
     if hf.get("model_type", "modernbert") != "modernbert":
         raise ValueError(f"HF config: model_type={hf['model_type']!r} is not 'modernbert'")
-    if hf.get("tie_word_embeddings", True) is False:
-        raise ValueError("HF config: tie_word_embeddings=False (untied MLM decoders unsupported)")
     layers = int(hf.get("num_hidden_layers", 22))
-    every = hf.get("global_attn_every_n_layers")
-    types = hf.get("layer_types")
-    if types is not None:
-        full = [i for i, t in enumerate(types) if t == "full_attention"]
-        if every is None:
-            every = full[1] - full[0] if len(full) > 1 else max(layers, 1)
-        expected = [
-            "full_attention" if i % every == 0 else "sliding_attention" for i in range(layers)
-        ]
-        if list(types) != expected:
-            raise ValueError(
-                f"HF config: layer_types={types} is not global every {every} layers from layer 0"
-            )
-    thetas = {}
-    rope = hf.get("rope_parameters") or {}
-    for kind, legacy in (
-        ("full_attention", "global_rope_theta"),
-        ("sliding_attention", "local_rope_theta"),
-    ):
-        params = rope.get(kind) or {}
-        if params.get("rope_type", "default") != "default":
-            raise ValueError(f"HF config: rope_parameters[{kind!r}] rope_type is not 'default'")
-        thetas[kind] = float(params.get("rope_theta", hf.get(legacy, _ROPE_DEFAULTS[kind])))
+    hidden, heads = hf.get("hidden_size", 768), hf.get("num_attention_heads", 12)
+    if hf.get("head_dim") not in (None, hidden // max(heads, 1)):
+        raise ValueError(
+            f"HF config: head_dim={hf['head_dim']} is not hidden_size // num_attention_heads "
+            f"(transformers' ModernBERT fails on it)"
+        )
+    for key in ("hidden_activation", "classifier_activation"):
+        if hf.get(key, "gelu") not in ACTIVATIONS:
+            raise ValueError(f"HF config: {key}={hf[key]!r} is not one of {ACTIVATIONS}")
+    every, pattern = _layer_pattern(hf, layers)
+    rope = _rope_schedules(hf)
     dropout = max(
         float(hf.get(k, 0.0) or 0.0)
         for k in ("embedding_dropout", "mlp_dropout", "classifier_dropout")
     )
     values: dict[str, Any] = dict(
         vocab_size=hf.get("vocab_size", 50368),
-        hidden_size=hf.get("hidden_size", 768),
+        hidden_size=hidden,
         num_layers=layers,
-        num_heads=hf.get("num_attention_heads", 12),
+        num_heads=heads,
         intermediate_size=hf.get("intermediate_size", 1152),
         hidden_act=hf.get("hidden_activation", "gelu"),
         hidden_dropout=dropout,
@@ -104,9 +141,11 @@ def config_from_hf(hf: dict[str, Any]) -> ModernBertConfig:
         max_position_embeddings=hf.get("max_position_embeddings", 8192),
         initializer_range=hf.get("initializer_range", 0.02),
         norm_eps=hf.get("norm_eps", 1e-5),
-        global_rope_theta=thetas["full_attention"],
-        local_rope_theta=thetas["sliding_attention"],
-        global_attn_every_n_layers=int(every if every is not None else 3),
+        global_rope_theta=rope["full_attention"][0],
+        local_rope_theta=rope["sliding_attention"][0],
+        global_attn_every_n_layers=every,
+        layer_pattern=pattern,
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)),
     )
     for key in ("norm_bias", "attention_bias", "mlp_bias", "decoder_bias", "classifier_bias"):
         if key in hf:
@@ -115,12 +154,20 @@ def config_from_hf(hf: dict[str, Any]) -> ModernBertConfig:
         if key in hf:
             values[key] = hf[key]
     for key in ("pad_token_id", "cls_token_id", "sep_token_id"):
-        if hf.get(key) is not None:
-            values[key] = int(hf[key])
+        if key in hf:
+            values[key] = None if hf[key] is None else int(hf[key])
     dtype = hf.get("dtype", hf.get("torch_dtype"))
     if dtype in ("float32", "bfloat16", "float16"):
         values["param_dtype"] = dtype
-    return ModernBertConfig(**values)
+    cfg = ModernBertConfig(**values)  # validates all but the RoPE schedules
+    schedules = {}
+    for name, (kind, (theta, schedule)) in zip(("global", "local"), rope.items()):
+        try:
+            frequencies(parse_schedule(schedule), theta, cfg.head_dim, cfg.max_position_embeddings)
+        except ValueError as e:
+            raise ValueError(f"HF config: rope_parameters[{kind!r}]: {e}") from None
+        schedules[f"{name}_rope_scaling"] = schedule
+    return cfg.replace(**schedules)
 
 
 def config_to_hf(
@@ -162,15 +209,23 @@ def config_to_hf(
             for i in range(cfg.num_layers)
         ],
         "rope_parameters": {
-            "full_attention": {"rope_type": "default", "rope_theta": cfg.global_rope_theta},
-            "sliding_attention": {"rope_type": "default", "rope_theta": cfg.local_rope_theta},
+            "full_attention": {
+                "rope_type": "default",
+                **parse_schedule(cfg.global_rope_scaling),
+                "rope_theta": cfg.global_rope_theta,
+            },
+            "sliding_attention": {
+                "rope_type": "default",
+                **parse_schedule(cfg.local_rope_scaling),
+                "rope_theta": cfg.local_rope_theta,
+            },
         },
         "pad_token_id": cfg.pad_token_id,
         "cls_token_id": cfg.cls_token_id,
         "sep_token_id": cfg.sep_token_id,
         "bos_token_id": cfg.cls_token_id,
         "eos_token_id": cfg.sep_token_id,
-        "tie_word_embeddings": True,
+        "tie_word_embeddings": cfg.tie_word_embeddings,
         "dtype": cfg.param_dtype,
     }
     if num_labels:
@@ -261,6 +316,8 @@ def _entries(cfg: ModernBertConfig, heads, num_labels: int) -> list[tuple[str, s
         norm("predictions/norm", "head.norm")
         if cfg.decoder_bias:
             add("predictions/output_bias", "decoder.bias", "copy", (v,))
+        if not cfg.tie_word_embeddings:
+            add("predictions/decoder", _TIED, "copy", (v, h))
     if "classifier" in heads and num_labels > 0:
         linear("classifier", "classifier", (h, num_labels), True)
     return out
@@ -330,13 +387,13 @@ def from_hf_tensors(
     state = {}
     for name, value in named.items():
         state["model." + name if name.startswith(_ENCODER_PREFIXES) else name] = np.asarray(value)
-    tied = state.pop(_TIED, None)
+    tied = state.pop(_TIED, None) if cfg.tie_word_embeddings else None
     if tied is not None:
         words = state.get(_WORDS)
         if words is None or tied.shape != words.shape or not np.array_equal(tied, words):
             raise ValueError(
-                f"{source}: {_TIED} {fmt_shape(tied.shape)} is not tied to {_WORDS} "
-                "(untied MLM decoders are not supported)"
+                f"{source}: {_TIED} {fmt_shape(tied.shape)} is not tied to {_WORDS} although "
+                "config.json has tie_word_embeddings=true"
             )
     has_head = any(k.startswith("head.") for k in state)
     has_decoder = tied is not None or any(k.startswith("decoder.") for k in state)
@@ -387,7 +444,7 @@ def to_hf_tensors(
     if missing:
         raise ValueError(f"to_hf_tensors: missing bertjax tensors {listing(missing)}")
     out = {name: _to_hf(np.asarray(flat[path]), tf) for path, name, tf, _ in entries}
-    if "mlm" in heads:
+    if "mlm" in heads and cfg.tie_word_embeddings:
         out[_TIED] = out[_WORDS]
     if arch == "ModernBertModel":
         out = {k.removeprefix("model."): a for k, a in out.items()}

@@ -7,6 +7,7 @@ from __future__ import annotations
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from bertjax.layers.band_attention import band_applies, band_attention
 from bertjax.layers.core import dtype_of, normal_init, zeros_init
@@ -116,3 +117,22 @@ def attend(
         )
     window = (half, half) if local_window else None
     return jax.nn.dot_product_attention(q, k, v, bias=bias.astype(dtype), local_window_size=window)
+
+
+def sees_a_key(attention_mask: Array, half: int | None) -> Array:
+    """[batch, seq, 1, 1] float32: 1 where a query has an unmasked key (within ``half`` positions
+    of it in sliding-window layers; anywhere when ``half`` is None), else 0.
+
+    Only padding queries far from every token (or rows of padding alone) see none. transformers'
+    default attention (PyTorch SDPA) gives such a fully masked row a zero context (its eager
+    attention averages every value instead), so their outputs match SDPA's with this mask."""
+    m = (attention_mask > 0).astype(jnp.int32)  # [batch, seq]
+    seq = m.shape[1]
+    if half is None:
+        seen = jnp.broadcast_to(m.max(axis=1, keepdims=True), m.shape)
+    else:
+        total = jnp.pad(jnp.cumsum(m, axis=1), ((0, 0), (1, 0)))  # total[:, j] = sum(m[:, :j])
+        pos = np.arange(seq)
+        hi, lo = np.minimum(pos + half + 1, seq), np.maximum(pos - half, 0)
+        seen = total[:, hi] - total[:, lo]  # tokens within the window
+    return (seen > 0).astype(jnp.float32)[:, :, None, None]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import math
 from typing import Any, ClassVar
 
 import flax.linen as nn
@@ -30,7 +31,32 @@ BATCH_LENGTH_MLP = ("batch", "length", "act_mlp")
 ATTENTION_IMPLS = ("xla", "dot_product", "cudnn", "splash")
 REMAT_POLICIES = ("none", "dots", "full")
 DTYPES = ("float32", "bfloat16", "float16")
-ACTIVATIONS = ("gelu", "gelu_new", "gelu_tanh", "gelu_pytorch_tanh", "relu", "silu")
+# Hugging Face's ACT2FN names with no parameters (prelu and xielu have learned ones).
+ACTIVATIONS = (
+    "gelu",
+    "gelu_new",
+    "gelu_tanh",
+    "gelu_pytorch_tanh",
+    "relu",
+    "silu",
+    "swish",
+    "gelu_10",
+    "gelu_accurate",
+    "gelu_fast",
+    "gelu_python",
+    "gelu_python_tanh",
+    "hardswish",
+    "laplace",
+    "leaky_relu",
+    "linear",
+    "mish",
+    "quick_gelu",
+    "relu2",
+    "relu6",
+    "sigmoid",
+    "sqrtsoftplus",
+    "tanh",
+)
 
 
 def dtype_of(name: str) -> Any:
@@ -51,23 +77,56 @@ def ones_init(names: tuple[str | None, ...]):
     return nn.with_logical_partitioning(nn.initializers.ones_init(), names)
 
 
+def _gelu_fast(x: Array) -> Array:  # HF FastGELUActivation
+    return 0.5 * x * (1.0 + jnp.tanh(x * 0.7978845608 * (1.0 + 0.044715 * x * x)))
+
+
+def _laplace(x: Array) -> Array:  # HF LaplaceActivation (mu=0.707107, sigma=0.282095)
+    return 0.5 * (1.0 + jax.lax.erf((x - 0.707107) / (0.282095 * math.sqrt(2.0))))
+
+
 def activation(name: str):
-    """The activation a model config names (Hugging Face spellings accepted)."""
+    """The activation a model config names: Hugging Face's ``ACT2FN`` names and formulas."""
+    tanh_gelu = functools.partial(nn.gelu, approximate=True)
     return {
         "gelu": fast_ops.gelu,  # exact (erf) GELU; its backward reuses the forward's Phi(x)
-        "gelu_new": functools.partial(nn.gelu, approximate=True),
-        "gelu_tanh": functools.partial(nn.gelu, approximate=True),
-        "gelu_pytorch_tanh": functools.partial(nn.gelu, approximate=True),
+        "gelu_python": fast_ops.gelu,
+        "gelu_10": lambda x: jnp.clip(fast_ops.gelu(x), -10.0, 10.0),
+        "gelu_new": tanh_gelu,
+        "gelu_tanh": tanh_gelu,
+        "gelu_pytorch_tanh": tanh_gelu,
+        "gelu_python_tanh": tanh_gelu,
+        "gelu_accurate": tanh_gelu,
+        "gelu_fast": _gelu_fast,
+        "quick_gelu": lambda x: x * jax.nn.sigmoid(1.702 * x),
         "relu": nn.relu,
+        "relu2": lambda x: jnp.square(nn.relu(x)),
+        "relu6": jax.nn.relu6,
+        "leaky_relu": functools.partial(jax.nn.leaky_relu, negative_slope=0.01),
         "silu": nn.silu,
+        "swish": nn.silu,
+        "hardswish": jax.nn.hard_swish,
+        "mish": lambda x: x * jnp.tanh(jax.nn.softplus(x)),
+        "sigmoid": jax.nn.sigmoid,
+        "tanh": jnp.tanh,
+        "sqrtsoftplus": lambda x: jnp.sqrt(jax.nn.softplus(x)),
+        "laplace": _laplace,
+        "linear": lambda x: x,
     }[name]
 
 
-def layer_norm(config, name: str, *, epsilon: float, use_bias: bool = True) -> nn.LayerNorm:
-    """LayerNorm with fp32 statistics (Flax promotes them), outputs in the compute dtype."""
+def layer_norm(
+    config, name: str, *, epsilon: float, use_bias: bool = True, exact_variance: bool = False
+) -> nn.LayerNorm:
+    """LayerNorm with fp32 statistics (Flax promotes them), outputs in the compute dtype.
+
+    The variance is Flax's fast ``E[x^2] - E[x]^2`` unless ``exact_variance``: then
+    ``E[(x - E[x])^2]`` as PyTorch computes it (one more pass; the fast form loses every digit
+    when the mean dwarfs the spread, e.g. a few features with a large common offset)."""
     return nn.LayerNorm(
         epsilon=epsilon,
         use_bias=use_bias,
+        use_fast_variance=not exact_variance,
         dtype=dtype_of(config.dtype),
         param_dtype=dtype_of(config.param_dtype),
         scale_init=ones_init(("norm",)),

@@ -227,10 +227,20 @@ class MultipleChoice(nn.Module):
         def flat(x):
             return None if x is None else x.reshape(b * c, s)  # [batch * choices, seq]
 
+        first = None
+        if attention_mask is not None and getattr(
+            architecture(self.config), "CHOICE_POOLS_FIRST_TOKEN", False
+        ):  # the first unpadded token (left padding), as attention_mask.argmax(-1)
+            first = jnp.argmax(flat(attention_mask), axis=-1).astype(jnp.int32)[:, None]
         out = encoder(self.config)(
-            flat(input_ids), flat(token_type_ids), flat(attention_mask), deterministic=deterministic
+            flat(input_ids),
+            flat(token_type_ids),
+            flat(attention_mask),
+            deterministic=deterministic,
+            pool_positions=first,
         )
-        pooled = out.pooled_output.astype(jnp.float32)  # [batch * choices, hidden]
+        pooled = out.pooled_output if first is None else out.pooled_output[:, 0]
+        pooled = pooled.astype(jnp.float32)  # [batch * choices, hidden]
         pooled = Dropout(self.config.hidden_dropout, self.config.dropout_impl)(
             pooled, deterministic=deterministic
         )

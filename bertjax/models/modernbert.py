@@ -4,9 +4,11 @@ the rest of bertjax needs to know about it. Numerically the same as Hugging Face
 ``ModernBertModel`` / ``ModernBertForMaskedLM`` / ``ModernBertForSequenceClassification``
 (``bertjax.convert.modernbert_hf`` converts the weights; tests/test_modernbert.py compares them).
 
-Layer ``i`` attends globally when ``i % global_attn_every_n_layers == 0`` (RoPE base
-``global_rope_theta``), else only to keys with ``|q - k| <= local_attention // 2`` (RoPE base
-``local_rope_theta``). Layer 0 has no attention norm. Parameter tree::
+Layer ``i`` attends globally when ``i % global_attn_every_n_layers == 0`` (or, with a
+``layer_pattern``, when its letter is ``g``; RoPE base ``global_rope_theta``, schedule
+``global_rope_scaling``), else only to keys with ``|q - k| <= local_attention // 2`` (RoPE base
+``local_rope_theta``, schedule ``local_rope_scaling``; see ``bertjax.layers.rope``). Layer 0 has
+no attention norm. Parameter tree::
 
     model/embeddings/word_embeddings/embedding [vocab, embed];  model/embeddings/norm/{scale,bias}
     model/layer_{i}/attn_norm/{scale,bias}                       (not in layer 0)
@@ -19,6 +21,7 @@ Layer ``i`` attends globally when ``i % global_attn_every_n_layers == 0`` (RoPE 
     model/pooler/{dense,norm}          (HF ForSequenceClassification / MultipleChoice ``head``)
     head/{dense,norm}                  (HF ForTokenClassification / QuestionAnswering ``head``)
     predictions/{dense,norm}, predictions/output_bias [vocab]   (MLM head; decoder tied)
+    predictions/decoder [vocab, embed]   (the MLM decoder when tie_word_embeddings=False)
 
 Biases exist as ``norm_bias``, ``attention_bias``, ``mlp_bias``, ``classifier_bias`` (head dense
 layers) and ``decoder_bias`` say. Every kernel carries logical axis names (``bertjax.sharding``).
@@ -37,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from bertjax.layers import fast_ops
-from bertjax.layers.attention import attend
+from bertjax.layers.attention import attend, sees_a_key
 from bertjax.layers.core import (
     ACTIVATIONS,
     BATCH_LENGTH_EMBED,
@@ -56,6 +59,7 @@ from bertjax.layers.core import (
     zeros_init,
 )
 from bertjax.layers.dropout import Dropout
+from bertjax.layers.rope import apply_rope, frequencies, parse_schedule, rope_tables
 from bertjax.layers.splash_attention import segment_ids_from_mask
 
 Array = jax.Array
@@ -63,6 +67,8 @@ Array = jax.Array
 ENCODER_NAME = "model"  # the encoder's subtree in every model's params (HF's base_model_prefix)
 WORD_EMBEDDINGS = ("embeddings", "word_embeddings", "embedding")  # tied to the MLM decoder
 POOLER_IN_PRETRAINING = False  # ModernBERT pretrains with MLM only; the pooler is a task head
+# HF's ModernBertForMultipleChoice pools (cls) the first unpadded token, not position 0.
+CHOICE_POOLS_FIRST_TOKEN = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,11 +101,19 @@ class ModernBertConfig(EncoderConfig):
     classifier_pooling: str = "cls"  # cls | mean (the pooler's input)
     global_rope_theta: float = 160_000.0
     local_rope_theta: float = 10_000.0
+    # transformers' rope_parameters of the global / local layers other than rope_theta, as JSON
+    # ("" = default RoPE), e.g. '{"factor": 2.0, "rope_type": "linear"}' (bertjax.layers.rope)
+    global_rope_scaling: str = ""
+    local_rope_scaling: str = ""
     global_attn_every_n_layers: int = 3
+    # One letter per layer, g (global) or l (sliding window), for patterns that are not "global
+    # every global_attn_every_n_layers layers from layer 0" (transformers' layer_types); "" = that.
+    layer_pattern: str = ""
     local_attention: int = 128  # sliding window: keys with |q - k| <= local_attention // 2
-    pad_token_id: int = 50283
-    cls_token_id: int = 50281
-    sep_token_id: int = 50282
+    tie_word_embeddings: bool = True  # False: the MLM head has its own decoder [vocab, hidden]
+    pad_token_id: int | None = 50283  # token ids: metadata (None where the checkpoint has none)
+    cls_token_id: int | None = 50281
+    sep_token_id: int | None = 50282
 
     architecture: ClassVar[str] = "modernbert"
 
@@ -127,9 +141,31 @@ class ModernBertConfig(EncoderConfig):
         for key in ("norm_eps", "global_rope_theta", "local_rope_theta", "initializer_range"):
             if getattr(self, key) <= 0:
                 bad(key, "must be positive")
+        if self.layer_pattern and (
+            len(self.layer_pattern) != self.num_layers or set(self.layer_pattern) - set("gl")
+        ):
+            bad(
+                "layer_pattern",
+                f"is not one letter g or l for each of the {self.num_layers} layers",
+            )
+        for key in ("global_rope_scaling", "local_rope_scaling"):
+            try:
+                self.rope(key.startswith("global"))
+            except ValueError as e:
+                bad(key, str(e))
+
+    def rope(self, is_global: bool, seq_len: int | None = None) -> tuple[np.ndarray, float]:
+        """(inverse frequencies float32 [head_dim // 2], cos/sin scale) of the global or local
+        layers' RoPE for inputs of ``seq_len`` tokens (``bertjax.layers.rope.frequencies``)."""
+        prefix = "global" if is_global else "local"
+        schedule = parse_schedule(getattr(self, f"{prefix}_rope_scaling"))
+        theta = getattr(self, f"{prefix}_rope_theta")
+        return frequencies(schedule, theta, self.head_dim, self.max_position_embeddings, seq_len)
 
     def is_global(self, layer: int) -> bool:
         """Whether layer ``layer`` attends globally (else within the sliding window)."""
+        if self.layer_pattern:
+            return self.layer_pattern[layer] == "g"
         return layer % self.global_attn_every_n_layers == 0
 
     def num_params(self, include_heads: bool = True, include_pooler: bool = False) -> int:
@@ -147,6 +183,7 @@ class ModernBertConfig(EncoderConfig):
             total += head
         if include_heads:
             total += head + (v if self.decoder_bias else 0)
+            total += 0 if self.tie_word_embeddings else v * h
         return total
 
 
@@ -210,24 +247,8 @@ class Linear(nn.Module):
 
 
 def _norm(cfg: ModernBertConfig, name: str) -> nn.LayerNorm:
-    return layer_norm(cfg, name, epsilon=cfg.norm_eps, use_bias=cfg.norm_bias)
-
-
-def rope_tables(position_ids: Array, head_dim: int, theta: float) -> tuple[Array, Array]:
-    """cos, sin [batch or 1, seq, head_dim] float32 of rotary embeddings at ``position_ids``."""
-    inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
-    freqs = position_ids[..., None].astype(jnp.float32) * jnp.asarray(inv_freq, jnp.float32)
-    angles = jnp.concatenate([freqs, freqs], axis=-1)  # [batch, seq, head_dim]
-    return jnp.cos(angles), jnp.sin(angles)
-
-
-def apply_rope(x: Array, rope: tuple[Array, Array]) -> Array:
-    """Rotates x [batch, seq, heads, head_dim] (in float32, as HF does) by cos/sin tables."""
-    cos, sin = (t[:, :, None, :] for t in rope)  # [batch, seq, 1, head_dim]
-    xf = x.astype(jnp.float32)
-    x1, x2 = jnp.split(xf, 2, axis=-1)
-    rotated = jnp.concatenate([-x2, x1], axis=-1)
-    return (xf * cos + rotated * sin).astype(x.dtype)
+    # PyTorch's two-pass variance, as transformers' nn.LayerNorm (see layer_norm)
+    return layer_norm(cfg, name, epsilon=cfg.norm_eps, use_bias=cfg.norm_bias, exact_variance=True)
 
 
 class ModernBertAttention(nn.Module):
@@ -237,7 +258,9 @@ class ModernBertAttention(nn.Module):
     local: bool
 
     @nn.compact
-    def __call__(self, x, bias, rope, deterministic: bool, segment_ids=None) -> Array:
+    def __call__(self, x, bias, rope, deterministic: bool, segment_ids=None, seen=None) -> Array:
+        """``seen`` [batch, seq, 1, 1] (``bertjax.layers.attention.sees_a_key``) zeroes the
+        context of queries that see no key, as PyTorch's SDPA does; None: every query sees one."""
         cfg = self.config
         h, n, d = cfg.hidden_size, cfg.num_heads, cfg.head_dim
         qkv = Linear(
@@ -258,6 +281,8 @@ class ModernBertAttention(nn.Module):
             segment_ids=segment_ids,
             local_window=cfg.local_attention if self.local else 0,
         )  # [batch, seq, heads, head_dim]
+        if seen is not None:
+            ctx = ctx * seen.astype(ctx.dtype)
         ctx = nn.with_logical_constraint(ctx, BATCH_LENGTH_HEADS_KV)
         out = Linear(
             cfg,
@@ -295,12 +320,12 @@ class ModernBertLayer(nn.Module):
     layer_id: int
 
     @nn.compact
-    def __call__(self, x, bias, rope, deterministic: bool, segment_ids=None) -> Array:
+    def __call__(self, x, bias, rope, deterministic: bool, segment_ids=None, seen=None) -> Array:
         cfg = self.config
         h = x if self.layer_id == 0 else _norm(cfg, "attn_norm")(x)
         local = not cfg.is_global(self.layer_id)
         x = x + ModernBertAttention(cfg, local, name="attn")(
-            h, bias, rope, deterministic, segment_ids
+            h, bias, rope, deterministic, segment_ids, seen
         )
         x = x + ModernBertMLP(cfg, name="mlp")(_norm(cfg, "mlp_norm")(x), deterministic)
         return nn.with_logical_constraint(x, BATCH_LENGTH_EMBED)
@@ -413,14 +438,21 @@ class ModernBertModel(nn.Module):
             segment_ids = segment_ids_from_mask(attention_mask, pack_ids)
         if position_ids is None:
             position_ids = jnp.arange(seq_len)[None, :]  # [1, seq]
-        thetas = {True: cfg.global_rope_theta, False: cfg.local_rope_theta}
-        ropes = {g: rope_tables(position_ids, cfg.head_dim, t) for g, t in thetas.items()}
-        # static_argnums counts self: (self, x, bias, rope, deterministic, segment_ids)
+        # RoPE of the global and local layers; a schedule may depend on the (padded) length, as
+        # transformers' does on max(position_ids) + 1 with its default positions.
+        ropes = {g: rope_tables(position_ids, *cfg.rope(g, seq_len)) for g in (True, False)}
+        seen = {True: None, False: None}  # packed rows: padding attends to padding
+        if pack_ids is None:
+            seen = {True: sees_a_key(attention_mask, None)}
+            seen[False] = sees_a_key(attention_mask, cfg.local_attention // 2)
+        # static_argnums counts self: (self, x, bias, rope, deterministic, segment_ids, seen)
         layer_cls = remat(ModernBertLayer, cfg.remat, static_argnums=(4,))
         hidden_states = [x]
         for i in range(cfg.num_layers):
-            rope = ropes[cfg.is_global(i)]
-            x = layer_cls(cfg, i, name=f"layer_{i}")(x, bias, rope, deterministic, segment_ids)
+            g = cfg.is_global(i)
+            x = layer_cls(cfg, i, name=f"layer_{i}")(
+                x, bias, ropes[g], deterministic, segment_ids, seen[g]
+            )
             hidden_states.append(x)
         x = _norm(cfg, "final_norm")(x)  # [batch, seq, hidden]
         pooled = None
@@ -445,7 +477,8 @@ class ModernBertModel(nn.Module):
 
 class MaskedLMHead(nn.Module):
     """HF's MLM head: dense + ``classifier_activation`` + norm, then the decoder tied to the word
-    embeddings with ``output_bias`` [vocab] when ``decoder_bias``: [..., H] -> [..., V] float32."""
+    embeddings (its own ``decoder`` [vocab, hidden] when not ``tie_word_embeddings``) with
+    ``output_bias`` [vocab] when ``decoder_bias``: [..., H] -> [..., V] float32."""
 
     config: ModernBertConfig
 
@@ -457,6 +490,13 @@ class MaskedLMHead(nn.Module):
             bias = self.param("output_bias", zeros_init(("vocab",)), (cfg.vocab_size,))
         else:
             bias = jnp.zeros((cfg.vocab_size,), jnp.float32)
+        if not cfg.tie_word_embeddings:
+            word_embeddings = self.param(
+                "decoder",
+                _init(cfg, ("vocab", "embed"), _out_std(cfg)),
+                (cfg.vocab_size, cfg.hidden_size),
+                dtype_of(cfg.param_dtype),
+            )
         embeddings = word_embeddings.astype(dtype_of(cfg.dtype))
         return fast_ops.tied_decoder(x, embeddings, bias)  # [..., vocab]
 
@@ -471,7 +511,7 @@ def forward_flops_per_sequence(cfg: ModernBertConfig, seq_len: int, num_masked: 
     (transform H^2 + decoder H*V) only at masked positions.
     """
     h, i, v, layers = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.num_layers
-    num_global = len(range(0, layers, cfg.global_attn_every_n_layers))
+    num_global = sum(cfg.is_global(i) for i in range(layers))
     local_keys = min(seq_len, 2 * (cfg.local_attention // 2) + 1)
     keys = num_global * seq_len + (layers - num_global) * local_keys  # summed over layers
     per_token = layers * 2 * (4 * h * h + 3 * h * i) + 4 * h * keys
