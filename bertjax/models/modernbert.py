@@ -123,12 +123,8 @@ class ModernBertConfig(EncoderConfig):
         def bad(key, why):
             raise ValueError(f"model config: {key}={getattr(self, key)!r} {why}")
 
-        if self.scan_layers:
-            bad(
-                "scan_layers",
-                "is not supported by ModernBERT (layers differ: global/local, no "
-                "attention norm in layer 0); use scan_layers=False",
-            )
+        if self.scan_layers:  # the layers differ: global/local, no attention norm in layer 0
+            bad("scan_layers", "is not supported by ModernBERT (its layers differ); use False")
         if self.head_dim % 2:
             bad("hidden_size", f"gives an odd head_dim={self.head_dim} (RoPE needs it even)")
         if self.classifier_activation not in ACTIVATIONS:
@@ -141,13 +137,9 @@ class ModernBertConfig(EncoderConfig):
         for key in ("norm_eps", "global_rope_theta", "local_rope_theta", "initializer_range"):
             if getattr(self, key) <= 0:
                 bad(key, "must be positive")
-        if self.layer_pattern and (
-            len(self.layer_pattern) != self.num_layers or set(self.layer_pattern) - set("gl")
-        ):
-            bad(
-                "layer_pattern",
-                f"is not one letter g or l for each of the {self.num_layers} layers",
-            )
+        pattern = self.layer_pattern
+        if pattern and (len(pattern) != self.num_layers or set(pattern) - set("gl")):
+            bad("layer_pattern", f"is not one letter g or l for each of {self.num_layers} layers")
         for key in ("global_rope_scaling", "local_rope_scaling"):
             try:
                 self.rope(key.startswith("global"))
