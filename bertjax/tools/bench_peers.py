@@ -286,9 +286,12 @@ def _bench_torch_model(model, batch: dict, a, name: str, no_decay: tuple[str, ..
     )
     batch = {k: torch.as_tensor(v) for k, v in batch.items()}
 
+    accum = getattr(a, "accum", 1)  # micro-batches: gradients summed over equal slices of rows
+    chunks = [{k: v.chunk(accum)[i] for k, v in batch.items()} for i in range(accum)]
+
     def run():
-        loss = model(**batch).loss
-        loss.backward()
+        for chunk in chunks:
+            (model(**chunk).loss / accum).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -332,6 +335,7 @@ def main(argv: list[str] | None = None) -> None:
     ):
         p.add_argument(f"--{name}", type=int, default=default)
     p.add_argument("--dropout", type=float, default=0.1)
+    p.add_argument("--accum", type=int, default=1, help="micro-batches per step (PyTorch peers)")
     a = p.parse_args(argv)
     runners = {
         "flax": bench_flax,
