@@ -16,6 +16,7 @@ import jax
 import numpy as np
 import pytest
 import test_finetune
+from hf_random import randomize
 
 from bertjax import train
 from bertjax.tasks.registry import get_task
@@ -87,18 +88,7 @@ def _write_hf_model(files, path, arch: str, suffix: str, num_labels: int, seed: 
     torch.manual_seed(seed)
     config = _hf_config(arch, vocab_size, num_labels)
     model = getattr(transformers, prefix + suffix)(config).eval()
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=gen)
-            if ("norm" in name.lower()) and name.endswith("weight"):
-                p.copy_(1.0 + 0.2 * noise)
-            elif name.endswith("bias"):
-                p.copy_(0.1 * noise)
-            elif p.ndim == 2 and "embeddings" not in name:
-                p.copy_(noise / np.sqrt(p.shape[1]))
-            else:
-                p.copy_(0.5 * noise)
+    randomize(model, seed)
     model.save_pretrained(path)
     shutil.copy(files / "vocab.txt", path / "vocab.txt")
     return model

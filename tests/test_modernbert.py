@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hf_random import randomize
 
 import bertjax.models
 from bertjax import sharding
@@ -119,26 +120,6 @@ def _hf_config(variant: str, **extra):
     return transformers.ModernBertConfig(**values)
 
 
-def _randomize(model, seed: int, only: tuple[str, ...] = ()) -> None:
-    """Weights with O(1) activations (HF's 0.02 init leaves every layer near the identity)."""
-    import torch
-
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if only and not name.startswith(only):
-                continue
-            noise = torch.randn(p.shape, generator=gen)
-            if "norm" in name and name.endswith("weight"):
-                p.copy_(1.0 + 0.2 * noise)
-            elif name.endswith("bias"):
-                p.copy_(0.1 * noise)
-            elif p.ndim == 2 and "embeddings" not in name:
-                p.copy_(noise / np.sqrt(p.shape[1]))
-            else:
-                p.copy_(0.5 * noise)
-
-
 @functools.cache
 def _reference(variant: str):
     """HF ForMaskedLM and ForSequenceClassification sharing one random encoder, their state
@@ -149,12 +130,12 @@ def _reference(variant: str):
     torch.manual_seed(0)
     hfc = _hf_config(variant)
     mlm = transformers.ModernBertForMaskedLM(hfc).eval()
-    _randomize(mlm, seed=1)
+    randomize(mlm, seed=1)
     clf = transformers.ModernBertForSequenceClassification(hfc).eval()
     clf.load_state_dict(
         {k: v for k, v in mlm.state_dict().items() if k.startswith("model.")}, strict=False
     )
-    _randomize(clf, seed=2, only=("head.", "classifier."))
+    randomize(clf, seed=2, only=("head.", "classifier."))
     ids, mask = _batch(hfc.vocab_size)
     t_ids, t_mask = torch.from_numpy(ids).long(), torch.from_numpy(mask).long()
     with torch.no_grad():

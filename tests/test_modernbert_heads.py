@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hf_random import randomize
 
 from bertjax.convert import load_checkpoint, save_checkpoint, unflatten_params
 from bertjax.models.heads import MultipleChoice, SpanClassifier, TokenClassifier
@@ -61,18 +62,7 @@ def _hf_model(cls: str, variant: str, seed: int):
     )
     torch.manual_seed(seed)
     model = getattr(transformers, cls)(config).eval()
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():  # O(1) activations: HF's 0.02 init leaves layers near the identity
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=gen)
-            if "norm" in name and name.endswith("weight"):
-                p.copy_(1.0 + 0.2 * noise)
-            elif name.endswith("bias"):
-                p.copy_(0.1 * noise)
-            elif p.ndim == 2 and "embeddings" not in name:
-                p.copy_(noise / np.sqrt(p.shape[1]))
-            else:
-                p.copy_(0.5 * noise)
+    randomize(model, seed)
     return model
 
 

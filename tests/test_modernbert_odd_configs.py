@@ -10,6 +10,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hf_random import randomize
 
 import bertjax
 from bertjax.convert import load_checkpoint, modernbert_hf, unflatten_params
@@ -150,18 +151,7 @@ def _hf_model(cls: str, extra: dict, change=None, seed: int = 0):
     """A random transformers model with O(1) activations (HF's 0.02 init is near the identity)."""
     torch.manual_seed(seed)
     model = getattr(transformers, cls)(transformers.ModernBertConfig(**{**BASE, **extra}))
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=gen)
-            if "norm" in name and name.endswith("weight"):
-                p.copy_(1.0 + 0.2 * noise)
-            elif name.endswith("bias"):
-                p.copy_(0.1 * noise)
-            elif p.ndim == 2 and "embeddings" not in name:
-                p.copy_(noise / np.sqrt(p.shape[1]))
-            else:
-                p.copy_(0.5 * noise)
+    randomize(model, seed)
     if change is not None:
         change(model)
     return model.eval()
