@@ -116,7 +116,7 @@ def compile_train_step(
         unroll = True
         timed = _compile(timed_setup, phase, accum, unroll=True)
         est_from.append("its loops unrolled (the cost model counts a loop once)")
-    if on_tpu and _estimate(timed) < 0:
+    if on_tpu and _estimate(_costs(timed)) < 0:
         timed = _compile(timed_setup, phase, accum, unroll=unroll, options=NO_SLICED_PREFETCH)
         est_from.append("no sliced prefetches (the cost model gives them no cost on this chip)")
     arrays = state_arrays(setup.abstract_state, setup.state_shardings)
@@ -163,12 +163,17 @@ def _compile(setup, phase, accum_steps: int, unroll: bool = False, options: dict
         return step.lower(abstract_state, abstract_batch).compile(compiler_options=options)
 
 
-def _estimate(compiled) -> float:
-    """``optimal_seconds`` of XLA's cost model (0 where there is none, negative where an op of
-    the program has no cost)."""
+def _costs(compiled) -> dict[str, Any]:
+    """XLA's cost analysis of the program ({} where there is none)."""
     costs = compiled.cost_analysis()
     costs = costs[0] if isinstance(costs, list | tuple) else costs  # older jax: one per program
-    return float((costs or {}).get("optimal_seconds", 0.0) or 0.0)
+    return costs or {}
+
+
+def _estimate(costs: dict[str, Any]) -> float:
+    """``optimal_seconds`` of XLA's cost model (0 where there is none, negative where an op of
+    the program has no cost)."""
+    return float(costs.get("optimal_seconds", 0.0) or 0.0)
 
 
 def memory_report(compiled, device) -> dict[str, Any]:
@@ -200,14 +205,13 @@ def speed_report(
 
     MFU = analytic training FLOPs of the step / (estimated step time x chips x peak FLOP/s).
     """
-    costs = compiled.cost_analysis()
-    costs = costs[0] if isinstance(costs, list | tuple) else costs  # older jax: one per program
-    est = _estimate(compiled)
+    costs = _costs(compiled)
+    est = _estimate(costs)
     chips = len(devices)
     peak = flops.device_peak_tflops(devices[0], peak_tflops) * 1e12
     report: dict[str, Any] = {
         "analytic_flops_per_step": analytic_flops,
-        "xla_flops_per_device": float((costs or {}).get("flops", 0.0) or 0.0),
+        "xla_flops_per_device": float(costs.get("flops", 0.0) or 0.0),
         "peak_flops_per_device": peak,
     }
     if est <= 0:  # CPU/GPU: no estimate; TPU: a negative sentinel for ops it cannot price
