@@ -16,6 +16,7 @@ from hf_random import randomize
 
 import bertjax.models
 from bertjax import sharding
+from bertjax.convert import hf as convert_hf
 from bertjax.convert import modernbert_hf as mhf
 from bertjax.layers.attention import attend
 from bertjax.models import modernbert
@@ -241,9 +242,9 @@ def test_export_round_trip_loads_in_transformers(variant, tmp_path):
             got = loaded.eval()(ids, attention_mask=mask).logits.numpy()
         want = ref["mlm_logits"] if which == "mlm" else ref["clf_logits"]
         np.testing.assert_array_equal(got, want)
-        back_cfg, back_flat, back_heads = mhf.load_hf_dir(str(tmp_path / which))
-        assert back_cfg == cfg and back_heads == heads
-        assert all(np.array_equal(back_flat[k], v) for k, v in flat.items())
+        back = convert_hf.load_hf(str(tmp_path / which))  # what load_pretrained and convert read
+        assert back.config == cfg and back.heads == heads
+        assert all(np.array_equal(back.tensors[k], v) for k, v in flat.items())
     # A bare ModernBertModel state dict (no "model." prefix) reads as the encoder alone.
     bare = {k[len("model.") :]: v for k, v in ref["mlm_state"].items() if k.startswith("model.")}
     enc_flat, enc_heads = mhf.from_hf_tensors(cfg, bare, "bare")

@@ -28,7 +28,7 @@ import os
 from typing import Any
 
 import numpy as np
-from safetensors.numpy import load_file, save_file
+from safetensors.numpy import save_file
 
 from bertjax.convert.checkpoint import fmt_shape, listing, mismatch_report
 from bertjax.layers.core import ACTIVATIONS
@@ -454,17 +454,6 @@ def to_hf_tensors(
 # ---------------------------------------------------------------------------------------------
 # Directories (config.json + model.safetensors)
 # ---------------------------------------------------------------------------------------------
-def load_hf_dir(path: str) -> tuple[ModernBertConfig, dict[str, np.ndarray], tuple[str, ...]]:
-    """Reads a transformers ModernBERT directory (config.json + model.safetensors)."""
-    with open(os.path.join(path, "config.json")) as f:
-        hf = json.load(f)
-    cfg = config_from_hf(hf)
-    weights = os.path.join(path, "model.safetensors")
-    arch = (hf.get("architectures") or [None])[0]
-    flat, heads = from_hf_tensors(cfg, load_file(weights), weights, architecture=arch)
-    return cfg, flat, heads
-
-
 def write_hf_dir(
     path: str, cfg: ModernBertConfig, flat: dict[str, np.ndarray], heads, hf_class=None
 ) -> None:
