@@ -292,7 +292,7 @@ def pretrained_from_checkpoint(
     if "nsp" in want:
         want.add("pooler")  # NSP reads the pooled output
     config = ckpt.config.replace(dtype=dtype, param_dtype="float32", scan_layers=False)
-    choice_pools_first = getattr(models.architecture(config), "CHOICE_POOLS_FIRST_TOKEN", False)
+    choice_pools_first = models.architecture(config).CHOICE_POOLS_FIRST_TOKEN
     module = PretrainedEncoder(
         config,
         pooler="pooler" in want,

@@ -77,7 +77,8 @@ def test_every_architecture_exports_the_registry_contract(name):
     arch = models.ARCHITECTURES[name]
     for attr in (
         "Config", "Encoder", "MaskedLMHead", "ENCODER_NAME", "WORD_EMBEDDINGS",
-        "POOLER_IN_PRETRAINING", "get_preset", "preset_names", "forward_flops_per_sequence",
+        "POOLER_IN_PRETRAINING", "CHOICE_POOLS_FIRST_TOKEN", "get_preset", "preset_names",
+        "forward_flops_per_sequence",
     ):  # fmt: skip
         assert hasattr(arch, attr), f"{name}.{attr}"
     assert arch.Config.architecture == name

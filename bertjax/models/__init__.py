@@ -15,6 +15,8 @@ its encoder, under the same names:
 * ``MaskedLMHead(config)`` - ``(hidden [..., H], word_embeddings [V, H]) -> logits [..., V]``;
 * ``ENCODER_NAME`` (the encoder's params subtree) and ``WORD_EMBEDDINGS`` (the path of the table
   tied to the MLM decoder inside it);
+* ``POOLER_IN_PRETRAINING`` (the pooler is trained by pretraining: NSP) and
+  ``CHOICE_POOLS_FIRST_TOKEN`` (multiple choice pools the first unpadded token, not position 0);
 * ``forward_flops_per_sequence(config, seq_len, num_masked)``.
 
 Task heads (``bertjax.models.heads``), the trainer, ``convert``, ``load_pretrained`` and the

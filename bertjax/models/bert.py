@@ -61,6 +61,8 @@ ENCODER_NAME = "bert"  # the encoder's subtree in every model's params
 WORD_EMBEDDINGS = ("embeddings", "word_embeddings", "embedding")
 # The pooler exists in pretraining even without NSP (checkpoints of MLM-only runs carry it).
 POOLER_IN_PRETRAINING = True
+# Multiple choice pools position 0 ([CLS]), as BertForMultipleChoice.
+CHOICE_POOLS_FIRST_TOKEN = False
 TokenHead = None  # no transform between the encoder and the token/span classifiers
 
 

@@ -228,9 +228,8 @@ class MultipleChoice(nn.Module):
             return None if x is None else x.reshape(b * c, s)  # [batch * choices, seq]
 
         first = None
-        if attention_mask is not None and getattr(
-            architecture(self.config), "CHOICE_POOLS_FIRST_TOKEN", False
-        ):  # the first unpadded token (left padding), as attention_mask.argmax(-1)
+        if attention_mask is not None and architecture(self.config).CHOICE_POOLS_FIRST_TOKEN:
+            # the first unpadded token (left padding), as attention_mask.argmax(-1)
             first = jnp.argmax(flat(attention_mask), axis=-1).astype(jnp.int32)[:, None]
         out = encoder(self.config)(
             flat(input_ids),
