@@ -11,6 +11,7 @@ compile comes from XLA's cost model (``cost_analysis()["optimal_seconds"]``): an
 from __future__ import annotations
 
 import logging
+import re
 import time
 from typing import Any
 
@@ -100,10 +101,32 @@ def compile_train_step(
     phase = setup.phases[phase_index]
     setup = phase_setup(setup, phase)
     accum = config.train.grad_accum_steps
+    mesh_devices = list(setup.mesh.devices.flat)
+    on_tpu = mesh_devices[0].platform == "tpu"
+    arrays = state_arrays(setup.abstract_state, setup.state_shardings)
+    report: dict[str, Any] = {
+        "devices": len(mesh_devices),
+        "device_kind": mesh_devices[0].device_kind,
+        "platform": mesh_devices[0].platform,
+        "mesh": dict(setup.mesh.shape),
+        "phase": phase_index,
+        "global_batch_size": phase.global_batch_size,
+        "grad_accum_steps": accum,
+    }
     t0 = time.perf_counter()
-    compiled = _compile(setup, phase, accum)
+    try:
+        compiled = compile_step(setup, phase, accum)
+    except jax.errors.JaxRuntimeError as err:
+        oom = out_of_memory(err, topology.hbm_bytes(mesh_devices[0])) if on_tpu else None
+        if oom is None:
+            raise
+        # The TPU compiler refuses a program larger than HBM: that is the answer, not a crash.
+        report["compile_seconds"] = round(time.perf_counter() - t0, 2)
+        report["state_bytes_per_device"] = sum(r["bytes_per_device"] for r in arrays)
+        if "temp_size_in_bytes" in oom:  # the state alone is an argument: a lower bound
+            oom["hbm_bytes_at_least"] = report["state_bytes_per_device"] + oom["temp_size_in_bytes"]
+        return {**report, "hbm_bytes_per_device": None, **oom, "largest_arrays": arrays[:6]}
     compile_seconds = time.perf_counter() - t0
-    on_tpu = setup.mesh.devices.flat[0].platform == "tpu"
     timed, timed_setup, unroll, est_from = compiled, setup, False, []
     scan = bool(config.model.get("scan_layers"))
     if (accum > 1 or scan) and on_tpu:
@@ -114,24 +137,13 @@ def compile_train_step(
             twin = build(unscanned, workdir, shapes_only_task(unscanned, workdir), devices=devices)
             timed_setup = phase_setup(twin, phase)
         unroll = True
-        timed = _compile(timed_setup, phase, accum, unroll=True)
+        timed = compile_step(timed_setup, phase, accum, unroll=True)
         est_from.append("its loops unrolled (the cost model counts a loop once)")
     if on_tpu and _estimate(_costs(timed)) < 0:
-        timed = _compile(timed_setup, phase, accum, unroll=unroll, options=NO_SLICED_PREFETCH)
+        timed = compile_step(timed_setup, phase, accum, unroll=unroll, options=NO_SLICED_PREFETCH)
         est_from.append("no sliced prefetches (the cost model gives them no cost on this chip)")
-    arrays = state_arrays(setup.abstract_state, setup.state_shardings)
-    mesh_devices = list(setup.mesh.devices.flat)
-    report: dict[str, Any] = {
-        "devices": len(mesh_devices),
-        "device_kind": mesh_devices[0].device_kind,
-        "platform": mesh_devices[0].platform,
-        "mesh": dict(setup.mesh.shape),
-        "phase": phase_index,
-        "global_batch_size": phase.global_batch_size,
-        "grad_accum_steps": accum,
-        "compile_seconds": round(compile_seconds, 2),
-        "state_bytes_per_device": sum(r["bytes_per_device"] for r in arrays),
-    }
+    report["compile_seconds"] = round(compile_seconds, 2)
+    report["state_bytes_per_device"] = sum(r["bytes_per_device"] for r in arrays)
     report.update(memory_report(compiled, mesh_devices[0]))
     seq_len, _ = setup.task.step_shape(phase)
     report.update(
@@ -149,7 +161,7 @@ def compile_train_step(
     return report
 
 
-def _compile(setup, phase, accum_steps: int, unroll: bool = False, options: dict | None = None):
+def compile_step(setup, phase, accum_steps: int, unroll: bool = False, options: dict | None = None):
     """The phase's jitted train step lowered for abstract (sharded) state and batch, compiled
     (``options``: XLA compiler options)."""
     batch = setup.task.init_batch(phase, phase.global_batch_size)
@@ -174,6 +186,25 @@ def _estimate(costs: dict[str, Any]) -> float:
     """``optimal_seconds`` of XLA's cost model (0 where there is none, negative where an op of
     the program has no cost)."""
     return float(costs.get("optimal_seconds", 0.0) or 0.0)
+
+
+_BYTES = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}  # XLA's human-readable sizes
+
+
+def out_of_memory(err: Exception, capacity: int) -> dict[str, Any] | None:
+    """The TPU compiler's "ran out of memory on HBM" error as report fields (``fits`` False, the
+    compiler's own sentence, the bytes it says the temporaries need); None for other errors."""
+    text = str(err)
+    if "RESOURCE_EXHAUSTED" not in text or "memory" not in text.lower():
+        return None
+    sentence = next(line for line in text.splitlines() if "memory" in line.lower())
+    report: dict[str, Any] = {"fits": False, "compile_error": sentence.strip()}
+    if capacity:
+        report["hbm_capacity_bytes"] = capacity
+    needed = re.search(r"required for HLO temporaries \(([\d.]+)([KMGT]?)", text)
+    if needed:
+        report["temp_size_in_bytes"] = int(float(needed.group(1)) * _BYTES[needed.group(2)])
+    return report
 
 
 def memory_report(compiled, device) -> dict[str, Any]:
@@ -266,6 +297,8 @@ def format_report(report: dict[str, Any], title: str = "") -> str:
             )
         else:
             lines.append(f"memory      {used:.2f} GiB per device")
+    if "compile_error" in report:
+        lines.append(f"memory      DOES NOT FIT: {report['compile_error']}")
     if "est_step_seconds" in report:
         mfu = report["est_mfu"]
         lines.append(

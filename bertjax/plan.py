@@ -250,9 +250,14 @@ def format_table(result: dict[str, Any]) -> str:
         )
     for row in result["rejected"]:
         o = row["overrides"]
+        used, at_least = row.get("hbm_bytes_per_device"), row.get("hbm_bytes_at_least")
+        cap = f"{row.get('hbm_capacity_bytes', 0) / gib:.0f}"
         why = row.get("error") or (
-            f"needs {row['hbm_bytes_per_device'] / gib:.1f} GiB of "
-            f"{row['hbm_capacity_bytes'] / gib:.0f}"
+            f"needs {used / gib:.1f} GiB of {cap}"
+            if used is not None
+            else f"needs at least {at_least / gib:.1f} GiB of {cap} (the TPU compiler refused it)"
+            if at_least
+            else row.get("compile_error", "the TPU compiler refused it")
         )
         lines.append(f"   - does not fit: {overrides_flags(o)}: {why}")
     if any(r.get("est_unavailable") for r in result["ranked"]):

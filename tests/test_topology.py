@@ -105,6 +105,52 @@ def test_compile_for_a_simulated_slice_reports_consistent_estimates(tmp_path):
     assert not (tmp_path / "data").exists()  # no corpus, nothing prepared
 
 
+# What the TPU compiler said for the tiny preset at global batch 2^20 on a v5e-4 (a real compile).
+HBM_REFUSAL = (
+    "RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO temporaries "
+    "(108.21G) exceeds available HBM (15.75G)."
+)
+REFUSED_COMPILE = """
+import json, sys
+import jax
+from bertjax import compile as aot, topology
+from configs import bert_base
+
+def refuse(*args, **kwargs):
+    raise jax.errors.JaxRuntimeError(sys.argv[2])
+
+aot.compile_step = refuse
+config = aot.with_overrides(bert_base.get_config(), json.loads(sys.argv[1]))
+report = aot.compile_train_step(config, sys.argv[3], devices=topology.devices(topology.parse("v5e:2x2")))
+print(json.dumps(report))
+print(aot.format_report(report).splitlines()[1])
+"""
+
+
+@needs_libtpu
+def test_a_step_larger_than_hbm_is_a_report_that_it_does_not_fit(tmp_path):
+    # The TPU compiler refuses a program larger than HBM with an error; compile (and plan) report
+    # it as not fitting, with the compiler's sentence and the bytes it asked for, not a traceback.
+    def run(message):
+        return subprocess.run(
+            [sys.executable, "-c", REFUSED_COMPILE, json.dumps(TINY), message, str(tmp_path)],
+            cwd=REPO, capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+
+    out = run(HBM_REFUSAL)
+    assert out.returncode == 0, out.stderr[-2000:]
+    report_line, human = out.stdout.strip().splitlines()[-2:]
+    report = json.loads(report_line)
+    assert report["fits"] is False and report["hbm_bytes_per_device"] is None
+    assert report["compile_error"] == HBM_REFUSAL
+    assert report["temp_size_in_bytes"] == int(108.21 * 2**30)
+    assert report["hbm_bytes_at_least"] > report["temp_size_in_bytes"]
+    assert report["hbm_capacity_bytes"] == 16 * topology.GIB and report["devices"] == 4
+    assert human.startswith("memory      DOES NOT FIT: RESOURCE_EXHAUSTED")
+    other = run("INTERNAL: something else")  # any other compiler error still raises
+    assert other.returncode != 0 and "something else" in other.stderr
+
+
 @needs_libtpu
 @pytest.mark.slow
 def test_a_v5e_step_gets_a_time_without_sliced_prefetches(tmp_path):
@@ -188,7 +234,11 @@ def test_plan_table_ranks_in_search_order_where_the_chip_has_no_estimate():
     row = {"overrides": base, "fits": True, "hbm_bytes_per_device": 12 * topology.GIB}
     row["est_unavailable"] = "XLA's cost model gave no step time for TPU v5 lite"
     result = {"topology": "v5e-16", "phase": 1, "searched": 1, "of": 9, "seconds": 60.0}
-    result.update(ranked=[row], rejected=[], best_overrides=plan.overrides_flags(base))
+    refused = {"overrides": {**base, "model.remat": "dots"}, "fits": False}  # compile's OOM report
+    refused.update(hbm_bytes_per_device=None, hbm_bytes_at_least=20 * topology.GIB)
+    refused.update(hbm_capacity_bytes=16 * topology.GIB, compile_error=HBM_REFUSAL)
+    result.update(ranked=[row], rejected=[refused], best_overrides=plan.overrides_flags(base))
     table = plan.format_table(result)
     assert "no step time for this chip" in table and "12.00" in table
+    assert "needs at least 20.0 GiB of 16 (the TPU compiler refused it)" in table
     assert table.splitlines()[-1] == "best: " + plan.overrides_flags(base)
