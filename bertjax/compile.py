@@ -112,6 +112,7 @@ def compile_train_step(
         "phase": phase_index,
         "global_batch_size": phase.global_batch_size,
         "grad_accum_steps": accum,
+        "state_bytes_per_device": sum(r["bytes_per_device"] for r in arrays),
     }
     t0 = time.perf_counter()
     try:
@@ -122,7 +123,6 @@ def compile_train_step(
             raise
         # The TPU compiler refuses a program larger than HBM: that is the answer, not a crash.
         report["compile_seconds"] = round(time.perf_counter() - t0, 2)
-        report["state_bytes_per_device"] = sum(r["bytes_per_device"] for r in arrays)
         if "temp_size_in_bytes" in oom:  # the state alone is an argument: a lower bound
             oom["hbm_bytes_at_least"] = report["state_bytes_per_device"] + oom["temp_size_in_bytes"]
         return {**report, "hbm_bytes_per_device": None, **oom, "largest_arrays": arrays[:6]}
@@ -143,7 +143,6 @@ def compile_train_step(
         timed = compile_step(timed_setup, phase, accum, unroll=unroll, options=NO_SLICED_PREFETCH)
         est_from.append("no sliced prefetches (the cost model gives them no cost on this chip)")
     report["compile_seconds"] = round(compile_seconds, 2)
-    report["state_bytes_per_device"] = sum(r["bytes_per_device"] for r in arrays)
     report.update(memory_report(compiled, mesh_devices[0]))
     seq_len, _ = setup.task.step_shape(phase)
     report.update(
