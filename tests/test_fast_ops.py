@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from bertjax import losses
+from bertjax.layers import fast_ops
 from bertjax.layers.attention import HeadProjection
 from bertjax.layers.fast_ops import gelu, tied_decoder
 from bertjax.models.bert import fused_qkv, get_preset
@@ -101,3 +102,53 @@ def test_gelu_keeping_phi_equals_exact_gelu_and_its_autodiff(dtype):
     np.testing.assert_allclose(
         np.asarray(grad, np.float32), np.asarray(ref_grad, np.float32), rtol=tol, atol=tol * 5
     )
+
+
+@pytest.mark.parametrize(
+    "spec, a_shape, b_shape",
+    [
+        ("abc,cd->abd", (2, 5, 8), (8, 6)),  # a dense layer
+        ("abc,cxyz->abxyz", (2, 5, 8), (8, 3, 2, 4)),  # fused QKV
+        ("abcd,cde->abe", (2, 5, 3, 4), (3, 4, 6)),  # attention output (two axes in)
+    ],
+)
+def test_mixed_precision_einsum_accumulates_in_fp32_forward_and_backward(spec, a_shape, b_shape):
+    """``fast_ops.einsum`` with bf16 operands: the fp32 einsum of the same bf16 values, rounded
+    once to bf16, and gradients equal to the fp32 reference's within bf16 rounding; fp32 operands
+    take the plain einsum (bit for bit)."""
+    k1, k2, k3 = jax.random.split(jax.random.key(4), 3)
+    a = jax.random.normal(k1, a_shape).astype(jnp.bfloat16)
+    b = jax.random.normal(k2, b_shape).astype(jnp.bfloat16)
+    ours, vjp = jax.vjp(lambda a, b: fast_ops.einsum(spec, a, b), a, b)
+    assert ours.dtype == jnp.bfloat16
+    f32 = functools.partial(jnp.asarray, dtype=jnp.float32)
+    ref, ref_vjp = jax.vjp(lambda a, b: jnp.einsum(spec, a, b), f32(a), f32(b))
+    np.testing.assert_array_equal(f32(ours), f32(ref.astype(jnp.bfloat16)))
+    cot = jax.random.normal(k3, ours.shape).astype(jnp.bfloat16)
+    for got, want in zip(vjp(cot), ref_vjp(f32(cot))):
+        assert got.dtype == jnp.bfloat16 and got.shape == want.shape
+        np.testing.assert_allclose(f32(got), want, rtol=1e-2, atol=1e-2)
+    # Every product, forward and backward, takes bf16 operands and accumulates in fp32 (XLA CPU
+    # runs those at twice the fp32 rate; autodiff's backward would upcast the operands).
+    grads = jax.grad(lambda a, b: f32(fast_ops.einsum(spec, a, b)).sum(), (0, 1))
+    dots = list(_equations(jax.make_jaxpr(grads)(a, b).jaxpr, "dot_general"))
+    assert len(dots) == 3
+    for eqn in dots:
+        assert [v.aval.dtype for v in eqn.invars] == [jnp.bfloat16] * 2, eqn
+        assert eqn.params["preferred_element_type"] == jnp.float32, eqn
+    a32, b32 = f32(a), f32(b)
+    np.testing.assert_array_equal(fast_ops.einsum(spec, a32, b32), jnp.einsum(spec, a32, b32))
+    num_in = 2 if spec.startswith("abcd") else 1  # the same product as fast_ops.contract
+    np.testing.assert_array_equal(f32(fast_ops.contract(a, b, num_in)), f32(ours))
+
+
+def _equations(jaxpr, name):
+    """Every equation called ``name`` in a jaxpr and the jaxprs nested in it."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == name:
+            yield eqn
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, tuple | list) else (value,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    yield from _equations(inner, name)

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from bertjax.layers import fast_ops
 from bertjax.layers.band_attention import band_applies, band_attention
 from bertjax.layers.core import dtype_of, normal_init, zeros_init
 from bertjax.layers.dropout import Dropout
@@ -52,7 +53,7 @@ class HeadProjection(nn.Module):
         if x is None:
             return kernel, bias
         spec = "bshd,hde->bse" if self.in_heads else "bse,ehd->bshd"
-        y = jnp.einsum(spec, x.astype(dtype), kernel)
+        y = fast_ops.einsum(spec, x.astype(dtype), kernel)
         return y if bias is None else y + bias
 
 

@@ -144,6 +144,7 @@ def dense(config, features: int, names: tuple[str, str], name: str, use_bias: bo
         param_dtype=dtype_of(config.param_dtype),
         kernel_init=normal_init(config, names),
         bias_init=zeros_init(names[1:]),
+        dot_general=fast_ops.dense_dot_general,  # bf16: fp32 accumulation, also in the backward
         name=name,
     )
 

@@ -9,9 +9,16 @@ order XLA (notably XLA CPU) runs fastest. Each has an equality test in tests/tes
 * :func:`gelu` - exact (erf) GELU that keeps ``Phi(x)`` from the forward pass, so the backward
   pass needs one ``exp`` instead of re-evaluating XLA's erf (a rational polynomial with divides):
   3.16-3.36 s vs 3.29-3.88 s per BERT-small step in three alternating pairs of runs.
+* :func:`einsum` - a two-operand einsum that accumulates in fp32 when its operands are bf16/fp16,
+  forward and backward. XLA CPU's matmul library runs bf16 x bf16 -> fp32 at twice its fp32 rate,
+  but a product with a bf16 result, and autodiff's backward products (which upcast the operands),
+  run as fp32 matmuls: modernbert-base's bf16 step was slower than its fp32 step.
 """
 
 from __future__ import annotations
+
+import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -23,8 +30,8 @@ Array = jax.Array
 @jax.custom_vjp
 def tied_decoder(x: Array, embeddings: Array, bias: Array) -> Array:
     """Logits [..., vocab] fp32 = x [..., hidden] @ embeddings [vocab, hidden]^T + bias [vocab]."""
-    logits = jnp.einsum("...h,vh->...v", x, embeddings)
-    return logits.astype(jnp.float32) + bias.astype(jnp.float32)
+    logits = jnp.einsum("...h,vh->...v", x, embeddings, preferred_element_type=jnp.float32)
+    return logits + bias.astype(jnp.float32)
 
 
 def _tied_decoder_fwd(x, embeddings, bias):
@@ -36,9 +43,12 @@ def _tied_decoder_bwd(residuals, g):
     vocab, hidden = embeddings.shape
     g2 = g.reshape(-1, vocab)  # [n, vocab] fp32
     gx = g2.astype(x.dtype)
-    dx = (gx @ embeddings).reshape(x.shape)  # [..., hidden]
+    f32 = jnp.float32  # bf16 operands: fp32 accumulation (see einsum)
+    dx = jnp.matmul(gx, embeddings, preferred_element_type=f32).astype(x.dtype)  # [n, hidden]
+    dx = dx.reshape(x.shape)  # [..., hidden]
     x2 = x.reshape(-1, hidden)
-    d_embeddings = lax.dot_general(gx, x2, (((0,), (0,)), ((), ())))  # [vocab, hidden]
+    dims = (((0,), (0,)), ((), ()))
+    d_embeddings = lax.dot_general(gx, x2, dims, preferred_element_type=f32)  # [vocab, hidden]
     d_bias = (jnp.ones((1, g2.shape[0]), g2.dtype) @ g2)[0]  # [vocab]
     return dx, d_embeddings.astype(embeddings.dtype), d_bias.astype(bias.dtype)
 
@@ -72,3 +82,60 @@ def _gelu_bwd(residuals, g):
 
 
 gelu.defvjp(_gelu_fwd, _gelu_bwd)
+
+
+def einsum(spec: str, a: Array, b: Array, out_dtype: Any = None) -> Array:
+    """``jnp.einsum(spec, a, b)`` in ``out_dtype`` (default ``a.dtype``). With bf16/fp16 operands
+    the forward and both backward products take those operands and accumulate in fp32
+    (``preferred_element_type``), the backward's cotangent rounded to ``a.dtype`` as under
+    PyTorch's autocast. fp32 operands: the plain einsum. Every index must appear in two of the
+    three terms or in all three (batch), so that each gradient is an einsum of the other two."""
+    out_dtype = a.dtype if out_dtype is None else out_dtype
+    if a.dtype == jnp.float32 and b.dtype == jnp.float32:
+        return jnp.einsum(spec, a, b).astype(out_dtype)
+    return _mixed_einsum(a, b, spec, jnp.dtype(out_dtype))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _mixed_einsum(a: Array, b: Array, spec: str, out_dtype) -> Array:
+    return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32).astype(out_dtype)
+
+
+def _mixed_einsum_fwd(a, b, spec, out_dtype):
+    return _mixed_einsum(a, b, spec, out_dtype), (a, b)
+
+
+def _mixed_einsum_bwd(spec, out_dtype, residuals, g):
+    a, b = residuals
+    ins, out = spec.replace(" ", "").split("->")
+    sa, sb = ins.split(",")
+    g = g.astype(a.dtype)
+    da = jnp.einsum(f"{out},{sb}->{sa}", g, b, preferred_element_type=jnp.float32)
+    db = jnp.einsum(f"{sa},{out}->{sb}", a, g, preferred_element_type=jnp.float32)
+    return da.astype(a.dtype), db.astype(b.dtype)
+
+
+_mixed_einsum.defvjp(_mixed_einsum_fwd, _mixed_einsum_bwd)
+
+
+def contract(x: Array, kernel: Array, num_in: int) -> Array:
+    """``jnp.tensordot(x, kernel, num_in)`` (x [..., *in] . kernel [*in, *out]), as :func:`einsum`
+    for bf16/fp16 operands."""
+    if x.dtype == jnp.float32 and kernel.dtype == jnp.float32:
+        return jnp.tensordot(x, kernel, axes=num_in)
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    lead, out = x.ndim - num_in, kernel.ndim - num_in
+    batch, ins, outs = letters[:lead], letters[lead : lead + num_in], letters[26 - out :]
+    return einsum(f"{batch}{ins},{ins}{outs}->{batch}{outs}", x, kernel)
+
+
+def dense_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
+    """``lax.dot_general`` for ``nn.Dense(dot_general=...)``: its product ``[..., in] . [in, out]``
+    goes through :func:`contract` (fp32 accumulation for bf16 operands, forward and backward);
+    any other product is ``lax.dot_general`` itself."""
+    dense = (((lhs.ndim - 1,), (0,)), ((), ()))
+    low = lhs.dtype != jnp.float32 or rhs.dtype != jnp.float32
+    if low and dimension_numbers == dense and rhs.ndim == 2 and precision is None:
+        if preferred_element_type is None:
+            return contract(lhs, rhs, 1)
+    return lax.dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type)

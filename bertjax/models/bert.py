@@ -214,7 +214,7 @@ def fused_qkv(config: BertConfig, x: Array) -> tuple[Array, Array, Array]:
     params = [HeadProjection(config, name=name)(None) for name in ("query", "key", "value")]
     kernel = jnp.stack([k for k, _ in params], axis=1)  # [embed, 3, heads, head_dim]
     bias = jnp.stack([b for _, b in params], axis=0)  # [3, heads, head_dim]
-    qkv = jnp.einsum("bse,ethd->bsthd", x.astype(kernel.dtype), kernel) + bias
+    qkv = fast_ops.einsum("bse,ethd->bsthd", x.astype(kernel.dtype), kernel) + bias
     return qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
 
 

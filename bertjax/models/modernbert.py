@@ -231,7 +231,7 @@ class Linear(nn.Module):
         cfg = self.config
         pdtype, dtype = dtype_of(cfg.param_dtype), dtype_of(cfg.dtype)
         kernel = self.param("kernel", _init(cfg, self.names, self.std), self.shape, pdtype)
-        y = jnp.tensordot(x.astype(dtype), kernel.astype(dtype), axes=self.num_in)
+        y = fast_ops.contract(x.astype(dtype), kernel.astype(dtype), self.num_in)
         if self.use_bias:
             out_shape, out_names = self.shape[self.num_in :], self.names[self.num_in :]
             y = y + self.param("bias", zeros_init(out_names), out_shape, pdtype).astype(dtype)

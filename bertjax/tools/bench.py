@@ -337,6 +337,9 @@ def measure_peers(args, result: dict) -> dict[str, Any]:
     if args.architecture == "modernbert":
         c = result["model_config"]  # the window and layer pattern of the bertjax model
         shape.update(window=c["local_attention"], global_every=c["global_attn_every_n_layers"])
+        shape.update(accum=args.grad_accum_steps)  # like for like: the same micro-batches
+        if args.dtype == "bfloat16":
+            shape.update(dtype="bfloat16")  # PyTorch's autocast: bf16 matmuls, fp32 weights
     peers = {}
     for framework in bench_peers.PEERS[args.architecture]:
         peer = bench_peers.run_peer(python, framework, shape)

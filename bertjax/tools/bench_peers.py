@@ -288,10 +288,14 @@ def _bench_torch_model(model, batch: dict, a, name: str, no_decay: tuple[str, ..
 
     accum = getattr(a, "accum", 1)  # micro-batches: gradients summed over equal slices of rows
     chunks = [{k: v.chunk(accum)[i] for k, v in batch.items()} for i in range(accum)]
+    dtype = getattr(a, "dtype", "float32")  # bfloat16: mixed precision, fp32 weights (autocast)
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bfloat16")
 
     def run():
         for chunk in chunks:
-            (model(**chunk).loss / accum).backward()
+            with autocast:
+                loss = model(**chunk).loss / accum
+            loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -303,6 +307,7 @@ def _bench_torch_model(model, batch: dict, a, name: str, no_decay: tuple[str, ..
         "cpu_times": cpu_times,
         "first_step_s": first,
         "attn_implementation": model.config._attn_implementation,
+        "dtype": dtype,
         "threads": torch.get_num_threads(),
         "versions": {"torch": torch.__version__, "transformers": _version("transformers")},
     }
@@ -336,6 +341,10 @@ def main(argv: list[str] | None = None) -> None:
         p.add_argument(f"--{name}", type=int, default=default)
     p.add_argument("--dropout", type=float, default=0.1)
     p.add_argument("--accum", type=int, default=1, help="micro-batches per step (PyTorch peers)")
+    p.add_argument(
+        "--dtype", default="float32", choices=("float32", "bfloat16"),
+        help="PyTorch peers: bfloat16 = torch.autocast mixed precision (fp32 weights, bf16 matmuls)",
+    )  # fmt: skip
     a = p.parse_args(argv)
     runners = {
         "flax": bench_flax,
