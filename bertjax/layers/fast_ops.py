@@ -27,23 +27,38 @@ from jax import lax
 Array = jax.Array
 
 
-@jax.custom_vjp
 def tied_decoder(x: Array, embeddings: Array, bias: Array) -> Array:
-    """Logits [..., vocab] fp32 = x [..., hidden] @ embeddings [vocab, hidden]^T + bias [vocab]."""
-    logits = jnp.einsum("...h,vh->...v", x, embeddings, preferred_element_type=jnp.float32)
-    return logits + bias.astype(jnp.float32)
+    """Logits [..., vocab] fp32 = x [..., hidden] @ embeddings [vocab, hidden]^T + bias [vocab].
+    bf16/fp16 operands on CPU: every product accumulates in fp32 (see :func:`einsum`)."""
+    if x.dtype == jnp.float32 and embeddings.dtype == jnp.float32:
+        return _tied_decoder(x, embeddings, bias, False)
+
+    def mixed(x, embeddings, bias):
+        return _tied_decoder(x, embeddings, bias, True)
+
+    def plain(x, embeddings, bias):  # what the TPU compiler prices lower (see einsum)
+        return _tied_decoder(x, embeddings, bias, False)
+
+    return lax.platform_dependent(x, embeddings, bias, cpu=mixed, default=plain)
 
 
-def _tied_decoder_fwd(x, embeddings, bias):
-    return tied_decoder(x, embeddings, bias), (x, embeddings, bias)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _tied_decoder(x: Array, embeddings: Array, bias: Array, mixed: bool) -> Array:
+    f32 = jnp.float32 if mixed else None
+    logits = jnp.einsum("...h,vh->...v", x, embeddings, preferred_element_type=f32)
+    return logits.astype(jnp.float32) + bias.astype(jnp.float32)
 
 
-def _tied_decoder_bwd(residuals, g):
+def _tied_decoder_fwd(x, embeddings, bias, mixed):
+    return _tied_decoder(x, embeddings, bias, mixed), (x, embeddings, bias)
+
+
+def _tied_decoder_bwd(mixed, residuals, g):
     x, embeddings, bias = residuals
     vocab, hidden = embeddings.shape
     g2 = g.reshape(-1, vocab)  # [n, vocab] fp32
     gx = g2.astype(x.dtype)
-    f32 = jnp.float32  # bf16 operands: fp32 accumulation (see einsum)
+    f32 = jnp.float32 if mixed else None
     dx = jnp.matmul(gx, embeddings, preferred_element_type=f32).astype(x.dtype)  # [n, hidden]
     dx = dx.reshape(x.shape)  # [..., hidden]
     x2 = x.reshape(-1, hidden)
@@ -53,7 +68,7 @@ def _tied_decoder_bwd(residuals, g):
     return dx, d_embeddings.astype(embeddings.dtype), d_bias.astype(bias.dtype)
 
 
-tied_decoder.defvjp(_tied_decoder_fwd, _tied_decoder_bwd)
+_tied_decoder.defvjp(_tied_decoder_fwd, _tied_decoder_bwd)
 
 
 _SQRT_2 = 1.4142135623730951
@@ -90,10 +105,20 @@ def einsum(spec: str, a: Array, b: Array, out_dtype: Any = None) -> Array:
     (``preferred_element_type``), the backward's cotangent rounded to ``a.dtype`` as under
     PyTorch's autocast. fp32 operands: the plain einsum. Every index must appear in two of the
     three terms or in all three (batch), so that each gradient is an einsum of the other two."""
-    out_dtype = a.dtype if out_dtype is None else out_dtype
-    if a.dtype == jnp.float32 and b.dtype == jnp.float32:
+    out_dtype = jnp.dtype(a.dtype if out_dtype is None else out_dtype)
+
+    def plain(a, b):
         return jnp.einsum(spec, a, b).astype(out_dtype)
-    return _mixed_einsum(a, b, spec, jnp.dtype(out_dtype))
+
+    if a.dtype == jnp.float32 and b.dtype == jnp.float32:
+        return plain(a, b)
+
+    # Chosen when lowering for a platform: a TPU program (also one compiled on a CPU host by
+    # `bertjax compile --topology`) keeps the plain product, which its compiler prices lower.
+    def mixed(a, b):
+        return _mixed_einsum(a, b, spec, out_dtype)
+
+    return lax.platform_dependent(a, b, cpu=mixed, default=plain)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
