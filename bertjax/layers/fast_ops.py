@@ -9,10 +9,10 @@ order XLA (notably XLA CPU) runs fastest. Each has an equality test in tests/tes
 * :func:`gelu` - exact (erf) GELU that keeps ``Phi(x)`` from the forward pass, so the backward
   pass needs one ``exp`` instead of re-evaluating XLA's erf (a rational polynomial with divides):
   3.16-3.36 s vs 3.29-3.88 s per BERT-small step in three alternating pairs of runs.
-* :func:`einsum` - a two-operand einsum that accumulates in fp32 when its operands are bf16/fp16,
-  forward and backward. XLA CPU's matmul library runs bf16 x bf16 -> fp32 at twice its fp32 rate,
-  but a product with a bf16 result, and autodiff's backward products (which upcast the operands),
-  run as fp32 matmuls: modernbert-base's bf16 step was slower than its fp32 step.
+* :func:`einsum` - a two-operand einsum that, on CPU, accumulates in fp32 when its operands are
+  bf16, forward and backward. XLA CPU's matmul library runs bf16 x bf16 -> fp32 at twice its fp32
+  rate, but a product with a bf16 result, and autodiff's backward products (which upcast the
+  operands), run as fp32 matmuls: modernbert-base's bf16 step was slower than its fp32 step.
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ Array = jax.Array
 
 def tied_decoder(x: Array, embeddings: Array, bias: Array) -> Array:
     """Logits [..., vocab] fp32 = x [..., hidden] @ embeddings [vocab, hidden]^T + bias [vocab].
-    bf16/fp16 operands on CPU: every product accumulates in fp32 (see :func:`einsum`)."""
-    if x.dtype == jnp.float32 and embeddings.dtype == jnp.float32:
+    bf16 operands on CPU: every product accumulates in fp32 (see :func:`einsum`)."""
+    if not _both_bf16(x, embeddings):
         return _tied_decoder(x, embeddings, bias, False)
 
     def mixed(x, embeddings, bias):
@@ -100,17 +100,17 @@ gelu.defvjp(_gelu_fwd, _gelu_bwd)
 
 
 def einsum(spec: str, a: Array, b: Array, out_dtype: Any = None) -> Array:
-    """``jnp.einsum(spec, a, b)`` in ``out_dtype`` (default ``a.dtype``). With bf16/fp16 operands
+    """``jnp.einsum(spec, a, b)`` in ``out_dtype`` (default ``a.dtype``). With bf16 operands
     the forward and both backward products take those operands and accumulate in fp32
     (``preferred_element_type``), the backward's cotangent rounded to ``a.dtype`` as under
-    PyTorch's autocast. fp32 operands: the plain einsum. Every index must appear in two of the
+    PyTorch's autocast. Other dtypes: the plain einsum. Every index must appear in two of the
     three terms or in all three (batch), so that each gradient is an einsum of the other two."""
     out_dtype = jnp.dtype(a.dtype if out_dtype is None else out_dtype)
 
     def plain(a, b):
         return jnp.einsum(spec, a, b).astype(out_dtype)
 
-    if a.dtype == jnp.float32 and b.dtype == jnp.float32:
+    if not _both_bf16(a, b):
         return plain(a, b)
 
     # Chosen when lowering for a platform: a TPU program (also one compiled on a CPU host by
@@ -145,8 +145,8 @@ _mixed_einsum.defvjp(_mixed_einsum_fwd, _mixed_einsum_bwd)
 
 def contract(x: Array, kernel: Array, num_in: int) -> Array:
     """``jnp.tensordot(x, kernel, num_in)`` (x [..., *in] . kernel [*in, *out]), as :func:`einsum`
-    for bf16/fp16 operands."""
-    if x.dtype == jnp.float32 and kernel.dtype == jnp.float32:
+    for bf16 operands."""
+    if not _both_bf16(x, kernel):
         return jnp.tensordot(x, kernel, axes=num_in)
     letters = "abcdefghijklmnopqrstuvwxyz"
     lead, out = x.ndim - num_in, kernel.ndim - num_in
@@ -159,8 +159,11 @@ def dense_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_ele
     goes through :func:`contract` (fp32 accumulation for bf16 operands, forward and backward);
     any other product is ``lax.dot_general`` itself."""
     dense = (((lhs.ndim - 1,), (0,)), ((), ()))
-    low = lhs.dtype != jnp.float32 or rhs.dtype != jnp.float32
-    if low and dimension_numbers == dense and rhs.ndim == 2 and precision is None:
-        if preferred_element_type is None:
-            return contract(lhs, rhs, 1)
+    plain = precision is not None or preferred_element_type is not None
+    if not plain and dimension_numbers == dense and rhs.ndim == 2 and _both_bf16(lhs, rhs):
+        return contract(lhs, rhs, 1)
     return lax.dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type)
+
+
+def _both_bf16(a: Array, b: Array) -> bool:
+    return a.dtype == jnp.bfloat16 and b.dtype == jnp.bfloat16
