@@ -221,6 +221,21 @@ def overrides_flags(overrides: dict[str, Any]) -> str:
     return " ".join(f"--config.{k}={v}" for k, v in overrides.items())
 
 
+def _why_rejected(row: dict[str, Any]) -> str:
+    """Why a candidate does not fit: its error, its measured size, the lower bound from the TPU
+    compiler's refusal (``compile.out_of_memory``), or the refusal's sentence."""
+    if row.get("error"):
+        return row["error"]
+    gib = topology.GIB
+    cap = f"{row.get('hbm_capacity_bytes', 0) / gib:.0f}"
+    if row.get("hbm_bytes_per_device") is not None:
+        return f"needs {row['hbm_bytes_per_device'] / gib:.1f} GiB of {cap}"
+    if row.get("hbm_bytes_at_least"):
+        at_least = row["hbm_bytes_at_least"] / gib
+        return f"needs at least {at_least:.1f} GiB of {cap} (the TPU compiler refused it)"
+    return row.get("compile_error", "the TPU compiler refused it")
+
+
 def format_table(result: dict[str, Any]) -> str:
     """The ranked candidates as a table, then the winning overrides."""
     gib = 1024**3
@@ -249,17 +264,9 @@ def format_table(result: dict[str, Any]) -> str:
             f"{row['hbm_bytes_per_device'] / gib:8.2f}  {layout}"
         )
     for row in result["rejected"]:
-        o = row["overrides"]
-        used, at_least = row.get("hbm_bytes_per_device"), row.get("hbm_bytes_at_least")
-        cap = f"{row.get('hbm_capacity_bytes', 0) / gib:.0f}"
-        why = row.get("error") or (
-            f"needs {used / gib:.1f} GiB of {cap}"
-            if used is not None
-            else f"needs at least {at_least / gib:.1f} GiB of {cap} (the TPU compiler refused it)"
-            if at_least
-            else row.get("compile_error", "the TPU compiler refused it")
+        lines.append(
+            f"   - does not fit: {overrides_flags(row['overrides'])}: {_why_rejected(row)}"
         )
-        lines.append(f"   - does not fit: {overrides_flags(o)}: {why}")
     if any(r.get("est_unavailable") for r in result["ranked"]):
         lines.append(
             "(-: XLA's cost model gives no step time for this chip; ranked in search order)"

@@ -30,16 +30,9 @@ Array = jax.Array
 def tied_decoder(x: Array, embeddings: Array, bias: Array) -> Array:
     """Logits [..., vocab] fp32 = x [..., hidden] @ embeddings [vocab, hidden]^T + bias [vocab].
     bf16 operands on CPU: every product accumulates in fp32 (see :func:`einsum`)."""
-    if not _both_bf16(x, embeddings):
-        return _tied_decoder(x, embeddings, bias, False)
-
-    def mixed(x, embeddings, bias):
-        return _tied_decoder(x, embeddings, bias, True)
-
-    def plain(x, embeddings, bias):  # what the TPU compiler prices lower (see einsum)
-        return _tied_decoder(x, embeddings, bias, False)
-
-    return lax.platform_dependent(x, embeddings, bias, cpu=mixed, default=plain)
+    mixed = functools.partial(_tied_decoder, mixed=True)
+    plain = functools.partial(_tied_decoder, mixed=False)
+    return _fp32_accumulation_on_cpu(mixed, plain, x, embeddings, bias)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -110,15 +103,20 @@ def einsum(spec: str, a: Array, b: Array, out_dtype: Any = None) -> Array:
     def plain(a, b):
         return jnp.einsum(spec, a, b).astype(out_dtype)
 
-    if not _both_bf16(a, b):
-        return plain(a, b)
-
-    # Chosen when lowering for a platform: a TPU program (also one compiled on a CPU host by
-    # `bertjax compile --topology`) keeps the plain product, which its compiler prices lower.
     def mixed(a, b):
         return _mixed_einsum(a, b, spec, out_dtype)
 
-    return lax.platform_dependent(a, b, cpu=mixed, default=plain)
+    return _fp32_accumulation_on_cpu(mixed, plain, a, b)
+
+
+def _fp32_accumulation_on_cpu(mixed, plain, a: Array, b: Array, *rest: Array) -> Array:
+    """``mixed(a, b, *rest)`` when ``a`` and ``b`` are bf16 and the program is lowered for CPU,
+    else ``plain(...)``. The choice is made when lowering for a platform: a TPU program (also one
+    compiled on a CPU host by `bertjax compile --topology`) keeps the plain products, which its
+    compiler prices lower."""
+    if not _both_bf16(a, b):
+        return plain(a, b, *rest)
+    return lax.platform_dependent(a, b, *rest, cpu=mixed, default=plain)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
