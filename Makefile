@@ -15,7 +15,7 @@ JAX_EXTRA ?= $(shell if ls /dev/accel* /dev/vfio/* >/dev/null 2>&1; then echo tp
 
 BEAM_VENV ?= .venv-beam
 
-.PHONY: install install-test pretrain finetune test test-beam test-fast bench lint format clean
+.PHONY: install install-test pretrain finetune test test-beam test-fast bench device-check device-wheels lint format clean
 
 $(BIN)/.installed: setup.cfg pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "bertjax needs Python 3.11+")'
@@ -60,6 +60,21 @@ test-fast: install-test
 
 bench: install
 	$(BIN)/bertjax bench $(ARGS)
+
+# The accelerator check (launch/device_check.sh): OUT=DIR for the report, BUDGET_S=seconds,
+# DRY=1 on a machine without one. DEVICE_PYTHON: the python whose JAX sees the accelerator.
+OUT ?= device_report
+BUDGET_S ?= 480
+DRY ?=
+DEVICE_PYTHON ?= python3
+device-check:
+	$(if $(DRY),$(MAKE) install-test && PYTHON=$(BIN)/python ,PYTHON=$(DEVICE_PYTHON) )launch/device_check.sh \
+		$(if $(DRY),--dry) --out $(OUT) --budget_s $(BUDGET_S)
+
+# The small pure-Python wheels an accelerator image with JAX lacks (no network there): into .whl/.
+DEVICE_WHEELS ?= ml-collections==1.1.0
+device-wheels:
+	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -d .whl $(DEVICE_WHEELS)
 
 lint: install-test
 	$(BIN)/ruff check bertjax tests configs

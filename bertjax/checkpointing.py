@@ -23,9 +23,10 @@ from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
-import tensorflow as tf
 from etils import epath
 from jax.experimental import multihost_utils
+
+from bertjax import fs
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +123,7 @@ class Checkpointer:
             for step in steps:
                 old = str(self.directory / str(step))
                 new = f"{old}.unrestorable-{stamp}"
-                tf.io.gfile.rename(old, new)
+                fs.rename(old, new)
                 log.warning("kept the unrestorable checkpoint step %d as %s", step, new)
         if jax.process_count() > 1:
             multihost_utils.sync_global_devices("bertjax: unrestorable checkpoints moved aside")
@@ -320,10 +321,10 @@ def _why_unrestorable(step_dir: str, err: BaseException) -> str:
     if isinstance(err, json.JSONDecodeError):  # Orbax's own JSON files carry no path in the error
         for name in (*_JSON_FILES, "config/metadata"):
             path = f"{step_dir}/{name}"
-            if not tf.io.gfile.exists(path):
+            if not fs.exists(path):
                 continue
             try:
-                with tf.io.gfile.GFile(path, "rb") as f:
+                with fs.open_file(path, "rb") as f:
                     json.loads(f.read())
             except ValueError as bad:
                 return f"{path}: invalid JSON ({bad})"
@@ -347,7 +348,7 @@ class BestCheckpoint:
         self.metric = metric
         self.directory = os.path.join(workdir, "best")
         self.value = None
-        if self.metric and tf.io.gfile.isdir(self.directory):
+        if self.metric and fs.isdir(self.directory):
             ckpt = Checkpointer(self.directory, keep=1, async_save=False)
             if ckpt.latest_step() is not None:
                 self.value = ckpt.read_data().get("value")
@@ -383,7 +384,7 @@ class BestCheckpoint:
         )
 
     def params(self, abstract_params, shardings) -> Any | None:
-        if not self.metric or not tf.io.gfile.isdir(self.directory):
+        if not self.metric or not fs.isdir(self.directory):
             return None
         ckpt = Checkpointer(self.directory, keep=1, async_save=False)
         try:

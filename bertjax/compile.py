@@ -26,6 +26,10 @@ from bertjax.tasks.base import Task
 from bertjax.train import build, jit_train_step, phase_setup, prepared_task
 
 ESTIMATE_NOTE = "est_* are XLA TPU cost-model estimates (compiled.cost_analysis), not measurements"
+KERNEL_COST_NOTE = (
+    "declared: the splash kernel's cost is its pl.CostEstimate (bertjax.layers.splash_cost, from "
+    "the reference attention), not a measurement of the kernel"
+)
 # On v4, v5e and v6e the TPU compiler's sliced prefetches (slices of an operand copied into VMEM and
 # joined by a ``ConcatBitcast`` custom call) have no cost in its cost model: each adds -1 s to
 # ``optimal_seconds``. The same step compiled without them gets a time.
@@ -157,6 +161,8 @@ def compile_train_step(
     report["largest_arrays"] = arrays[:6]
     if est_from:
         report["est_from"] = "the same step with " + " and ".join(est_from)
+    if setup.model.config.attention_impl == "splash":
+        report["kernel_cost"] = KERNEL_COST_NOTE
     return report
 
 
@@ -306,6 +312,8 @@ def format_report(report: dict[str, Any], title: str = "") -> str:
             + (f"MFU {mfu:.1%}" if mfu is not None else "MFU unknown (no peak for this device)")
         )
         lines.append(f"            ({ESTIMATE_NOTE})")
+        if "kernel_cost" in report:
+            lines.append(f"            (kernel cost {report['kernel_cost']})")
     if "est_unavailable" in report:
         lines.append(f"est. step   unavailable: {report['est_unavailable']}")
     lines.append(f"compiled in {report['compile_seconds']:.1f} s")

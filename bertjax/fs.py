@@ -78,6 +78,24 @@ def rmtree(path: str) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
+def not_found_errors(path: str) -> tuple[type[BaseException], ...]:
+    """What reading a missing ``path`` raises (remote paths: TensorFlow's NotFoundError too)."""
+    if is_remote(path):
+        import tensorflow as tf  # remote paths only
+
+        return (FileNotFoundError, tf.errors.NotFoundError)
+    return (FileNotFoundError,)
+
+
+def io_errors(path: str) -> tuple[type[BaseException], ...]:
+    """What a failed read or write of ``path`` raises (remote paths: TensorFlow's OpError too)."""
+    if is_remote(path):
+        import tensorflow as tf  # remote paths only
+
+        return (OSError, tf.errors.OpError)
+    return (OSError,)
+
+
 def utf8_error(path: str | os.PathLike, err: UnicodeDecodeError) -> ValueError:
     """The one-line error for a text file that is not UTF-8: ``path:line: not valid UTF-8``,
     naming the first bad line (a decoder's ``err`` only knows an offset in its buffer)."""

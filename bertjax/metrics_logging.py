@@ -2,7 +2,7 @@
 
 Only process 0 writes. ``metrics.jsonl`` holds one JSON object per record (``"split"`` is ``train``
 or ``eval``); on resume, records after the restored step are dropped so that the file reads as one
-uninterrupted run. Files go through ``tf.io.gfile``, so WORKDIR may be ``gs://...``: a local file is
+uninterrupted run. Files go through ``bertjax.fs`` (``tf.io.gfile`` for remote paths), so WORKDIR may be ``gs://...``: a local file is
 appended to, a remote one (no append on object stores) is rewritten whole, atomically, at each record.
 """
 
@@ -16,9 +16,8 @@ import time
 from typing import Any
 
 import jax
-import tensorflow as tf
 
-from bertjax import atomic
+from bertjax import atomic, fs
 
 log = logging.getLogger("bertjax")
 
@@ -39,30 +38,41 @@ def _eta(seconds: float) -> str:
     return f"{h}h{m:02d}m{s:02d}s" if h else f"{m}m{s:02d}s"
 
 
+def _tensorboard_writer(directory: str):
+    """(writer, tf.summary) for TensorBoard event files, or None (one warning) without TensorFlow."""
+    try:
+        import tensorflow as tf
+    except ImportError:
+        log.warning(
+            "TensorBoard logging is off: TensorFlow is not installed (metrics.jsonl has it all)"
+        )
+        return None
+    return tf.summary.create_file_writer(directory), tf.summary
+
+
 class MetricsWriter:
     """Writes metric records; a no-op on processes other than 0."""
 
     def __init__(self, workdir: str, *, tensorboard: bool = True):
         self.enabled = jax.process_index() == 0
-        self._gfile = tf.io.gfile
         self.path = os.path.join(workdir, "metrics.jsonl")
         self.remote = "://" in workdir
         self._lines: list[str] = []
         self._tb = None
         if self.enabled:
-            self._gfile.makedirs(workdir)
-            if self.remote and self._gfile.exists(self.path):
-                with self._gfile.GFile(self.path) as f:
+            fs.makedirs(workdir)
+            if self.remote and fs.exists(self.path):
+                with fs.open_file(self.path, "r") as f:
                     self._lines = f.read().splitlines(keepends=True)
             if tensorboard:
-                self._tb = tf.summary.create_file_writer(os.path.join(workdir, "tensorboard"))
+                self._tb = _tensorboard_writer(os.path.join(workdir, "tensorboard"))
 
     def truncate_after(self, step: int) -> None:
         """Drops records with a step beyond ``step`` (resume after a crash), atomically."""
-        if not self.enabled or not self._gfile.exists(self.path):
+        if not self.enabled or not fs.exists(self.path):
             return
         kept = []
-        with self._gfile.GFile(self.path) as f:
+        with fs.open_file(self.path, "r") as f:
             for line in f.read().splitlines(keepends=True):
                 try:
                     record = json.loads(line)
@@ -96,11 +106,12 @@ class MetricsWriter:
             with open(self.path, "a") as f:
                 f.write(line)
         if self._tb is not None:
-            with self._tb.as_default(step=int(step)):
+            writer, summary = self._tb
+            with writer.as_default(step=int(step)):
                 for k, v in record.items():
                     if isinstance(v, float):
-                        tf.summary.scalar(f"{split}/{k}", v)
-            self._tb.flush()
+                        summary.scalar(f"{split}/{k}", v)
+            writer.flush()
         parts = [f"{k}={_fmt(v)}" for k, v in record.items() if k not in ("step", "split")]
         eta = ""
         if total_steps and elapsed and step > 0:
@@ -109,7 +120,7 @@ class MetricsWriter:
 
     def close(self) -> None:
         if self._tb is not None:
-            self._tb.close()
+            self._tb[0].close()
 
 
 class Throughput:

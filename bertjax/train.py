@@ -22,11 +22,12 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import optax
-import tensorflow as tf
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
-from bertjax import atomic, checkpointing, flops, sharding
+from bertjax import atomic, checkpointing, flops, fs, sharding
+from bertjax.layers.attention import resolve_impl as resolve_attention_impl
+from bertjax.layers.core import dtype_of
 from bertjax.layers.dropout import resolve_impl as resolve_dropout_impl
 from bertjax.metrics_logging import MetricsWriter, Throughput
 from bertjax.optim import create_optimizer, global_norm
@@ -83,9 +84,21 @@ def build(
         devices = jax.devices()[:num]
     mesh = sharding.create_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor, devices)
     model_cfg = task.model_config()
+    platform = mesh.devices.flat[0].platform
     if getattr(model_cfg, "dropout_impl", None) == "auto":  # the mesh platform's mask generator
-        platform = mesh.devices.flat[0].platform
         model_cfg = model_cfg.replace(dropout_impl=resolve_dropout_impl("auto", platform))
+    if getattr(model_cfg, "attention_impl", None) == "auto":  # the mesh platform's kernel
+        impl = resolve_attention_impl("auto", platform, dtype_of(model_cfg.dtype))
+        model_cfg = model_cfg.replace(attention_impl=impl)
+    if model_cfg.attention_impl != "xla" and model_cfg.attention_dropout > 0:
+        log.warning(
+            "model.attention_impl=%s is not used in training: model.attention_dropout=%g > 0 and "
+            "no fused kernel has attention dropout, so training attention runs on the explicit "
+            "xla path (evaluation uses %s); set model.attention_dropout=0 to train with it",
+            model_cfg.attention_impl,
+            model_cfg.attention_dropout,
+            model_cfg.attention_impl,
+        )
     model = task.build_model(model_cfg)
     rules = sharding.rules_from_config(config.mesh.get("rules"))
     phases = task.phases()
@@ -281,7 +294,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     Returns the last train and eval metrics. WORKDIR is locked for the run (``WorkdirLock``).
     """
     _check_batch_size("train.global_batch_size", config.train.global_batch_size)  # before prepare
-    tf.io.gfile.makedirs(workdir)
+    fs.makedirs(workdir)
     with WorkdirLock(workdir):
         return _train_and_evaluate(config, workdir)
 

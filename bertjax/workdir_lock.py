@@ -25,10 +25,9 @@ import uuid
 
 import jax
 import numpy as np
-import tensorflow as tf
 from jax.experimental import multihost_utils
 
-from bertjax import atomic
+from bertjax import atomic, fs
 
 LOCK_FILE = "run.lock"
 log = logging.getLogger("bertjax")
@@ -97,7 +96,7 @@ class WorkdirLock:
             self._thread.start()
 
     def _acquire(self) -> None:
-        tf.io.gfile.makedirs(os.path.dirname(self.path))
+        fs.makedirs(os.path.dirname(self.path))
         for _ in range(3):
             if self._create():
                 self.held = True
@@ -136,7 +135,7 @@ class WorkdirLock:
             finally:
                 os.remove(tmp)
             return True
-        if tf.io.gfile.exists(self.path):
+        if fs.exists(self.path):
             return False
         atomic.write_text(self.path, text)
         time.sleep(2.0)  # a racing writer's object lands meanwhile; the last one stays
@@ -145,9 +144,9 @@ class WorkdirLock:
 
     def _read(self) -> dict | None:
         try:
-            with tf.io.gfile.GFile(self.path, "r") as f:
+            with fs.open_file(self.path, "r") as f:
                 text = f.read()
-        except tf.errors.NotFoundError:
+        except fs.not_found_errors(self.path):
             return None
         try:
             holder = json.loads(text)
@@ -179,8 +178,8 @@ class WorkdirLock:
         holder = self._read()
         if holder is not None and holder.get("token") == token:
             try:
-                tf.io.gfile.remove(self.path)
-            except tf.errors.NotFoundError:
+                fs.remove(self.path)
+            except fs.not_found_errors(self.path):
                 pass
 
     def _beat(self) -> None:
@@ -192,7 +191,7 @@ class WorkdirLock:
             self.record["heartbeat"] = time.time()
             try:
                 atomic.write_text(self.path, json.dumps(self.record))
-            except (OSError, tf.errors.OpError) as err:
+            except fs.io_errors(self.path) as err:
                 log.warning("%s: could not refresh the lock: %s", self.path, err)
 
     def release(self) -> None:

@@ -503,6 +503,7 @@ def test_attend_sliding_window(impl):
     assert bool(jnp.isfinite(got).all())
 
 
+@pytest.mark.accelerator
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN attention needs an NVIDIA GPU")
 def test_attend_sliding_window_cudnn_equals_the_reference_on_gpu():
     """``attention_impl=cudnn``: the window joins the bias (cuDNN has no two-sided window) on a

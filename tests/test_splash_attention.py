@@ -157,3 +157,48 @@ def test_sharded_call_runs_the_kernel_per_device_and_matches():
     assert "shard_map" in jaxpr and "shard_map" not in str(jax.make_jaxpr(_splash)(q, k, v, ids))
     assert got.sharding.spec == jax.sharding.PartitionSpec(("data", "fsdp"), None, "tensor")
     np.testing.assert_allclose(got, single, atol=1e-6, rtol=1e-6)
+
+
+def _pallas_costs(jaxpr) -> list:
+    """The cost_estimate of every pallas_call in a jaxpr, its sub-jaxprs included."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+            found.append(eqn.params.get("cost_estimate"))
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, list | tuple) else [value]:
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    found += _pallas_costs(inner)
+    return found
+
+
+@pytest.mark.parametrize("window", [0, 32])
+def test_the_kernel_declares_its_cost_forward_and_backward(window):
+    """Every pallas_call of the kernel (forward, backward dq, backward dk/dv) carries the
+    declared pl.CostEstimate (jax's kernel gives none: XLA counted it as free), per example and
+    scaled by the batch under vmap; the share of blocks a LocalMask skips is left out."""
+    from bertjax.layers.splash_cost import kernel_costs
+
+    q, k, v = _qkv(batch=2)
+    ids = _packed_ids()
+
+    def loss(q, k, v):
+        return splash_attention(q, k, v, ids, interpret=True, local_window=window).sum()
+
+    jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v).jaxpr
+    costs = _pallas_costs(jaxpr)
+    assert len(costs) == 3 and all(c is not None for c in costs)
+    want = kernel_costs(HEADS, SEQ, HEAD_DIM, "float32", block_size(SEQ), window // 2)
+    assert sorted(c.flops for c in costs) == sorted(2 * w.flops for w in want.values())
+    forward = 4 * HEADS * SEQ * SEQ * HEAD_DIM  # q k^T and p v, one example
+    assert forward <= want["forward"].flops <= 1.05 * forward
+    assert want["dq"].flops == want["dkv"].flops == 2 * want["forward"].flops
+
+
+def test_a_local_mask_declares_only_the_blocks_it_computes():
+    from bertjax.layers.splash_cost import kept_share
+
+    assert kept_share(1024, 512, 64) == 1.0  # a +-64 band meets every 512-block pair
+    assert kept_share(1024, 128, 64) == 22 / 64  # the diagonal and its neighbours of 8 x 8
+    assert kept_share(512, 128, 0) == 1.0

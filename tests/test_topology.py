@@ -242,3 +242,16 @@ def test_plan_table_ranks_in_search_order_where_the_chip_has_no_estimate():
     assert "no step time for this chip" in table and "12.00" in table
     assert "needs at least 20.0 GiB of 16 (the TPU compiler refused it)" in table
     assert table.splitlines()[-1] == "best: " + plan.overrides_flags(base)
+
+
+def test_plan_offers_splash_only_where_training_would_use_it():
+    """With attention dropout the trainer's attention is the explicit path whatever
+    attention_impl says: plan must not offer splash as if it differed."""
+    from bertjax import plan
+    from configs import bert_large
+
+    base = {"data.vocab": "", "data.phases": (), "data.max_seq_length": 512}
+    with_dropout = plan.with_overrides(bert_large.get_config(), base)  # the preset's 0.1
+    assert {c["model.attention_impl"] for c in plan.candidates(with_dropout, 16)} == {"xla"}
+    without = plan.with_overrides(with_dropout, {"model.attention_dropout": 0.0})
+    assert {c["model.attention_impl"] for c in plan.candidates(without, 16)} == {"xla", "splash"}

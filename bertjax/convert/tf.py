@@ -16,7 +16,6 @@ import json
 import os
 
 import numpy as np
-import tensorflow as tf
 
 from bertjax.convert.bert_layout import from_original, layout, original_shape, to_original
 from bertjax.convert.checkpoint import (
@@ -131,6 +130,8 @@ def find_checkpoint_prefix(path: str) -> str:
 
 def read_tf_checkpoint(prefix: str) -> dict[str, np.ndarray]:
     """Every model variable of a TF checkpoint (optimizer slots and global_step skipped)."""
+    import tensorflow as tf  # reading and writing TF checkpoints only
+
     try:
         reader = tf.train.load_checkpoint(prefix)
     except Exception as e:  # tf raises several error types for unreadable checkpoints
@@ -146,6 +147,8 @@ def read_tf_checkpoint(prefix: str) -> dict[str, np.ndarray]:
 def write_tf_checkpoint(prefix: str, tensors: dict[str, np.ndarray]) -> None:
     """Writes a TF (V2 bundle) checkpoint at ``prefix`` whose variable names are exactly the keys
     (``prefix.index`` + ``prefix.data-00000-of-00001`` + a ``checkpoint`` state file)."""
+    import tensorflow as tf
+
     graph = tf.Graph()
     with graph.as_default():  # values are fed, not baked into the graph (no 2 GB proto limit)
         feeds, variables = {}, {}

@@ -57,6 +57,29 @@ class HeadProjection(nn.Module):
         return y if bias is None else y + bias
 
 
+# What ``attention_impl="auto"`` is on each platform (see :func:`resolve_impl`).
+AUTO_IMPLS = {"cpu": "xla", "gpu": "cudnn", "cuda": "cudnn", "rocm": "dot_product", "tpu": "splash"}
+
+
+def resolve_impl(impl: str, platform: str | None = None, dtype=None) -> str:
+    """``auto`` -> the attention path for ``platform`` (default: JAX's default backend) and the
+    compute ``dtype`` (default: bf16/fp16).
+
+    CPU: ``xla`` (explicit einsums; sliding windows by blocks of the band). NVIDIA GPU: ``cudnn``
+    fused attention for global layers, the band blocks for sliding-window layers (memory and time
+    grow with seq x window, packed rows included); cuDNN takes fp16/bf16 only, so fp32 gets
+    ``xla``. TPU: the Pallas ``splash`` kernel (its ``LocalMask`` skips the blocks outside a
+    window). Other names are returned unchanged.
+    """
+    if impl != "auto":
+        return impl
+    platform = platform or jax.default_backend()
+    chosen = AUTO_IMPLS.get(platform, "xla")
+    if chosen == "cudnn" and dtype is not None and jnp.dtype(dtype).itemsize > 2:
+        return "xla"
+    return chosen
+
+
 def attend(
     q: Array,
     k: Array,
@@ -79,23 +102,28 @@ def attend(
     restricts every query to keys with ``|i - j| <= local_window // 2`` (sliding-window layers):
     ``xla`` adds it to the bias; ``dot_product`` passes ``local_window_size`` (jax masks inside);
     ``splash`` uses a ``LocalMask`` kernel, which skips the key blocks outside the band;
-    ``cudnn`` has no two-sided window (jax raises for one), so there the window joins the bias
-    and cuDNN computes the full product. On the explicit path a window whose half tiles the
-    sequence (``band_applies``) is computed by blocks of the band (``band_attention``), not as a
-    mask on the full matrix. Call inside a compact module (the dropout submodule is created there).
+    ``cudnn`` has no two-sided window (jax raises for one): there, and on the explicit path, a
+    window whose half tiles the sequence (``band_applies``) is computed by blocks of the band
+    (``band_attention``; packed rows read ``segment_ids`` on the band, never a [q, k] mask), and
+    any other window joins the bias of a full product. ``auto`` is :func:`resolve_impl`'s choice
+    for the platform. Call inside a compact module (the dropout submodule is created there).
     """
+    impl = resolve_impl(impl, dtype=q.dtype)
     dtype = q.dtype
     head_dim = q.shape[-1]
     use_dropout = dropout_rate > 0.0 and not deterministic
     half = local_window // 2
     explicit = impl == "xla" or use_dropout
-    if local_window and explicit and bias is not None and band_applies(q.shape[1], half):
+    banded = explicit or impl == "cudnn"
+    if local_window and banded and bias is not None and band_applies(q.shape[1], half):
         # The band by blocks (bertjax.layers.band_attention): no full [q, k] matrix.
         dropout = None
         if use_dropout:
             module = Dropout(dropout_rate, dropout_impl)
             dropout = lambda p: module(p, deterministic=False)  # noqa: E731
-        return band_attention(q, k, v, bias, half, dropout)
+        per_query = bias.shape[2] != 1  # packed rows: the band from the ids, when given
+        ids = segment_ids if per_query else None
+        return band_attention(q, k, v, bias, half, dropout, segment_ids=ids)
     if local_window and (impl in ("xla", "cudnn") or use_dropout):
         pos = jnp.arange(q.shape[1])
         near = jnp.abs(pos[:, None] - pos[None, :]) <= half  # [q, k]
@@ -113,9 +141,10 @@ def attend(
         # A sliding window is the kernel's LocalMask: the blocks outside the band are skipped.
         return splash_attention(q, k, v, segment_ids, local_window=local_window)
     if impl == "cudnn":
-        return jax.nn.dot_product_attention(
-            q, k, v, bias=bias.astype(dtype), implementation="cudnn"
-        )
+        # cuDNN takes a bias with the query axis ([b, 1, 1, k] padding masks raise there).
+        b, s = q.shape[:2]
+        full = jnp.broadcast_to(bias.astype(dtype), (b, 1, s, k.shape[1]))
+        return jax.nn.dot_product_attention(q, k, v, bias=full, implementation="cudnn")
     window = (half, half) if local_window else None
     return jax.nn.dot_product_attention(q, k, v, bias=bias.astype(dtype), local_window_size=window)
 

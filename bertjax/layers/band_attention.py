@@ -53,10 +53,25 @@ def _band_bias(bias: Array, block: int) -> Array:
     return jnp.take_along_axis(padded, idx, axis=3)[:, None]  # [b, 1, n, block, 3 * block]
 
 
-def band_attention(q: Array, k: Array, v: Array, bias: Array, half: int, dropout=None) -> Array:
+def _band_bias_from_ids(segment_ids: Array, block: int) -> Array:
+    """Packed rows' bias on the band from their ids [b, seq] (a query sees the keys of its own id,
+    padding 0 included, as ``attention_bias`` with ``pack_ids``): [b, 1, n, block, 3 * block]."""
+    b, seq = segment_ids.shape
+    ids = segment_ids.astype(jnp.int32)
+    queries = ids.reshape(b, seq // block, block)  # [b, n, block]
+    keys = _blocks(ids, block, -1)  # [b, n, 3 * block]; -1 beyond the ends matches nothing
+    same = queries[:, :, :, None] == keys[:, :, None, :]
+    return jnp.where(same, 0.0, jnp.finfo(jnp.float32).min)[:, None]
+
+
+def band_attention(
+    q: Array, k: Array, v: Array, bias: Array, half: int, dropout=None, segment_ids=None
+) -> Array:
     """Softmax attention of q/k/v [b, seq, heads, dim] restricted to ``|i - j| <= half``, with the
     additive ``bias`` [b, 1, 1 or seq, seq] (fp32 softmax); ``dropout`` (a callable) is applied to
-    the probabilities. Needs :func:`band_applies`. Returns [b, seq, heads, dim]."""
+    the probabilities. With ``segment_ids`` [b, seq] (packed rows) the band's mask is built from
+    the ids and ``bias`` is not read: memory and time stay ``O(seq * half)``. Needs
+    :func:`band_applies`. Returns [b, seq, heads, dim]."""
     b, seq, h, d = q.shape
     block, n = half, seq // half
     dtype = q.dtype
@@ -71,7 +86,10 @@ def band_attention(q: Array, k: Array, v: Array, bias: Array, half: int, dropout
     offset = np.arange(3 * block)[None, :] - block - np.arange(block)[:, None]  # key - query
     near = jnp.asarray(np.abs(offset) <= half)  # [block, 3 * block]
     low = jnp.finfo(jnp.float32).min
-    logits = logits + jnp.where(near, _band_bias(bias, block), low)
+    band_bias = (
+        _band_bias(bias, block) if segment_ids is None else _band_bias_from_ids(segment_ids, block)
+    )
+    logits = logits + jnp.where(near, band_bias, low)
     probs = jax.nn.softmax(logits, axis=-1)  # [b, h, n, block, 3 * block]
     if dropout is not None:
         probs = dropout(probs)

@@ -28,7 +28,7 @@ BATCH_LENGTH_EMBED = ("batch", "length", "act_embed")
 BATCH_LENGTH_HEADS_KV = ("batch", "length", "act_heads", "kv")
 BATCH_LENGTH_MLP = ("batch", "length", "act_mlp")
 
-ATTENTION_IMPLS = ("xla", "dot_product", "cudnn", "splash")
+ATTENTION_IMPLS = ("auto", "xla", "dot_product", "cudnn", "splash")
 REMAT_POLICIES = ("none", "dots", "full")
 DTYPES = ("float32", "bfloat16", "float16")
 # Hugging Face's ACT2FN names with no parameters (prelu and xielu have learned ones).
@@ -176,6 +176,22 @@ def attention_bias(attention_mask: Array, dtype: Any, pack_ids: Array | None = N
     else:
         allowed = attention_mask[:, None, :, :]
     return jnp.where(allowed > 0, 0.0, jnp.finfo(dtype).min).astype(dtype)
+
+
+def embedding_lookup(table: nn.Embed, ids: Array) -> Array:
+    """``table``'s rows at ``ids`` [...] -> [..., features] in its compute dtype.
+
+    Equal to ``table(ids)``, but the rows are gathered in the parameter dtype and cast afterwards,
+    so the gradient is a scatter-add in fp32 rather than in bf16: on a GPU a bf16 scatter-add is a
+    compare-and-swap loop, and with many tokens per row it dominated a bf16 BERT-base step on an
+    H100 (docs/performance.md). A table of a few rows (token types) is read by a select per row
+    instead: its gradient is then a reduction, with no scatter at all.
+    """
+    weights = table.embedding  # [rows, features], the parameter dtype
+    if weights.shape[0] <= 16:
+        rows = [jnp.where((ids == r)[..., None], weights[r], 0) for r in range(weights.shape[0])]
+        return sum(rows[1:], rows[0]).astype(table.dtype)
+    return jnp.take(weights, ids, axis=0).astype(table.dtype)
 
 
 def gather_positions(sequence: Array, positions: Array) -> Array:

@@ -43,6 +43,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
+from bertjax.layers.splash_cost import kernel_costs, priced
 from bertjax.sharding import fit_spec
 
 Array = jax.Array
@@ -164,12 +165,18 @@ def _local_attention(
     ``cached=False`` makes the kernel inside the current trace (its mask arrays are constants of
     this program only): for compile-only devices (a simulated TPU slice), which cannot run the
     eager ops the cached kernel is made with."""
-    _, seq_len, num_heads, _ = q.shape
+    _, seq_len, num_heads, head_dim = q.shape
     make = _kernel if cached else _make_kernel
     kernel = make(num_heads, seq_len, interpret, half_window)
 
-    def one_example(q1, k1, v1, ids):  # [heads, seq, head_dim] x3, ids [seq]
+    def call(q1, k1, v1, ids):  # [heads, seq, head_dim] x3, ids [seq]
         return kernel(q1, k1, v1, segment_ids=_splash().SegmentIds(q=ids, kv=ids))
+
+    # XLA's cost model sees the kernel's declared cost (bertjax.layers.splash_cost)
+    costs = kernel_costs(
+        num_heads, seq_len, head_dim, str(q.dtype), block_size(seq_len), half_window
+    )
+    one_example = priced(call, costs)
 
     def heads_first(x):  # [batch, seq, heads, head_dim] -> [batch, heads, seq, head_dim]
         return jnp.swapaxes(x, 1, 2)

@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from bertjax.layers import fast_ops
-from bertjax.layers.attention import HeadProjection, attend
+from bertjax.layers.attention import HeadProjection, attend, resolve_impl
 from bertjax.layers.core import (
     BATCH_LENGTH_EMBED,
     BATCH_LENGTH_HEADS_KV,
@@ -45,6 +45,7 @@ from bertjax.layers.core import (
     check_common_fields,
     dense,
     dtype_of,
+    embedding_lookup,
     gather_positions,
     layer_norm,
     normal_init,
@@ -194,13 +195,18 @@ class BertEmbeddings(nn.Module):
                 name=name,
             )
 
-        words = embed(cfg.vocab_size, ("vocab", "embed"), "word_embeddings")(input_ids)
-        if position_ids is None:
-            position_ids = jnp.arange(seq_len)[None, :]  # [1, seq]
-        positions = embed(cfg.max_position_embeddings, (None, "embed"), "position_embeddings")(
-            position_ids
+        # embedding_lookup: the tables' gradients accumulate in the parameter dtype (see there)
+        words = embedding_lookup(
+            embed(cfg.vocab_size, ("vocab", "embed"), "word_embeddings"), input_ids
         )
-        types = embed(cfg.type_vocab_size, (None, "embed"), "token_type_embeddings")(token_type_ids)
+        table = embed(cfg.max_position_embeddings, (None, "embed"), "position_embeddings")
+        if position_ids is None:  # rows 0..seq-1: a slice, whose gradient is no scatter
+            positions = table.embedding[None, :seq_len].astype(table.dtype)  # [1, seq, hidden]
+        else:
+            positions = embedding_lookup(table, position_ids)
+        types = embedding_lookup(
+            embed(cfg.type_vocab_size, (None, "embed"), "token_type_embeddings"), token_type_ids
+        )
         x = words + positions + types  # [batch, seq, hidden]
         x = layer_norm(cfg, "LayerNorm", epsilon=cfg.layer_norm_eps)(x)
         x = Dropout(cfg.hidden_dropout, cfg.dropout_impl)(x, deterministic=deterministic)
@@ -373,7 +379,7 @@ class BertModel(nn.Module):
         bias = attention_bias(attention_mask, jnp.float32, pack_ids)
         # [batch, seq] ids for the splash kernel: 0 at padding, 1 (or the pack id) at real tokens
         attention_segment_ids = None
-        if cfg.attention_impl == "splash":
+        if resolve_impl(cfg.attention_impl) == "splash":
             attention_segment_ids = segment_ids_from_mask(attention_mask, pack_ids)
         x, hidden = BertEncoder(cfg, name="encoder")(
             x,

@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from bertjax.layers import fast_ops
-from bertjax.layers.attention import attend, sees_a_key
+from bertjax.layers.attention import attend, resolve_impl, sees_a_key
 from bertjax.layers.core import (
     ACTIVATIONS,
     BATCH_LENGTH_EMBED,
@@ -52,6 +52,7 @@ from bertjax.layers.core import (
     attention_bias,
     check_common_fields,
     dtype_of,
+    embedding_lookup,
     gather_positions,
     layer_norm,
     normal_init,
@@ -88,7 +89,7 @@ class ModernBertConfig(EncoderConfig):
     initializer_range: float = 0.02
     dtype: str = "float32"  # compute dtype; softmax, RoPE and LayerNorm statistics stay fp32
     param_dtype: str = "float32"
-    attention_impl: str = "xla"  # xla | dot_product | cudnn | splash (bertjax.layers.attention)
+    attention_impl: str = "xla"  # auto | xla | dot_product | cudnn | splash (layers.attention)
     remat: str = "none"  # rematerialisation per layer: none | dots | full
     scan_layers: bool = False  # not supported: the layers differ (see __post_init__)
     norm_eps: float = 1e-5
@@ -342,7 +343,7 @@ class ModernBertEmbeddings(nn.Module):
             embedding_init=normal_init(cfg, ("vocab", "embed")),
             name="word_embeddings",
         )
-        x = _norm(cfg, "norm")(words(input_ids))  # [batch, seq, hidden]
+        x = _norm(cfg, "norm")(embedding_lookup(words, input_ids))  # [batch, seq, hidden]
         x = Dropout(cfg.hidden_dropout, cfg.dropout_impl)(x, deterministic=deterministic)
         return nn.with_logical_constraint(x, BATCH_LENGTH_EMBED)
 
@@ -428,8 +429,8 @@ class ModernBertModel(nn.Module):
             attention_mask = jnp.ones_like(input_ids)
         x = ModernBertEmbeddings(cfg, name="embeddings")(input_ids, deterministic)
         bias = attention_bias(attention_mask, jnp.float32, pack_ids)  # [batch, 1, 1 or q, k]
-        segment_ids = None
-        if cfg.attention_impl == "splash":
+        segment_ids = None  # the splash kernel's ids; packed rows' ids for the band blocks
+        if resolve_impl(cfg.attention_impl) == "splash" or pack_ids is not None:
             segment_ids = segment_ids_from_mask(attention_mask, pack_ids)
         if position_ids is None:
             position_ids = jnp.arange(seq_len)[None, :]  # [1, seq]

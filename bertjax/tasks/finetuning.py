@@ -40,8 +40,8 @@ import numpy as np
 
 from bertjax import flops, models
 from bertjax.data import packing
+from bertjax.data.array_data import ArrayData
 from bertjax.data.batch_packing import BatchPacked, row_buckets
-from bertjax.data.pipeline import ArrayData
 from bertjax.head_init import carry_task_head
 from bertjax.pretrained import init_model_config, load_pretrained
 from bertjax.tasks.base import Phase, Task

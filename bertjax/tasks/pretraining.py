@@ -12,15 +12,14 @@ from __future__ import annotations
 import logging
 import os
 
+import jax
 import jax.numpy as jnp
 import numpy as np
-import tensorflow as tf
 
-from bertjax import flops, losses, models
-from bertjax.data import pipeline
+from bertjax import flops, fs, losses, models
 from bertjax.data.demo_corpus import build_demo_corpus
+from bertjax.data.metadata import METADATA_FILE, read_metadata
 from bertjax.data.prepare import prepare, vocab_sha256
-from bertjax.data.streams import StreamedData
 from bertjax.models.heads import PreTrainingModel
 from bertjax.pretrained import init_model_config, load_pretrained
 from bertjax.tasks.base import Phase, Task, register
@@ -119,20 +118,18 @@ class PretrainingTask(Task):
         missing = [
             s
             for s in self._phase_specs()
-            if not tf.io.gfile.exists(
-                os.path.join(self.data_dir(s["max_seq_length"]), pipeline.METADATA_FILE)
-            )
+            if not fs.exists(os.path.join(self.data_dir(s["max_seq_length"]), METADATA_FILE))
         ]
-        if not missing and (d.vocab or tf.io.gfile.exists(self._vocab_path())):
+        if not missing and (d.vocab or fs.exists(self._vocab_path())):
             return
         corpus, fmt = None, None
         vocab = self._vocab_path()
-        if not d.vocab and not tf.io.gfile.exists(vocab):
+        if not d.vocab and not fs.exists(vocab):
             corpus, fmt = self._corpus_files()
             log.info(
                 "training a %s vocabulary of %d tokens on %s", d.vocab_kind, d.vocab_size, corpus
             )
-            tf.io.gfile.makedirs(self.prepared_root)
+            fs.makedirs(self.prepared_root)
             train_vocab(
                 corpus,
                 os.path.splitext(vocab)[0] if d.vocab_kind == "sentencepiece" else vocab,
@@ -146,7 +143,7 @@ class PretrainingTask(Task):
         tokenizer = self._load_tokenizer(vocab)
         for spec in self._phase_specs():
             out = self.data_dir(spec["max_seq_length"])
-            if tf.io.gfile.exists(os.path.join(out, pipeline.METADATA_FILE)):
+            if fs.exists(os.path.join(out, METADATA_FILE)):
                 continue
             if corpus is None:
                 corpus, fmt = self._corpus_files()
@@ -176,7 +173,7 @@ class PretrainingTask(Task):
             return
         self.tokenizer = self._load_tokenizer(self._vocab_path())
         for spec in self._phase_specs():
-            meta = pipeline.read_metadata(self.data_dir(spec["max_seq_length"]))
+            meta = read_metadata(self.data_dir(spec["max_seq_length"]))
             if meta.get("vocab_size") not in (None, self.tokenizer.vocab_size):
                 raise ValueError(
                     f"{self.data_dir(spec['max_seq_length'])}/metadata.json: vocab_size="
@@ -240,15 +237,34 @@ class PretrainingTask(Task):
         return PreTrainingModel(model_config, nsp=self.config.data.nsp)
 
     def init_params(self, model, params):
-        """With ``init_checkpoint``: the encoder (and the MLM head, when the checkpoint has one)
-        from the checkpoint; heads it lacks stay freshly initialised."""
+        """With ``init_checkpoint``: the encoder and every head of the model that the checkpoint
+        has (MLM ``predictions``, NSP ``seq_relationship``) from the checkpoint; heads it lacks
+        stay freshly initialised, and the log names them."""
         if self.pretrained is None:
             return params
         source = self.config.init_checkpoint
         params = self.pretrained.with_encoder(params, source)
-        if "predictions" in self.pretrained.params and "predictions" in params:
-            params["predictions"] = self.pretrained.params["predictions"]
-        log.info("continued pretraining from %s (heads: %s)", source, self.pretrained.heads)
+        encoder_name = models.architecture(model.config).ENCODER_NAME
+        loaded, fresh = [], []
+        for head in sorted(k for k in params if k != encoder_name):
+            tensors = self.pretrained.params.get(head)
+            if tensors is None:
+                fresh.append(head)
+                continue
+            want = jax.tree.map(lambda x: tuple(x.shape), params[head])
+            got = jax.tree.map(lambda x: tuple(np.shape(x)), tensors)
+            if want != got:
+                raise ValueError(
+                    f"init checkpoint {source}: head {head!r} has shapes {got}, the model wants "
+                    f"{want}"
+                )
+            params[head] = jax.tree.map(lambda x, f: np.asarray(x).astype(f.dtype), tensors,
+                                        params[head])  # fmt: skip
+            loaded.append(head)
+        log.info(
+            "continued pretraining from %s: heads from the checkpoint %s; initialised fresh %s",
+            source, loaded or "none", fresh or "none",
+        )  # fmt: skip
         return params
 
     def phase_model(self, model, phase):
@@ -334,7 +350,7 @@ class PretrainingTask(Task):
     # ---- data ----------------------------------------------------------------------------------
     def _dynamic_masking(self, phase):
         d = self.config.data
-        meta = pipeline.read_metadata(self.data_dir(phase.options["max_seq_length"]))
+        meta = read_metadata(self.data_dir(phase.options["max_seq_length"]))
         if meta["masking"] != "dynamic":
             return None
         tok = self.tokenizer
@@ -359,6 +375,8 @@ class PretrainingTask(Task):
         )
         streams = self.config.data.get("streams", 0)
         if streams and split == "train":
+            from bertjax.data.streams import StreamedData  # tf.data, like pipeline below
+
             return StreamedData(
                 data_dir,
                 split,
@@ -368,6 +386,8 @@ class PretrainingTask(Task):
                 process_count=process_count,
                 **common,
             )
+        from bertjax.data import pipeline  # tf.data: the model and the step need no TensorFlow
+
         per_host = phase.global_batch_size // process_count
         return pipeline.PretrainingData(
             data_dir,
@@ -385,6 +405,8 @@ class PretrainingTask(Task):
         steps = self.config.train.eval_steps
         if steps <= 0:
             return
+        from bertjax.data import pipeline
+
         if pipeline.split_is_empty(self.data_dir(phase.options["max_seq_length"]), "eval"):
             return  # warned once: eval_fraction chose no document
         data = self._data(phase, "eval", process_index, process_count, shuffle=False)

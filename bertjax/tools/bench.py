@@ -75,7 +75,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=2, help="untimed steps after compilation")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     p.add_argument(
-        "--attention_impl", default="xla", choices=("xla", "dot_product", "cudnn", "splash")
+        "--attention_impl",
+        default="xla",
+        choices=("auto", "xla", "dot_product", "cudnn", "splash"),
     )
     p.add_argument("--remat", default="none", choices=("none", "dots", "full"))
     p.add_argument("--dropout_impl", default="auto", choices=("auto", "bits16", "flax"))
@@ -511,3 +513,7 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(result, sort_keys=True))
     else:
         print(report(result), end="")
+
+
+if __name__ == "__main__":
+    main()

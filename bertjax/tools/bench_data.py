@@ -13,7 +13,6 @@ import threading
 import time
 from typing import Any
 
-from bertjax.data import pipeline
 from bertjax.data.prepare import prepare
 from bertjax.text import load_tokenizer
 
@@ -184,6 +183,8 @@ def compare_with_original(args) -> dict[str, Any]:
 
 def measure_input(data_dir: str, batch: int, batches: int) -> dict[str, Any]:
     """Examples/s of the trainer's tf.data iterator (shuffled, parsed, batched, to NumPy)."""
+    from bertjax.data import pipeline  # tf.data: the model benchmark runs without TensorFlow
+
     pipeline.hide_accelerators_from_tf()
     data = pipeline.PretrainingData(
         data_dir, "train", batch, seed=0, process_index=0, process_count=1
