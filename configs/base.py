@@ -48,9 +48,10 @@ def get_config() -> ml_collections.ConfigDict:
     c.data.eval_fraction = 0.01
     c.data.num_shards = 8
     c.data.shuffle_buffer = 10_000
-    # Fixed number of input streams (0: one per process). With N > 0 the global batch is the same
-    # for any process count dividing N, and resuming on another host count is exact.
-    c.data.streams = 0
+    # Fixed number of input streams: the global batch (its rows in order) is the same for any
+    # process count dividing N, and resuming on another host count is exact. 0: one stream per
+    # process (the batch then depends on the host count).
+    c.data.streams = 8
     c.data.seed = 12345
     # Sequence-length phases (the paper: 128 for 90% of the steps, then 512). Empty: one phase.
     c.data.phases = ()
@@ -71,6 +72,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.train.async_checkpoints = True
     c.train.transfer_guard = True  # jax_transfer_guard=disallow inside the loop
     c.train.peak_tflops = 0.0  # per-device peak for MFU on unknown devices (e.g. CPU)
+    c.tensorboard = True  # event files in WORKDIR/tensorboard (metrics.jsonl is written always)
 
     c.optimizer = ml_collections.ConfigDict()
     c.optimizer.name = "adamw"  # adamw | lamb | stableadamw (AdamW with update clipping)
@@ -80,6 +82,9 @@ def get_config() -> ml_collections.ConfigDict:
     c.optimizer.b2 = 0.999
     c.optimizer.eps = 1e-6
     c.optimizer.weight_decay = 0.01
+    # adamw / stableadamw: decay by (lr_t / learning_rate) * weight_decay instead of
+    # lr_t * weight_decay (optimi's decouple_lr; ModernBERT: True with weight_decay 1e-5).
+    c.optimizer.decouple_lr = False
     c.optimizer.grad_clip_norm = 1.0
     c.optimizer.end_lr_factor = 0.0
     c.optimizer.schedule = (

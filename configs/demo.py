@@ -4,8 +4,9 @@ corpus built locally.
 The corpus is the docstrings of the running Python's standard library (bertjax.data.demo_corpus), the
 vocabulary is trained from it, and the run takes a few minutes on 2 CPU cores with MLM accuracy rising.
 The recipe: `modernbert-mini` (6 x 256, GeGLU, RoPE, a 32-token window on 64-token rows), MLM only at
-30% masking on packed rows, StableAdamW with warmup-stable-decay. It won the side-by-side against the
-BERT recipe (docs/performance.md); configs/bert_demo.py is the same demo with the BERT recipe.
+30% masking on packed rows, StableAdamW (weight decay 1e-5 decoupled from the lr, as ModernBERT's)
+with warmup-stable-decay. It won the side-by-side against the BERT recipe (docs/performance.md);
+configs/bert_demo.py is the same demo with the BERT recipe.
 """
 
 from configs import bert_demo
@@ -25,5 +26,6 @@ def get_config():
     c.optimizer.schedule = "wsd"
     c.optimizer.b2 = 0.98
     c.optimizer.weight_decay = 1e-5
+    c.optimizer.decouple_lr = True  # as ModernBERT: (lr_t / peak) * 1e-5 per step
     c.optimizer.grad_clip_norm = 0.0
     return c

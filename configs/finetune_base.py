@@ -40,6 +40,9 @@ def get_config() -> ml_collections.ConfigDict:
     c.model.hidden_dropout = 0.1
     c.model.attention_dropout = 0.1
 
+    # Fine-tuning evaluates whole dev sets: base's eval_steps would be read by nothing, so it is
+    # not a key here (setting it is then an error naming it, not a silence).
+    del c.train["eval_steps"]
     c.train.epochs = 3.0
     c.train.steps = 0  # > 0 overrides epochs
     c.train.global_batch_size = 32

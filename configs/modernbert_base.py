@@ -2,7 +2,8 @@
 the modernbert architecture (pre-LN, GeGLU, RoPE, alternating global / sliding-window attention),
 MLM only at 30% masking with packed sequences of 1024 tokens then context extension to 8192
 (global RoPE base 10k -> 160k), StableAdamW with a
-warmup-stable-decay schedule (lr 8e-4, betas 0.9/0.98, weight decay 1e-5, no gradient clipping).
+warmup-stable-decay schedule (lr 8e-4, betas 0.9/0.98, weight decay 1e-5 decoupled from the lr as
+optimi's `decouple_lr`, no gradient clipping).
 Set `data.corpus` and `data.vocab` (a `tokenizer.json`, e.g. ModernBERT's, or a vocab.txt)."""
 
 from configs import base
@@ -45,6 +46,7 @@ def get_config():
     c.optimizer.learning_rate = 8e-4
     c.optimizer.b2 = 0.98
     c.optimizer.weight_decay = 1e-5
+    c.optimizer.decouple_lr = True  # ModernBERT's decoupled_stableadamw
     c.optimizer.grad_clip_norm = 0.0
     c.optimizer.warmup_steps = 3_000
     return c

@@ -96,3 +96,22 @@ def test_plot_writes_a_png(tmp_path):
     (tmp_path / "metrics.jsonl").write_text('{"step": 1}\nnot json\n')
     with pytest.raises(ValueError, match="metrics.jsonl:2: invalid JSON"):
         plot.plot(str(tmp_path))
+
+
+def test_keys_a_run_ignores_are_refused_and_keys_it_reads_are_settable(tmp_path):
+    """Fine-tuning evaluates whole dev sets, so train.eval_steps is no key of its configs (setting
+    it is an error naming it); ``tensorboard``, which every run reads, can be set from the CLI."""
+    from configs import base, finetune_base, glue
+
+    assert "eval_steps" in base.get_config().train
+    for config in (finetune_base.get_config(), glue.get_config()):
+        assert "eval_steps" not in config.train and config.tensorboard is True
+    bad = subprocess.run(
+        [sys.executable, "-m", "bertjax.cli", "finetune", "--config=configs/glue.py",
+         "--config.train.eval_steps=5", f"--workdir={tmp_path}"],
+        capture_output=True, text=True, cwd=REPO, timeout=120,
+    )  # fmt: skip
+    assert bad.returncode != 0
+    assert (
+        bad.stderr.strip().splitlines()[-1] == "bertjax: error: unknown config key train.eval_steps"
+    )

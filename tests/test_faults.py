@@ -247,7 +247,7 @@ def test_config_errors_are_one_line_naming_the_key(tmp_path):
 
 
 def test_batch_not_divisible_by_the_batch_devices_is_one_line(tmp_path):
-    config = tiny_config(tmp_path, steps=1, **{"train.global_batch_size": 12})
+    config = tiny_config(tmp_path, steps=1, **{"train.global_batch_size": 12, "data.streams": 4})
     task = train.prepared_task(config, str(tmp_path / "run"))
     with pytest.raises(ValueError) as err:
         train.build(config, str(tmp_path / "run"), task)  # 8 devices share the batch
@@ -255,3 +255,15 @@ def test_batch_not_divisible_by_the_batch_devices_is_one_line(tmp_path):
         "config key train.global_batch_size=12 is not divisible by the 8 devices that shard the "
         "batch (mesh {'data': 8, 'fsdp': 1, 'tensor': 1}); use a multiple of 8"
     )
+
+
+def test_streams_that_do_not_split_the_batch_are_one_line_before_any_data_work(tmp_path):
+    config = tiny_config(tmp_path, steps=1, **{"train.global_batch_size": 12})  # streams 8
+    config.data.prepared_dir = str(tmp_path / "never")  # nothing is prepared or read first
+    with pytest.raises(ValueError) as err:
+        train.get_task("pretrain", config, str(tmp_path / "run"))
+    assert str(err.value) == (
+        "config key train.global_batch_size=12 is not divisible by data.streams=8 (set "
+        "data.streams to a divisor of it)"
+    )
+    assert not (tmp_path / "never").exists()

@@ -71,6 +71,22 @@ def test_two_processes_of_two_devices_match_one_process_of_four(tmp_path):
 
 
 @pytest.mark.slow
+def test_default_input_is_the_same_run_on_any_host_count_with_dropout(tmp_path):
+    """The default data.streams (8): 2 processes x 2 devices read the same examples in the same
+    global rows as 1 process x 4 devices, so even the dropout masks, and the losses, agree."""
+    dropout = {"model.hidden_dropout": 0.1, "model.attention_dropout": 0.1}
+    config = tiny_config(tmp_path, steps=6, **{"mesh.num_devices": 4, **dropout})
+    assert config.data.streams == 8
+    train.train_and_evaluate(config, str(tmp_path / "one"))
+    reference = _losses(tmp_path / "one")
+    flags = [f"--config.{k}={v}" for k, v in dropout.items()]
+    _local(tmp_path, 2, 2, tmp_path / "two", "--config.data.streams=8", *flags)
+    got = _losses(tmp_path / "two")
+    assert [s for s, _ in got] == list(range(1, 7))
+    np.testing.assert_allclose([v for _, v in got], [v for _, v in reference], rtol=1e-5)
+
+
+@pytest.mark.slow
 def test_checkpoint_of_two_processes_resumes_on_one(tmp_path):
     reference = _reference(tmp_path)
     workdir = tmp_path / "moved"

@@ -186,8 +186,8 @@ def test_fsdp_shards_parameters_and_optimizer_state():
 
 def test_stableadamw_matches_a_numpy_reference_over_steps():
     """Two steps of StableAdamW against the update written out in NumPy: Adam with bias
-    correction, each tensor's update divided by max(1, sqrt(mean(g^2 / v_hat))), decoupled decay
-    on kernels only."""
+    correction and decoupled decay on kernels only, each tensor's learning rate (decay included)
+    divided by max(1, sqrt(mean(g^2 / v_hat)))."""
     b1, b2, eps, wd, lr = 0.9, 0.98, 1e-6, 0.1, 0.01
     cfg = _opt_config(name="stableadamw", b1=b1, b2=b2, eps=eps, weight_decay=wd, learning_rate=lr)
     cfg.optimizer.grad_clip_norm = 0.0
@@ -214,9 +214,9 @@ def test_stableadamw_matches_a_numpy_reference_over_steps():
             m_hat, v_hat = m[k] / (1 - b1**t), v[k] / (1 - b2**t)
             rms = np.sqrt(np.mean(gk**2 / np.maximum(v_hat, eps**2)))
             clipped |= rms > 1
-            step = m_hat / (np.sqrt(v_hat) + eps) / max(1.0, rms)
+            step = m_hat / (np.sqrt(v_hat) + eps)
             decay = wd * ref[k] if k == "kernel" else 0.0
-            ref[k] = ref[k] - lr * (step + decay)
+            ref[k] = ref[k] - lr / max(1.0, rms) * (step + decay)
         for k in ref:
             np.testing.assert_allclose(params["d"][k], ref[k], rtol=1e-5, atol=1e-7)
     assert clipped  # the second step's jump in the gradient is clipped

@@ -2,10 +2,12 @@
 
 A stream is one ``PretrainingData`` reading every ``num_streams``-th shard (stream ``s`` reads shards
 ``s, s + N, ...``) with a per-stream batch of ``global_batch / N``. Host ``p`` of ``P`` owns the
-streams ``s`` with ``s % P == p`` and concatenates their batches. The global batch is therefore the same
-set of examples for any number of hosts that divides ``N`` (only the row order differs, which the
-losses do not see), and a checkpointed position (batches consumed per stream) restores exactly on
-another host count.
+``N / P`` consecutive streams ``p * N / P, ...`` and concatenates their batches in stream order, so
+the global batch (hosts' rows in process order) is streams 0..N-1 in that order for any number of
+hosts that divides ``N``: the same examples in the same rows, hence the same dropout masks and the
+same losses, and a checkpointed position (batches consumed per stream) restores exactly on another
+host count. ``data.streams`` defaults to 8 (1, 2, 4 or 8 hosts); a host count that does not divide
+it is a one-line error naming the key.
 """
 
 from __future__ import annotations
@@ -36,14 +38,16 @@ class StreamedData:
         if num_streams % process_count:
             raise ValueError(
                 f"config key data.streams={num_streams} is not a multiple of the "
-                f"{process_count} processes"
+                f"{process_count} processes: set --config.data.streams to a multiple of "
+                f"{process_count} (the same value on every resume keeps the data order)"
             )
         if global_batch_size % num_streams:
             raise ValueError(
                 f"global batch {global_batch_size} is not divisible by data.streams={num_streams}"
             )
         self.num_streams = num_streams
-        self.owned = [s for s in range(num_streams) if s % process_count == process_index]
+        per_host = num_streams // process_count
+        self.owned = list(range(process_index * per_host, (process_index + 1) * per_host))
         self.streams = [
             PretrainingData(
                 data_dir,

@@ -237,6 +237,12 @@ class FinetuneTask(Task):
         """``optimizer.warmup_proportion`` of the steps when > 0, else ``optimizer.warmup_steps``."""
         proportion = self.config.optimizer.get("warmup_proportion", 0.0)
         if proportion > 0:
+            if self.config.optimizer.warmup_steps > 0:
+                raise ValueError(
+                    f"config keys optimizer.warmup_proportion={proportion} and "
+                    f"optimizer.warmup_steps={self.config.optimizer.warmup_steps}: set one of "
+                    "them (warmup_proportion=0 to use warmup_steps)"
+                )
             return int(total_steps * proportion)
         return super().warmup_steps(total_steps)
 

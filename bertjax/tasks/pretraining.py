@@ -57,6 +57,34 @@ class PretrainingTask(Task):
                 "config key data.packing=True needs data.nsp=False (next-sentence pairs cannot be "
                 "packed)"
             )
+        self._check_streams()
+
+    def _check_streams(self) -> None:
+        """Before any data work: the streams split every phase's global batch and the hosts."""
+        streams = int(self.config.data.get("streams", 0) or 0)
+        if streams < 0:
+            raise ValueError(f"config key data.streams={streams} must be >= 0")
+        if not streams or self.fixed_vocab_size:
+            return
+        processes = jax.process_count()
+        if streams % processes:
+            raise ValueError(
+                f"config key data.streams={streams} is not a multiple of the {processes} "
+                f"processes: set --config.data.streams to a multiple of {processes} (the same "
+                "value on every resume keeps the data order)"
+            )
+        for i, spec in enumerate(self._phase_specs()):
+            batch = spec.get("global_batch_size", self.config.train.global_batch_size)
+            if batch % streams:
+                where = (
+                    f"data.phases[{i}].global_batch_size"
+                    if "global_batch_size" in spec
+                    else "train.global_batch_size"
+                )
+                raise ValueError(
+                    f"config key {where}={batch} is not divisible by data.streams={streams} "
+                    "(set data.streams to a divisor of it)"
+                )
 
     # ---- data on disk --------------------------------------------------------------------------
     def _phase_specs(self) -> list[dict]:
