@@ -207,6 +207,18 @@ def train_command(argv: list[str], command: str) -> None:
     flags.mark_flags_as_required(["config", "workdir"])
 
     def run(_):
+        from bertjax.preemption import CtrlCSaves
+
+        with CtrlCSaves() as ctrl_c:  # Ctrl-C saves a checkpoint like SIGTERM; twice: exit now
+            try:
+                body(ctrl_c)
+            except KeyboardInterrupt:
+                if flags.FLAGS.verbose:
+                    raise
+                print("bertjax: interrupted (Ctrl-C): exited without saving", file=sys.stderr)
+                sys.exit(130)
+
+    def body(ctrl_c):
         from absl import logging as absl_logging
 
         absl_logging.set_verbosity(absl_logging.WARNING)  # Orbax logs every step at INFO
@@ -235,6 +247,12 @@ def train_command(argv: list[str], command: str) -> None:
             else:
                 result = train.train_and_evaluate(config, workdir)
         except PreemptionRequested as stopped:
+            if ctrl_c.pressed:  # one line; rerunning the same command resumes
+                print(
+                    f"bertjax: interrupted (Ctrl-C): {stopped}; the same command resumes",
+                    file=sys.stderr,
+                )
+                sys.exit(130)
             logging.getLogger("bertjax").warning("%s", stopped)
             sys.exit(0)
         except (

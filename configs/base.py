@@ -34,7 +34,9 @@ def get_config() -> ml_collections.ConfigDict:
     c.data.vocab = ""  # vocab.txt / .model; empty: train one from the corpus
     c.data.vocab_kind = "wordpiece"  # when training a vocabulary: wordpiece | sentencepiece
     c.data.vocab_size = 30522  # when training a vocabulary
-    c.data.do_lower_case = True
+    # vocab.txt / .model casing; unset: the vocabulary's own (lower case when training one). A
+    # tokenizer.json's normalizer decides its casing: this key is then ignored (with a warning).
+    c.data.do_lower_case = ml_collections.config_dict.placeholder(bool)
     c.data.max_seq_length = 128
     c.data.max_predictions_per_seq = 20
     c.data.masked_lm_prob = 0.15

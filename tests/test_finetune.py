@@ -4,6 +4,7 @@ Every run uses a 1-layer H32 model, tiny files in the official formats and 2-3 s
 """
 
 import json
+import logging
 import os
 import pathlib
 import shutil
@@ -414,6 +415,51 @@ def test_vocabulary_must_match_the_init_checkpoint(files, tmp_path):
     )
     with pytest.raises(ValueError, match=r"^\S*vocab2\.txt: vocabulary has \d+ tokens"):
         get_task(c.task, c, str(tmp_path)).after_prepare()
+
+
+def test_ner_casing_follows_an_uncased_checkpoint_and_an_override_warns(files, tmp_path, caplog):
+    """configs/ner.py from an uncased checkpoint: capitalised words are lower-cased, not [UNK]; a
+    do_lower_case set against the checkpoint's tokenizer applies, with a warning naming the key."""
+    from bertjax.models.bert import BertConfig
+
+    n_vocab = len((files / "vocab.txt").read_text().split())
+    cfg = BertConfig(
+        vocab_size=n_vocab,
+        hidden_size=32,
+        num_layers=1,
+        num_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=64,
+    )
+    _tiny_hf_checkpoint(files, tmp_path / "ckpt", cfg)  # its tokenizer_config: do_lower_case
+    cased = tmp_path / "ner"
+    cased.mkdir()
+    for name in ("train.txt", "valid.txt", "test.txt"):
+        lines = (files / "ner" / name).read_text().splitlines()
+        capitalised = [x if x.startswith("-DOCSTART-") else x[:1].upper() + x[1:] for x in lines]
+        (cased / name).write_text("\n".join(capitalised))
+    assert "John NN B-NP B-PER" in (cased / "train.txt").read_text()
+
+    def loaded(**overrides):
+        c = ner_config.get_config()
+        c.init_checkpoint, c.data_dir, c.data.max_seq_length = (
+            str(tmp_path / "ckpt"),
+            str(cased),
+            32,
+        )
+        for key, value in overrides.items():
+            c[key] = value
+        task = get_task(c.task, c, str(tmp_path / "run"))
+        task.after_prepare()
+        return task, task.train_features["input_ids"]
+
+    task, ids = loaded()
+    assert task.tokenizer.do_lower_case and task.tokenizer.unk_id not in ids
+    with caplog.at_level(logging.WARNING, logger="bertjax"):
+        task, ids = loaded(do_lower_case=False)
+    warned = [r.getMessage() for r in caplog.records if "do_lower_case" in r.getMessage()]
+    assert warned and warned[0].startswith("config key do_lower_case=False overrides the init")
+    assert not task.tokenizer.do_lower_case and task.tokenizer.unk_id in ids  # as asked
 
 
 def test_resume_continues_exactly(files, tmp_path):

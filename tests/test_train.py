@@ -1,4 +1,5 @@
-"""The trainer: smoke run, 1-device == 8-device losses, accumulation, resume after SIGKILL/SIGTERM."""
+"""The trainer: smoke run, 1-device == 8-device losses, accumulation, resume after SIGKILL/SIGTERM/
+Ctrl-C."""
 
 import json
 import os
@@ -123,7 +124,7 @@ def test_vocab_size_disagreeing_with_model_config_is_an_error(tmp_path):
         train.train_and_evaluate(config, str(tmp_path / "bad"))
 
 
-def _cli(tmp_path, workdir, *extra):
+def _cli(tmp_path, workdir, *extra, stderr=subprocess.STDOUT):
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     cmd = [
         sys.executable,
@@ -137,7 +138,7 @@ def _cli(tmp_path, workdir, *extra):
         *extra,
     ]
     return subprocess.Popen(
-        cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=stderr, text=True
     )
 
 
@@ -207,6 +208,52 @@ def test_sigterm_saves_a_checkpoint_and_exits_then_resumes(tmp_path):
     out, _ = rerun.communicate(timeout=300)
     assert rerun.returncode == 0, out[-3000:]
     np.testing.assert_allclose(_losses(workdir), _losses(reference), rtol=1e-6)
+
+
+@pytest.mark.slow
+def test_ctrl_c_saves_a_checkpoint_exits_in_one_line_then_resumes(tmp_path):
+    reference = tmp_path / "reference"
+    train.train_and_evaluate(tiny_config(tmp_path, steps=60), str(reference))
+    workdir = tmp_path / "ctrl_c"  # 60 steps: Ctrl-C lands well before the end (~20 ms a step)
+    extra = ("--config.train.steps=60", "--config.train.checkpoint_every=100")
+    proc = _cli(tmp_path, workdir, *extra, stderr=subprocess.PIPE)
+    _wait_for(lambda: max(_logged_steps(workdir), default=0) >= 4, proc)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, out[-3000:] + err[-3000:]
+    reached = max(_logged_steps(workdir))
+    assert 4 <= reached < 60
+    assert err.strip().splitlines() == [
+        f"bertjax: interrupted (Ctrl-C): stopped at step {reached} after saving a checkpoint; "
+        "the same command resumes"
+    ], err[-3000:]
+    assert "Ctrl-C (SIGINT) received: saving a checkpoint" in out
+    assert sorted(s for s in os.listdir(workdir / "checkpoints") if s.isdigit()) == [str(reached)]
+    rerun = _cli(tmp_path, workdir, *extra)
+    out, _ = rerun.communicate(timeout=300)
+    assert rerun.returncode == 0, out[-3000:]
+    assert f"resumed from {workdir / 'checkpoints'} at step {reached}" in out
+    assert [r["step"] for r in read_metrics(workdir)] == list(range(1, 61))
+    np.testing.assert_allclose(_losses(workdir), _losses(reference), rtol=1e-6)
+
+
+def test_ctrl_c_is_handled_by_the_command_only():
+    """The library leaves SIGINT alone; the command's handler is gone after its run."""
+    from bertjax.preemption import CtrlCSaves, StopFlag
+
+    before = signal.getsignal(signal.SIGINT)
+    stop = StopFlag()
+    stop.install()
+    try:
+        assert signal.getsignal(signal.SIGINT) is before
+        with CtrlCSaves() as ctrl_c:
+            signal.raise_signal(signal.SIGINT)  # the first: a checkpoint at the next step
+            assert stop.requested and ctrl_c.pressed
+            with pytest.raises(KeyboardInterrupt):
+                signal.raise_signal(signal.SIGINT)  # the second: out at once
+    finally:
+        stop.restore()
+    assert signal.getsignal(signal.SIGINT) is before and StopFlag.active is None
 
 
 def test_unknown_config_key_fails_in_one_line(tmp_path):

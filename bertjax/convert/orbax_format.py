@@ -56,6 +56,8 @@ def load_bertjax(path: str) -> Checkpoint:
     if vocab is None and data.get("vocab") and os.path.isfile(data["vocab"]):
         vocab = data["vocab"]
     lower = values.get("do_lower_case", data.get("do_lower_case"))
+    if vocab is not None and vocab.endswith(".json"):
+        lower = None  # a tokenizer.json's normalizer decides (a run's data.do_lower_case does not)
     config = with_param_dtype(config, tensors)
     return Checkpoint(config, tensors, vocab, lower, source, values.get("hf_class"))
 

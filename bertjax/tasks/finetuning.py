@@ -3,9 +3,10 @@
 A fine-tuning task (GLUE, SQuAD, NER, SWAG) builds its features in memory in ``load_data`` and
 supplies a head, a loss and host-side scoring; this base class turns them into the ``Task`` API:
 
-* the tokenizer is ``config.vocab`` or the init checkpoint's vocabulary, with ``config.do_lower_case``
-  (unset: the checkpoint's tokenizer setting, else True); a vocabulary whose size differs from the
-  checkpoint's embedding table is an error;
+* the tokenizer is ``config.vocab`` or the init checkpoint's vocabulary, cased as the checkpoint's
+  tokenizer (else as the vocabulary itself); a set ``config.do_lower_case`` that differs applies with
+  a warning (a tokenizer.json's normalizer always decides); a vocabulary whose size differs from
+  the checkpoint's embedding table is an error;
 * the model config is the init checkpoint's (``config.model`` may change only numerics: dtype,
   dropout, attention implementation, remat, scan), else ``config.model`` + the vocabulary size;
 * ``init_params`` replaces the fresh encoder (``bert`` subtree for BERT) with the checkpoint's (the
@@ -163,24 +164,40 @@ class FinetuneTask(Task):
         return self.config.data_dir
 
     def _load_tokenizer(self) -> None:
+        """The casing follows the init checkpoint's tokenizer (else the vocabulary's own); a set
+        ``do_lower_case`` that differs from it applies, with a warning; a tokenizer.json's
+        normalizer always decides (the key is then ignored, with a warning)."""
         cfg = self.config
-        lower = cfg.get("do_lower_case")
+        lower, ckpt_tok = cfg.get("do_lower_case"), None
         if cfg.init_checkpoint:
             self.pretrained = load_pretrained(cfg.init_checkpoint, vocab=cfg.vocab or None)
             ckpt_tok = self.pretrained.tokenizer
-            if lower is None and ckpt_tok is not None:
-                lower = getattr(ckpt_tok, "do_lower_case", True)
-        lower = True if lower is None else bool(lower)
         if cfg.vocab:
             vocab = cfg.vocab
-        elif self.pretrained is not None and self.pretrained.tokenizer is not None:
-            vocab = self.pretrained.tokenizer.vocab_file
+        elif ckpt_tok is not None:
+            vocab = ckpt_tok.vocab_file
         else:
             raise ValueError(
                 "config key vocab is empty and no init_checkpoint vocabulary was found: name a "
                 "vocab.txt or .model file"
             )
-        self.tokenizer = load_tokenizer(vocab, do_lower_case=lower)
+        if vocab.endswith(".json") or os.path.isdir(vocab):
+            self.tokenizer = load_tokenizer(vocab)
+            if lower is not None and bool(lower) != self.tokenizer.do_lower_case:
+                log.warning(
+                    "config key do_lower_case=%s ignored: the normalizer of %s %s case (a "
+                    "tokenizer.json decides its own casing)",
+                    lower, vocab, "folds" if self.tokenizer.do_lower_case else "keeps",
+                )  # fmt: skip
+        else:
+            follow = ckpt_tok.do_lower_case if ckpt_tok is not None else None
+            self.tokenizer = load_tokenizer(vocab, do_lower_case=follow if lower is None else lower)
+            if lower is not None and follow is not None and bool(lower) != follow:
+                log.warning(
+                    "config key do_lower_case=%s overrides the init checkpoint's tokenizer (%s "
+                    "%s case): words missing from the vocabulary in that casing become [UNK]",
+                    lower, ckpt_tok.vocab_file, "folds" if follow else "keeps",
+                )  # fmt: skip
         if self.pretrained is not None:
             table = self.pretrained.config.vocab_size
             if self.tokenizer.vocab_size != table:

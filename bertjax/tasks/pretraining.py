@@ -49,6 +49,7 @@ class PretrainingTask(Task):
         self.tokenizer = None
         self.fixed_vocab_size = vocab_size
         self.pretrained = None  # bertjax.pretrained.Pretrained of config.init_checkpoint
+        self._casing_warned = False
         d = config.data
         self.prepared_root = d.prepared_dir or os.path.join(workdir, "data")
         self.packing = bool(d.get("packing", False))
@@ -128,9 +129,20 @@ class PretrainingTask(Task):
 
     def _load_tokenizer(self, vocab: str):
         """The run's tokenizer; a tokenizer.json carries its own case handling (its normalizer),
-        so data.do_lower_case applies to WordPiece/SentencePiece vocabularies only."""
-        lower = None if vocab.endswith(".json") else self.config.data.do_lower_case
-        return load_tokenizer(vocab, do_lower_case=lower)
+        so data.do_lower_case applies to WordPiece/SentencePiece vocabularies only (unset: the
+        vocabulary's own casing, as a checkpoint of the run reloads it)."""
+        lower = self.config.data.get("do_lower_case")
+        if not vocab.endswith(".json"):
+            return load_tokenizer(vocab, do_lower_case=lower)
+        tok = load_tokenizer(vocab)
+        if lower is not None and bool(lower) != tok.do_lower_case and not self._casing_warned:
+            log.warning(
+                "config key data.do_lower_case=%s ignored: the normalizer of %s %s case (a "
+                "tokenizer.json decides its own casing)",
+                lower, vocab, "folds" if tok.do_lower_case else "keeps",
+            )  # fmt: skip
+            self._casing_warned = True
+        return tok
 
     def _vocab_path(self) -> str:
         d = self.config.data
@@ -163,7 +175,7 @@ class PretrainingTask(Task):
                 os.path.splitext(vocab)[0] if d.vocab_kind == "sentencepiece" else vocab,
                 d.vocab_size,
                 kind=d.vocab_kind,
-                do_lower_case=d.do_lower_case,
+                do_lower_case=d.get("do_lower_case") is not False,  # unset: lower case
                 seed=self.config.data.seed,
                 corpus_format=fmt,
                 text_column=d.get("text_column", "text"),
@@ -251,6 +263,7 @@ class PretrainingTask(Task):
                     f"init checkpoint {source} embeds {cfg.vocab_size} tokens but the vocabulary "
                     f"{self._vocab_path()} has {vocab_size}"
                 )
+            self._check_init_vocab(source)
         else:
             cfg = models.model_config_from(self.config.model, vocab_size)
         longest = max(s["max_seq_length"] for s in self._phase_specs())
@@ -260,6 +273,35 @@ class PretrainingTask(Task):
                 f"model.max_position_embeddings={cfg.max_position_embeddings}"
             )
         return cfg
+
+    def _check_init_vocab(self, source: str) -> None:
+        """The init checkpoint's vocabulary must be the run's: the same token at every id."""
+        theirs, ours = self.pretrained.tokenizer, self.tokenizer
+        if ours is None:  # no data on disk (compiling): no vocabulary to compare
+            return
+        if theirs is None:
+            log.warning(
+                "init checkpoint %s has no vocabulary file: cannot check that it was trained "
+                "with %s",
+                source, self._vocab_path(),
+            )  # fmt: skip
+            return
+        if list(theirs.vocab) != list(ours.vocab):
+            diff = [i for i, (a, b) in enumerate(zip(ours.vocab, theirs.vocab)) if a != b]
+            where = f"{len(ours.vocab)} tokens here, {len(theirs.vocab)} there"
+            if diff:
+                i = diff[0]
+                where = f"token {i} is {ours.vocab[i]!r} here, {theirs.vocab[i]!r} there"
+            raise ValueError(
+                f"config key data.vocab={self._vocab_path()} is not the vocabulary of the init "
+                f"checkpoint {source} ({theirs.vocab_file}): {where}"
+            )
+        if theirs.do_lower_case != ours.do_lower_case:
+            log.warning(
+                "config key data.do_lower_case: the run %s case, the init checkpoint's tokenizer "
+                "%s (%s)",
+                *("folds" if t.do_lower_case else "keeps" for t in (ours, theirs)), source,
+            )  # fmt: skip
 
     def build_model(self, model_config):
         return PreTrainingModel(model_config, nsp=self.config.data.nsp)
