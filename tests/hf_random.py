@@ -23,3 +23,26 @@ def randomize(model, seed: int, only: tuple[str, ...] = ()) -> None:
                 p.copy_(noise / np.sqrt(p.shape[1]))
             else:
                 p.copy_(0.5 * noise)
+
+
+def random_bert_for_pretraining(path, vocab_size: int):
+    """A transformers ``BertForPreTraining`` (2 x 32, dropout 0) with :func:`randomize`d weights,
+    the NSP head included, saved to ``path``; returns the model (eval mode)."""
+    import torch
+    import transformers
+
+    config = transformers.BertConfig(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=48,
+        max_position_embeddings=32,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
+    torch.manual_seed(0)
+    model = transformers.BertForPreTraining(config).eval()
+    randomize(model, seed=1)
+    model.save_pretrained(path)
+    return model

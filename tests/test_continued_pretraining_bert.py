@@ -6,31 +6,13 @@ import logging
 import jax
 import numpy as np
 import pytest
-from hf_random import randomize
+from hf_random import random_bert_for_pretraining
 from train_fixtures import VOCAB_SIZE, read_metrics, tiny_config, write_vocab
 
 from bertjax import train
 
 transformers = pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
-
-
-def _hf_pretraining_dir(path, vocab_size):
-    config = transformers.BertConfig(
-        vocab_size=vocab_size,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=48,
-        max_position_embeddings=32,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-    )
-    torch.manual_seed(0)
-    model = transformers.BertForPreTraining(config).eval()
-    randomize(model, seed=1)  # every tensor, the NSP head included, away from its init
-    model.save_pretrained(path)
-    return model
 
 
 def _transformers_losses(model, batch) -> tuple[float, float]:
@@ -60,7 +42,7 @@ def _transformers_losses(model, batch) -> tuple[float, float]:
 
 def test_first_loss_from_bert_for_pretraining_equals_transformers(tmp_path, caplog):
     write_vocab(tmp_path / "vocab.txt")
-    model = _hf_pretraining_dir(tmp_path / "hf", VOCAB_SIZE)
+    model = random_bert_for_pretraining(tmp_path / "hf", VOCAB_SIZE)
     c = tiny_config(tmp_path, steps=1)
     c.init_checkpoint = str(tmp_path / "hf")
     c.train.global_batch_size = 16  # the whole eval split (16 records) in one batch
