@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from bertjax.tools import device_check
+from bertjax.tools import device_check, device_report
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 NO_TF = REPO / "tests" / "no_tensorflow"
@@ -36,7 +36,7 @@ def test_dry_run_checks_selection_plan_and_schema_without_tensorflow(tmp_path):
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((out / "device_report.json").read_text())
-    assert not device_check.check_schema(report)
+    assert not device_report.check_schema(report)
     assert report["dry_run"] and not report["dry_run_problems"]
     assert report["environment"]["tensorflow"] == "not installed"
     selected = report["tests"]["selected"]
@@ -84,7 +84,7 @@ def test_the_real_path_on_cpu_with_tiny_models_without_tensorflow(tmp_path):
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((tmp_path / "device_report.json").read_text())
-    assert not device_check.check_schema(report)
+    assert not device_report.check_schema(report)
     tests = report["tests"]
     assert tests["passed"] == 1 and tests["failed"] == 0 and tests["skipped"] == 1
     skipped = [c for c in tests["cases"] if c["outcome"] == "skipped"]
@@ -110,7 +110,7 @@ def test_parse_junit_and_schema(tmp_path):
     assert (result["passed"], result["failed"], result["skipped"]) == (1, 1, 1)
     assert result["cases"][1] == {"test": "a::bad", "outcome": "failed", "seconds": 0.0,
                                   "message": "boom"}  # fmt: skip
-    assert device_check.check_schema({"platform": "gpu"}) == [
+    assert device_report.check_schema({"platform": "gpu"}) == [
         "missing key 'device_kind'",
         "missing key 'tests'",
         "missing key 'benchmarks'",
