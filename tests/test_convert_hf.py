@@ -472,6 +472,7 @@ def test_output_directory_is_not_clobbered(hf_pretraining, tmp_path):
     assert sorted(os.listdir(tmp_path / "out")) == [
         "config.json",
         "model.safetensors",
+        "special_tokens_map.json",
         "tokenizer_config.json",
         "vocab.txt",
     ]

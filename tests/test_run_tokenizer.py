@@ -91,3 +91,32 @@ def test_continued_pretraining_refuses_another_vocabulary_of_the_same_size(tmp_p
     c.data.vocab = str(_tokenizer_json(tmp_path / "same" / "tokenizer.json", vocab, True))
     task = train.prepared_task(c, str(tmp_path / "same_run"))
     assert task.model_config().vocab_size == VOCAB_SIZE
+
+
+def test_hf_export_of_a_modernbert_with_its_own_tokenizer_loads_in_transformers(tmp_path):
+    """A ModernBERT trained on its own small vocabulary (the preset's special-token ids, 50281-3,
+    lie outside it) exports with the vocabulary's ids in config.json and tokenizer files, so
+    transformers' AutoModelForMaskedLM, AutoTokenizer and pipeline("fill-mask") load it."""
+    transformers = pytest.importorskip("transformers")
+    torch = pytest.importorskip("torch")
+    vocab = write_vocab(tmp_path / "vocab.txt")
+    tokenizer_json = _tokenizer_json(tmp_path / "tok" / "tokenizer.json", vocab, lowercase=True)
+    config = transformers.ModernBertConfig(
+        vocab_size=VOCAB_SIZE, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=48, max_position_embeddings=64, pad_token_id=0, cls_token_id=2,
+        sep_token_id=3, bos_token_id=2, eos_token_id=3,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    transformers.ModernBertForMaskedLM(config).save_pretrained(tmp_path / "hf")
+    ckpt = convert.load_checkpoint(str(tmp_path / "hf"))
+    # as a bertjax run of the preset leaves it: the preset's ids, the run's own tokenizer.json
+    ckpt.config = ckpt.config.replace(pad_token_id=50283, cls_token_id=50281, sep_token_id=50282)
+    ckpt.vocab_file = str(tokenizer_json)
+    convert.save_checkpoint(ckpt, str(tmp_path / "export"), "hf")
+    exported = transformers.AutoConfig.from_pretrained(tmp_path / "export")
+    assert (exported.pad_token_id, exported.cls_token_id, exported.sep_token_id) == (0, 2, 3)
+    model = transformers.AutoModelForMaskedLM.from_pretrained(tmp_path / "export").eval()
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "export")
+    assert (tok.mask_token, tok.mask_token_id, tok.pad_token_id) == ("[MASK]", 4, 0)
+    fill = transformers.pipeline("fill-mask", model=model, tokenizer=tok, device="cpu")
+    assert len(fill("w1 w2 [MASK] w4", top_k=3)) == 3

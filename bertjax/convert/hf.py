@@ -19,6 +19,7 @@ import json
 import os
 import pickle
 import zipfile
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -349,16 +350,61 @@ def load_hf(directory: str) -> Checkpoint:
     return Checkpoint(config, tensors, vocab, _do_lower_case(directory), weights)
 
 
+_SPECIAL = (("pad", "pad_id"), ("unk", "unk_id"), ("cls", "cls_id"), ("sep", "sep_id"),
+            ("mask", "mask_id"))  # fmt: skip
+
+
+def _special_tokens(ckpt: Checkpoint) -> tuple[Any, dict[str, str]]:
+    """The checkpoint's tokenizer (None without a vocabulary) and its special tokens by role."""
+    if not ckpt.vocab_file:
+        return None, {}
+    lower = None if ckpt.vocab_file.endswith(".json") else ckpt.do_lower_case
+    tokenizer = load_tokenizer(ckpt.vocab_file, lower)
+    vocab = getattr(tokenizer, "vocab", None)
+    tokens = {}
+    for role, attr in _SPECIAL:
+        token_id = getattr(tokenizer, attr, None)
+        if token_id is not None and vocab is not None and 0 <= token_id < len(vocab):
+            tokens[role] = vocab[token_id]
+    return tokenizer, tokens
+
+
+def _write_tokenizer_files(ckpt: Checkpoint, directory: str, tokenizer, tokens) -> None:
+    """tokenizer_config.json and special_tokens_map.json for transformers' AutoTokenizer (a
+    vocab.txt as BertTokenizer; a tokenizer.json as the fast tokenizer with its special tokens)."""
+    if tokenizer is None or ckpt.vocab_file.endswith(".model"):
+        return
+    special = {f"{role}_token": token for role, token in tokens.items()}
+    if ckpt.vocab_file.endswith(".json"):
+        config = {"tokenizer_class": "PreTrainedTokenizerFast", **special}
+    else:
+        config = {"tokenizer_class": "BertTokenizer", "do_lower_case": tokenizer.do_lower_case}
+        config.update(special)
+    config["model_max_length"] = getattr(ckpt.config, "max_position_embeddings", None) or 512
+    for name, value in (("tokenizer_config.json", config), ("special_tokens_map.json", special)):
+        with open(os.path.join(directory, name), "w") as f:
+            json.dump(value, f, indent=2, sort_keys=True)
+
+
 def write_hf(ckpt: Checkpoint, directory: str) -> None:
-    """config.json, model.safetensors and tokenizer_config.json that transformers loads as is."""
+    """config.json, model.safetensors, tokenizer_config.json and special_tokens_map.json that
+    transformers loads as is (``AutoModel*``, ``AutoTokenizer``, ``pipeline("fill-mask")``): the
+    special-token ids of config.json are the vocabulary's, never a preset's."""
+    tokenizer, tokens = _special_tokens(ckpt)
     if ckpt.config.architecture == "modernbert":
-        write_hf_dir(directory, ckpt.config, ckpt.tensors, ckpt.heads, ckpt.hf_class)
+        cfg = ckpt.config
+        if tokenizer is not None:
+            ids = {f"{role}_token_id": getattr(tokenizer, f"{role}_id", None)
+                   for role in ("pad", "cls", "sep")}  # fmt: skip
+            cfg = cfg.replace(**{k: v for k, v in ids.items() if v is not None})
+        write_hf_dir(directory, cfg, ckpt.tensors, ckpt.heads, ckpt.hf_class)
+        _write_tokenizer_files(ckpt, directory, tokenizer, tokens)
         return
     state, arch = tensors_to_hf(ckpt)
     config = {"architectures": [arch], "model_type": "bert", **config_to_original(ckpt.config)}
     config.update(
         layer_norm_eps=ckpt.config.layer_norm_eps,
-        pad_token_id=0,
+        pad_token_id=getattr(tokenizer, "pad_id", None) or 0,
         position_embedding_type="absolute",
         tie_word_embeddings=True,
         dtype=ckpt.config.param_dtype,
@@ -369,16 +415,4 @@ def write_hf(ckpt: Checkpoint, directory: str) -> None:
     with open(os.path.join(directory, "config.json"), "w") as f:
         json.dump(config, f, indent=2, sort_keys=True)
     save_file(state, os.path.join(directory, SAFETENSORS), metadata={"format": "pt"})
-    if ckpt.vocab_file and not ckpt.vocab_file.endswith(".model"):
-        tokenizer = {
-            "tokenizer_class": "BertTokenizer",
-            "do_lower_case": load_tokenizer(ckpt.vocab_file, ckpt.do_lower_case).do_lower_case,
-            "model_max_length": ckpt.config.max_position_embeddings,
-            "unk_token": "[UNK]",
-            "sep_token": "[SEP]",
-            "pad_token": "[PAD]",
-            "cls_token": "[CLS]",
-            "mask_token": "[MASK]",
-        }
-        with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
-            json.dump(tokenizer, f, indent=2, sort_keys=True)
+    _write_tokenizer_files(ckpt, directory, tokenizer, tokens)
