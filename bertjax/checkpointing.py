@@ -31,6 +31,21 @@ from bertjax import fs
 log = logging.getLogger(__name__)
 
 
+def run_config_json(config_json: str, model_config: Any, config: Any) -> str:
+    """The run's config JSON plus ``model_config``: the model this phase trains, as built (from
+    the init checkpoint, with the phase's options such as its RoPE base), which ``convert``,
+    ``load_pretrained`` and runs started from the checkpoint rebuild. The kernels chosen for this
+    run's devices go back to the run's own setting (``auto`` picks again where it is loaded) or,
+    unset, the architecture's default."""
+    values = json.loads(config_json)
+    model = model_config.to_dict()
+    for key in ("attention_impl", "dropout_impl"):
+        if key in model:
+            model[key] = config.model.get(key) or getattr(type(model_config), key, "auto")
+    values["model_config"] = model
+    return json.dumps(values, sort_keys=True)
+
+
 class Checkpointer:
     """A thin wrapper over ``ocp.CheckpointManager`` with bertjax's three items."""
 

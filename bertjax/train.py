@@ -90,14 +90,13 @@ def build(
     if getattr(model_cfg, "attention_impl", None) == "auto":  # the mesh platform's kernel
         impl = resolve_attention_impl("auto", platform, dtype_of(model_cfg.dtype))
         model_cfg = model_cfg.replace(attention_impl=impl)
-    if model_cfg.attention_impl != "xla" and model_cfg.attention_dropout > 0:
+    impl, rate = model_cfg.attention_impl, model_cfg.attention_dropout
+    if impl != "xla" and rate > 0:
         log.warning(
-            "model.attention_impl=%s is not used in training: model.attention_dropout=%g > 0 and "
-            "no fused kernel has attention dropout, so training attention runs on the explicit "
-            "xla path (evaluation uses %s); set model.attention_dropout=0 to train with it",
-            model_cfg.attention_impl,
-            model_cfg.attention_dropout,
-            model_cfg.attention_impl,
+            f"model.attention_impl={impl} is not used in training: model.attention_dropout={rate:g}"
+            " > 0 and no fused kernel has attention dropout, so training attention runs on the "
+            f"explicit xla path (evaluation uses {impl}); set model.attention_dropout=0 to train "
+            "with it"
         )
     model = task.build_model(model_cfg)
     rules = sharding.rules_from_config(config.mesh.get("rules"))
@@ -381,7 +380,7 @@ def _run_phase(run: _Run, phase, phase_index, state, step, data_state) -> dict:
     setup, config, writer, ckpt, stop = run.setup, run.config, run.writer, run.ckpt, run.stop
     setup = phase_setup(setup, phase)
     config_json, t_start, first_step, peak, best = (
-        run.config_json,
+        checkpointing.run_config_json(run.config_json, setup.model.config, config),
         run.t_start,
         run.first_step,
         run.peak,
@@ -458,7 +457,8 @@ def _run_phase(run: _Run, phase, phase_index, state, step, data_state) -> dict:
                 writer.write(step, last_eval, "eval")
                 best.update(step, last_eval, state.params, config_json)
             meter.reset()
-        halting = bool(tcfg.get("stop_at_step", 0)) and step >= tcfg.stop_at_step and not is_last
+        the_end = is_last and phase_index + 1 == len(setup.phases)  # a phase boundary may halt
+        halting = bool(tcfg.get("stop_at_step", 0)) and step >= tcfg.stop_at_step and not the_end
         stopping = stop.should_stop(step)
         if step % tcfg.checkpoint_every == 0 or is_last or stopping or halting:
             data_pos = {"phase": phase_index, "iterator": data.state()}
@@ -469,7 +469,11 @@ def _run_phase(run: _Run, phase, phase_index, state, step, data_state) -> dict:
             ckpt.wait()
             raise PreemptionRequested(f"stopped at step {step} after saving a checkpoint")
         if halting:
-            log.info("train.stop_at_step=%d reached: checkpoint saved, stopping", step)
+            log.info(
+                "train.stop_at_step=%d reached at step %d: checkpoint saved, stopping",
+                tcfg.stop_at_step,
+                step,
+            )
             return {
                 "_state": state,
                 "_step": step,

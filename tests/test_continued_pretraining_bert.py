@@ -63,3 +63,30 @@ def test_first_loss_from_bert_for_pretraining_equals_transformers(tmp_path, capl
     state = setup.init_state(jax.random.key_data(jax.random.key(0)))
     kernel = model.cls.seq_relationship.weight.detach().numpy().T
     np.testing.assert_allclose(state.params["seq_relationship"]["kernel"], kernel, rtol=1e-6)
+
+
+def test_a_run_from_an_init_checkpoint_records_the_model_it_trained(tmp_path):
+    """The config file names preset "tiny" (L2/H128), the init checkpoint is 2 x 32: the run's
+    checkpoint records the 2 x 32 model it trained, so convert, load_pretrained and a run
+    started from it rebuild that model (they failed: "missing 160 tensor(s)")."""
+    from bertjax import convert
+    from bertjax.pretrained import load_pretrained
+
+    write_vocab(tmp_path / "vocab.txt")
+    random_bert_for_pretraining(tmp_path / "hf", VOCAB_SIZE)
+    c = tiny_config(tmp_path, steps=2)
+    c.init_checkpoint = str(tmp_path / "hf")
+    assert c.model.preset == "tiny"
+    train.train_and_evaluate(c, str(tmp_path / "run"))
+    ckpt = convert.load_checkpoint(str(tmp_path / "run"))
+    assert (ckpt.config.hidden_size, ckpt.config.num_layers) == (32, 2)
+    assert ckpt.heads == ("pooler", "mlm", "nsp")
+    convert.save_checkpoint(ckpt, str(tmp_path / "export"), "hf")
+    again = transformers.BertForPreTraining.from_pretrained(tmp_path / "export")
+    assert again.config.hidden_size == 32
+    loaded = load_pretrained(str(tmp_path / "run"))
+    assert loaded.config.hidden_size == 32
+    follow = tiny_config(tmp_path, steps=2)
+    follow.init_checkpoint = str(tmp_path / "run")  # continued again from the run itself
+    result = train.train_and_evaluate(follow, str(tmp_path / "run2"))
+    assert result["step"] == 2 and np.isfinite(result["train"]["loss"])

@@ -154,3 +154,29 @@ def test_evaluate_mlm_compares_checkpoints_on_the_same_records(tmp_path):
         weight += float(b["masked_lm_weights"].sum())
     np.testing.assert_allclose(got["mlm_loss"], nll / weight, rtol=1e-4)
     assert got["masked_positions"] == int(weight)
+
+
+def test_a_checkpoint_of_each_phase_records_that_phase_s_rope_base(tmp_path):
+    """Context extension: a checkpoint taken in the 10k-base phase loads (convert, load_pretrained)
+    with 10k, the last phase's with 160k (both used to load with the config file's value)."""
+    c = tiny_config(tmp_path, steps=4)
+    write_prepared(tmp_path / "prepared" / "seq16")
+    write_prepared(tmp_path / "prepared" / "seq32", seq=32, pred=6)
+    c.model.architecture = "modernbert"
+    c.model.preset = "modernbert-tiny"
+    c.model.max_position_embeddings = None
+    c.model.global_rope_theta = 160_000.0  # as configs/modernbert_base.py: the final base
+    c.train.checkpoint_every = 2
+    c.data.phases = (
+        dict(until_step=2, max_seq_length=16, max_predictions_per_seq=3,
+             model=dict(global_rope_theta=10_000.0)),
+        dict(until_step=4, max_seq_length=32, max_predictions_per_seq=6),
+    )  # fmt: skip
+    c.train.stop_at_step = 2  # the phase boundary: no step of phase 2 before the halt
+    assert train.train_and_evaluate(c, str(tmp_path / "run"))["step"] == 2
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["2"]
+    assert load_checkpoint(str(tmp_path / "run")).config.global_rope_theta == 10_000.0
+    assert bertjax.load_pretrained(str(tmp_path / "run")).config.global_rope_theta == 10_000.0
+    c.train.stop_at_step = 0
+    train.train_and_evaluate(c, str(tmp_path / "run"))  # resumes into phase 2
+    assert load_checkpoint(str(tmp_path / "run")).config.global_rope_theta == 160_000.0
