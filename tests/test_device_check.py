@@ -95,7 +95,7 @@ def test_the_real_path_on_cpu_with_tiny_models_without_tensorflow(tmp_path):
         assert "error" not in b, b.get("error")
         assert b["step_time_s"] > 0 and b["tokens_per_sec"] > 0 and b["final_loss"] > 0
         assert b["resolved"]["attention_impl"] == "xla"  # auto on CPU
-    assert "| bert-tiny-64 |" in (tmp_path / "device_report.md").read_text()
+    assert "| modernbert-tiny-128 |" in (tmp_path / "device_report.md").read_text()
 
 
 def test_parse_junit_and_schema(tmp_path):

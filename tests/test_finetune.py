@@ -633,3 +633,12 @@ def test_modernbert_init_checkpoint_from_transformers_fine_tunes(files, tmp_path
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=str(path))
     result = train.train_and_evaluate(c, str(tmp_path / "run"))
     assert result["step"] == 3
+    # the fine-tuned run's checkpoint is the model it trained: it exports (it did not: "missing
+    # tensors"), with the checkpoint's window of 8, not the preset's 128
+    from bertjax import convert
+
+    ckpt = convert.load_checkpoint(str(tmp_path / "run"))
+    assert (ckpt.config.num_layers, ckpt.config.local_attention) == (3, 8)
+    convert.save_checkpoint(ckpt, str(tmp_path / "export"), "hf")
+    exported = transformers.AutoModelForSequenceClassification.from_pretrained(tmp_path / "export")
+    assert exported.config.local_attention == 8 and exported.config.num_labels == 2

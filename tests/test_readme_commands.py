@@ -131,6 +131,9 @@ SKIPPED = {  # a command is skipped when it is, or starts with, a key (then a sp
     "make install": "pip install needs the network (checked with make -n)",
     "make test-beam": "installs Beam (the network); make test runs it after the suite",
     "make bench": "a benchmark of minutes on real sizes; tests/test_bench.py runs it small",
+    "make device-check": "needs a GPU or TPU (DRY=1: tests/test_device_check.py runs the dry mode "
+    "and a CPU self-test of the real path)",
+    "make device-wheels": "pip download needs the network",
     "make pretrain CONFIG=configs/bert_base.py WORKDIR=gs://my-bucket/runs/base": "gs://",
     "make pretrain CONFIG=configs/bert_base.py": "BERT-base on a Wikipedia corpus: hours",
     "make pretrain CONFIG=configs/bert_demo.py": "the demo again with the BERT recipe: minutes",

@@ -212,8 +212,7 @@ def test_sigterm_saves_a_checkpoint_and_exits_then_resumes(tmp_path):
 
 @pytest.mark.slow
 def test_ctrl_c_saves_a_checkpoint_exits_in_one_line_then_resumes(tmp_path):
-    reference = tmp_path / "reference"
-    train.train_and_evaluate(tiny_config(tmp_path, steps=60), str(reference))
+    """The exactness of the resume is the SIGTERM test's (the same save at a step boundary)."""
     workdir = tmp_path / "ctrl_c"  # 60 steps: Ctrl-C lands well before the end (~20 ms a step)
     extra = ("--config.train.steps=60", "--config.train.checkpoint_every=100")
     proc = _cli(tmp_path, workdir, *extra, stderr=subprocess.PIPE)
@@ -234,7 +233,6 @@ def test_ctrl_c_saves_a_checkpoint_exits_in_one_line_then_resumes(tmp_path):
     assert rerun.returncode == 0, out[-3000:]
     assert f"resumed from {workdir / 'checkpoints'} at step {reached}" in out
     assert [r["step"] for r in read_metrics(workdir)] == list(range(1, 61))
-    np.testing.assert_allclose(_losses(workdir), _losses(reference), rtol=1e-6)
 
 
 def test_ctrl_c_is_handled_by_the_command_only():

@@ -60,7 +60,6 @@ PLAN: list[tuple[str, list[str], int]] = [
 ]  # fmt: skip
 # A plan of tiny models with the same code path (``--plan=tiny``: CPU self-tests of this tool).
 TINY_PLAN: list[tuple[str, list[str], int]] = [
-    ("bert-tiny-64", ["--preset=tiny", "--seq=64", "--batch=8", "--vocab_size=512"], 5),
     ("modernbert-tiny-128", ["--architecture=modernbert", "--preset=modernbert-tiny", "--seq=128",
                              "--batch=4", "--vocab_size=512"], 5),
 ]  # fmt: skip
