@@ -102,7 +102,8 @@ def test_continued_pretraining_starts_from_the_checkpoint(tmp_path, tied):
 
 def test_context_extension_phase_changes_the_rope_base_not_the_params(tmp_path):
     """data.phases with model options: phase 2 trains the same params with a larger global RoPE
-    base (ModernBERT's context extension); an option that changes parameter shapes is refused."""
+    base (ModernBERT's context extension), and a checkpoint of each phase loads with that phase's
+    base; an option that changes parameter shapes is refused."""
     c = tiny_config(tmp_path, steps=4)
     write_prepared(tmp_path / "prepared" / "seq16")
     write_prepared(tmp_path / "prepared" / "seq32", seq=32, pred=6)
@@ -124,8 +125,18 @@ def test_context_extension_phase_changes_the_rope_base_not_the_params(tmp_path):
     first, second = (train.phase_setup(setup, p) for p in setup.phases)
     assert first.model.config.global_rope_theta == 10_000.0
     assert second.model.config.global_rope_theta == 160_000.0
-    result = train.train_and_evaluate(c, str(tmp_path / "run"))
+    # each phase's checkpoint records that phase's base (both used to load with the config
+    # file's): stop at the phase boundary (no step of phase 2 before the halt), then resume
+    c.train.checkpoint_every = 2
+    c.train.stop_at_step = 2
+    assert train.train_and_evaluate(c, str(tmp_path / "run"))["step"] == 2
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["2"]
+    assert load_checkpoint(str(tmp_path / "run")).config.global_rope_theta == 10_000.0
+    assert bertjax.load_pretrained(str(tmp_path / "run")).config.global_rope_theta == 10_000.0
+    c.train.stop_at_step = 0
+    result = train.train_and_evaluate(c, str(tmp_path / "run"))  # resumes into phase 2
     assert result["step"] == 4 and np.isfinite(result["train"]["loss"])
+    assert load_checkpoint(str(tmp_path / "run")).config.global_rope_theta == 160_000.0
     bad = task.phases()[1]
     bad.options["model"] = dict(num_layers=1)
     with pytest.raises(ValueError, match="change the parameters"):
@@ -154,29 +165,3 @@ def test_evaluate_mlm_compares_checkpoints_on_the_same_records(tmp_path):
         weight += float(b["masked_lm_weights"].sum())
     np.testing.assert_allclose(got["mlm_loss"], nll / weight, rtol=1e-4)
     assert got["masked_positions"] == int(weight)
-
-
-def test_a_checkpoint_of_each_phase_records_that_phase_s_rope_base(tmp_path):
-    """Context extension: a checkpoint taken in the 10k-base phase loads (convert, load_pretrained)
-    with 10k, the last phase's with 160k (both used to load with the config file's value)."""
-    c = tiny_config(tmp_path, steps=4)
-    write_prepared(tmp_path / "prepared" / "seq16")
-    write_prepared(tmp_path / "prepared" / "seq32", seq=32, pred=6)
-    c.model.architecture = "modernbert"
-    c.model.preset = "modernbert-tiny"
-    c.model.max_position_embeddings = None
-    c.model.global_rope_theta = 160_000.0  # as configs/modernbert_base.py: the final base
-    c.train.checkpoint_every = 2
-    c.data.phases = (
-        dict(until_step=2, max_seq_length=16, max_predictions_per_seq=3,
-             model=dict(global_rope_theta=10_000.0)),
-        dict(until_step=4, max_seq_length=32, max_predictions_per_seq=6),
-    )  # fmt: skip
-    c.train.stop_at_step = 2  # the phase boundary: no step of phase 2 before the halt
-    assert train.train_and_evaluate(c, str(tmp_path / "run"))["step"] == 2
-    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["2"]
-    assert load_checkpoint(str(tmp_path / "run")).config.global_rope_theta == 10_000.0
-    assert bertjax.load_pretrained(str(tmp_path / "run")).config.global_rope_theta == 10_000.0
-    c.train.stop_at_step = 0
-    train.train_and_evaluate(c, str(tmp_path / "run"))  # resumes into phase 2
-    assert load_checkpoint(str(tmp_path / "run")).config.global_rope_theta == 160_000.0
