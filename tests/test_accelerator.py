@@ -152,29 +152,16 @@ def test_bf16_loss_within_tolerance_of_fp32(arch):
 
 def _one_step(num_devices: int, arch: str):
     """Loss and parameters after one real pretraining train_step on the first N local devices."""
-    import argparse
-
     from bertjax import sharding, train
     from bertjax.tasks.pretraining import PretrainingTask
     from bertjax.tools import bench
 
-    args = argparse.Namespace(
-        dtype="float32",
-        attention_impl="auto",
-        remat="none",
-        scan_layers=False,
-        dropout_impl="auto",
-        architecture=arch,
-        preset="tiny" if arch == "bert" else "modernbert-tiny",
-        seq=64,
-        masked=0,
-        dropout=0.1,
-        attention_dropout=0.0,
-        devices=num_devices,
-        batch=8,
-        grad_accum_steps=1,
-        vocab_size=512,
-    )
+    preset = "tiny" if arch == "bert" else "modernbert-tiny"
+    args = bench.parse_args([
+        f"--architecture={arch}", f"--preset={preset}", "--attention_impl=auto", "--seq=64",
+        "--batch=8", "--vocab_size=512", "--dropout=0.1", "--attention_dropout=0",
+        f"--devices={num_devices}",
+    ])  # fmt: skip
     config = bench.bench_config(args)
     with tempfile.TemporaryDirectory() as workdir:
         task = PretrainingTask(config, workdir, vocab_size=args.vocab_size)
@@ -252,17 +239,15 @@ def test_make_pretrain_end_to_end(tmp_path):
 def test_an_attention_kernel_that_dropout_bypasses_is_named_in_a_warning(tmp_path, caplog):
     """attention_impl other than xla with attention_dropout > 0 trains on the explicit path: the
     run says so, naming both keys (it used to be silent)."""
-    import argparse
     import logging
 
     from bertjax import train
     from bertjax.tasks.pretraining import PretrainingTask
     from bertjax.tools import bench
 
-    args = argparse.Namespace(
-        dtype="float32", attention_impl="dot_product", remat="none", scan_layers=False,
-        dropout_impl="auto", architecture="bert", preset="tiny", seq=32, masked=0, dropout=0.1,
-        attention_dropout=None, devices=1, batch=8, grad_accum_steps=1, vocab_size=512,
+    args = bench.parse_args(
+        ["--preset=tiny", "--attention_impl=dot_product", "--seq=32", "--batch=8", "--devices=1",
+         "--vocab_size=512"]
     )  # fmt: skip
     for attention_dropout, warned in ((0.1, True), (0.0, False)):
         args.attention_dropout = attention_dropout

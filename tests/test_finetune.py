@@ -323,12 +323,23 @@ def test_swag_trains_and_predicts_test(files, tmp_path):
     assert lines[0] == "guid,label" and len(lines) == 13
 
 
-def _tiny_hf_checkpoint(files, path, config):
-    """A random BertModel written as a Hugging Face directory (config.json + model.safetensors)."""
+def _tiny_hf_checkpoint(files, path, config=None):
+    """A random BertModel written as a Hugging Face directory (config.json + model.safetensors);
+    ``config`` defaults to one layer of 32 over the files' vocabulary."""
     import flax.linen as nn
 
     from bertjax.convert import Checkpoint, flatten_params, save_checkpoint
-    from bertjax.models.bert import BertModel
+    from bertjax.models.bert import BertConfig, BertModel
+
+    if config is None:
+        config = BertConfig(
+            vocab_size=len((files / "vocab.txt").read_text().split()),
+            hidden_size=32,
+            num_layers=1,
+            num_heads=2,
+            intermediate_size=64,
+            max_position_embeddings=64,
+        )
 
     ids = np.zeros((1, 8), np.int32)
     params = nn.meta.unbox(BertModel(config).init(jax.random.key(42), ids)["params"])
@@ -392,18 +403,7 @@ def test_init_checkpoint_replaces_the_encoder(files, tmp_path, scan):
 
 
 def test_vocabulary_must_match_the_init_checkpoint(files, tmp_path):
-    from bertjax.models.bert import BertConfig
-
-    n_vocab = len((files / "vocab.txt").read_text().split())
-    cfg = BertConfig(
-        vocab_size=n_vocab,
-        hidden_size=32,
-        num_layers=1,
-        num_heads=2,
-        intermediate_size=64,
-        max_position_embeddings=64,
-    )
-    _tiny_hf_checkpoint(files, tmp_path / "ckpt", cfg)
+    _tiny_hf_checkpoint(files, tmp_path / "ckpt")
     other = tmp_path / "vocab2.txt"
     other.write_text((files / "vocab.txt").read_text() + "extra\n")
     c = small_config(
@@ -420,18 +420,7 @@ def test_vocabulary_must_match_the_init_checkpoint(files, tmp_path):
 def test_ner_casing_follows_an_uncased_checkpoint_and_an_override_warns(files, tmp_path, caplog):
     """configs/ner.py from an uncased checkpoint: capitalised words are lower-cased, not [UNK]; a
     do_lower_case set against the checkpoint's tokenizer applies, with a warning naming the key."""
-    from bertjax.models.bert import BertConfig
-
-    n_vocab = len((files / "vocab.txt").read_text().split())
-    cfg = BertConfig(
-        vocab_size=n_vocab,
-        hidden_size=32,
-        num_layers=1,
-        num_heads=2,
-        intermediate_size=64,
-        max_position_embeddings=64,
-    )
-    _tiny_hf_checkpoint(files, tmp_path / "ckpt", cfg)  # its tokenizer_config: do_lower_case
+    _tiny_hf_checkpoint(files, tmp_path / "ckpt")  # its tokenizer_config: do_lower_case
     cased = tmp_path / "ner"
     cased.mkdir()
     for name in ("train.txt", "valid.txt", "test.txt"):
