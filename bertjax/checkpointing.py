@@ -5,20 +5,23 @@ sharded arrays written cooperatively by every process), ``data`` (the input iter
 and ``config`` (the experiment config, JSON). Orbax writes to a temporary directory and renames it
 when complete, so an interrupted save never looks like a checkpoint; restoring picks the newest
 complete step. Restoring onto another mesh reshards (the target shardings come from the new mesh).
+
+A failed save or restore is reported in one line; while bertjax cleans up after it, what Python
+would print about the work it abandoned is dropped (``process_hooks.quieted``). The ``bertjax``
+command drops it for the rest of the process too; a library caller's hooks are left as they were.
 """
 
 from __future__ import annotations
 
-import errno
+import contextlib
 import gc
 import json
 import logging
 import math
 import os
-import sys
 import threading
 import time
-import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -26,7 +29,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 from jax.experimental import multihost_utils
 
-from bertjax import fs
+from bertjax import fs, process_hooks
 
 log = logging.getLogger(__name__)
 
@@ -63,9 +66,6 @@ class Checkpointer:
         )
         self._failed = False
         self._saving: int | None = None  # the step of the last save started
-        # Before any save or restore: an abandoned read or write can end, in another thread,
-        # between Orbax closing its loop and bertjax catching the error (CI saw it).
-        _quiet_consequences()
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
@@ -108,13 +108,11 @@ class Checkpointer:
         no step restores: a one-line :class:`CheckpointRestoreError` naming each step's reason."""
         failures = []
         for step in sorted(self.all_steps(), reverse=True):
+            step_dir = str(self.directory / str(step))
             try:
-                restored = self.restore(abstract_state, step)
+                with _reading(step_dir):
+                    restored = self.restore(abstract_state, step)
             except Exception as err:  # noqa: BLE001  (any failure: try the next older step)
-                step_dir = str(self.directory / str(step))
-                _UNRESTORABLE_DIRS.add(step_dir)
-                _quiet_consequences()
-                gc.collect()  # the bad step's abandoned reads end now, under the filters
                 failures.append((step, _why_unrestorable(step_dir, err)))
                 log.warning(
                     "checkpoint step %d in %s does not restore (%s); trying an older one",
@@ -171,24 +169,23 @@ class Checkpointer:
             if not self._failed:
                 self.wait()
         finally:
-            if self._failed:
-                _drain_save_threads(self.manager)
-            try:
+            if self._failed:  # reported: the save's abandoned work ends now, quietly
+                with process_hooks.quieted():
+                    _drain_save_threads(self.manager)
+                    with contextlib.suppress(Exception):
+                        self.manager.close()
+            else:
                 self.manager.close()
-            except Exception:  # noqa: BLE001
-                if not self._failed:
-                    raise
 
     def _save_failed(self, step: int | None, err: BaseException) -> CheckpointSaveError:
         """The one-line error of a failed save: the file or step folder, disk full or the
         reason; the newest complete checkpoint stays (Orbax renames a step only when complete)."""
         self._failed = True
-        _quiet_consequences()
-        chain = _chain(err)
+        chain = process_hooks.error_chain(err)
         step = self._saving if step is None else step
         where = next((e.filename for e in chain if getattr(e, "filename", None)), None)
         where = where or str(self.directory / (str(step) if step is not None else ""))
-        full = any(map(_disk_full, chain))
+        full = any(map(process_hooks.is_disk_full, chain))
         reason = "no space left on device" if full else _why_unrestorable(where, chain[-1])
         try:
             self.manager.reload()
@@ -211,23 +208,6 @@ class CheckpointSaveError(OSError):
     """A checkpoint could not be saved (disk full, ...): one line naming the path and the reason."""
 
 
-def _chain(err: BaseException) -> list[BaseException]:
-    """``err`` and its causes (at most 10)."""
-    chain = [err]
-    while len(chain) < 10 and (chain[-1].__cause__ or chain[-1].__context__) is not None:
-        chain.append(chain[-1].__cause__ or chain[-1].__context__)
-    return chain
-
-
-def _disk_full(err: BaseException) -> bool:
-    text = str(err)
-    return (
-        getattr(err, "errno", None) in (errno.ENOSPC, errno.EDQUOT)
-        or "No space left on device" in text
-        or "Disk quota exceeded" in text
-    )
-
-
 def _drain_save_threads(manager, timeout: float = 60.0) -> None:
     """After a failed save, lets Orbax's other save threads end (their errors are the reported
     one's consequences) so that none is cut by the interpreter's exit mid-write."""
@@ -245,87 +225,18 @@ def _drain_save_threads(manager, timeout: float = 60.0) -> None:
     time.sleep(0.2)  # their executor threads' last callbacks
 
 
-_UNRESTORABLE_DIRS: set[str] = set()  # step directories a restore failed on, in this process
-
-
-def _about_unrestorable(err: BaseException | None) -> bool:
-    """Whether ``err`` (or its causes) is a consequence of reading an unrestorable step."""
-    return err is not None and _about_unrestorable_text(" ".join(str(e) for e in _chain(err)))
-
-
-def _about_unrestorable_text(text: str) -> bool:
-    return any(f"{step_dir}/" in text for step_dir in _UNRESTORABLE_DIRS)
-
-
-_LOOP_INTERNALS = (f"{os.sep}asyncio{os.sep}", f"{os.sep}concurrent{os.sep}futures{os.sep}")
-
-
-def _closed_loop(err: BaseException | None, tb=None) -> bool:
-    """Whether ``err`` is a result handed to a closed event loop by native code or by
-    asyncio/concurrent.futures themselves (no other frame in its traceback): the abandoned work
-    of Orbax's per-operation loops, never an error of the caller's own code."""
-    if not (isinstance(err, RuntimeError) and str(err) == "Event loop is closed"):
-        return False
-    tb = tb if tb is not None else err.__traceback__
-    while tb is not None:
-        if not any(part in tb.tb_frame.f_code.co_filename for part in _LOOP_INTERNALS):
-            return False
-        tb = tb.tb_next
-    return True
-
-
-def _quiet_consequences() -> None:
-    """Drops what Python would print to stderr, after an error bertjax has already reported in
-    one line, about the work that error abandoned (installed once, by the first Checkpointer):
-    - after a failed save, Orbax's executor threads may hand their results to the per-save event
-      loops it has closed ("RuntimeError: Event loop is closed", through ``sys.unraisablehook``);
-    - after a failed restore, TensorStore's other reads of the bad step complete into the closed
-      restore loop (the same error, printed by its C++ callbacks through ``sys.excepthook``) or end
-      as coroutines nobody awaits (errors naming the step directory; "was never awaited").
-    Everything else goes to the hooks in place before (installed once)."""
-    warnings.filterwarnings(
-        "ignore", message="coroutine '_read_array_index_and_device_put' was never awaited"
-    )
-    if getattr(sys.unraisablehook, "_bertjax_consequences_filter", False):
-        return
-    previous_unraisable, previous_except = sys.unraisablehook, sys.excepthook
-
-    def unraisable_hook(unraisable):
-        err = unraisable.exc_value
-        if not (_closed_loop(err, getattr(unraisable, "exc_traceback", None))
-                or _about_unrestorable(err)):  # fmt: skip
-            previous_unraisable(unraisable)
-
-    def except_hook(kind, err, tb):
-        if not (_closed_loop(err, tb) or _about_unrestorable(err)):
-            previous_except(kind, err, tb)
-
-    unraisable_hook._bertjax_consequences_filter = True
-    sys.unraisablehook, sys.excepthook = unraisable_hook, except_hook
-
-
-class _UnrestorableReadsLogFilter(logging.Filter):
-    """Drops asyncio's "Task exception was never retrieved" records of the other reads of a step
-    that did not restore (``restore_newest`` logs that step once, with the reason)."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        err = record.exc_info[1] if record.exc_info else None
-        return not (_about_unrestorable(err) or _about_unrestorable_text(record.getMessage()))
-
-
-logging.getLogger("asyncio").addFilter(_UnrestorableReadsLogFilter())
-
-
-class _DiskFullLogFilter(logging.Filter):
-    """Drops Orbax's background-thread tracebacks (logged through absl) of a disk-full save:
-    ``Checkpointer`` reports that save in one line (:class:`CheckpointSaveError`)."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        err = record.exc_info[1] if record.exc_info else None
-        return not (err is not None and any(map(_disk_full, _chain(err))))
-
-
-logging.getLogger("absl").addFilter(_DiskFullLogFilter())
+@contextlib.contextmanager
+def _reading(step_dir: str) -> Iterator[None]:
+    """Around the restore of one step: when it fails, what Python would print about the reads it
+    abandoned is dropped, from the start (one can end, in another thread, before the error
+    reaches bertjax: CI saw it) until they have ended (collected here); the error propagates."""
+    with process_hooks.quieted():
+        try:
+            yield
+        except Exception:
+            process_hooks.mark_unrestorable(step_dir)
+            gc.collect()  # the step's abandoned reads end now, under the filters
+            raise
 
 
 _JSON_FILES = ("_CHECKPOINT_METADATA", "state/_METADATA", "state/_sharding", "data/metadata")
@@ -343,7 +254,7 @@ def _why_unrestorable(step_dir: str, err: BaseException) -> str:
                     json.loads(f.read())
             except ValueError as bad:
                 return f"{path}: invalid JSON ({bad})"
-    chain = _chain(err)
+    chain = process_hooks.error_chain(err)
     # The innermost error naming the step (TensorStore's: the file and what is wrong with it); the
     # outer ones dump a whole TensorStore spec.
     chosen = next((e for e in reversed(chain) if step_dir in str(e)), err)
@@ -425,13 +336,11 @@ def restore_params(directory: str, abstract_params: Any | None = None, step: int
         step = ckpt.latest_step() if step is None else step
         if step is None:
             raise FileNotFoundError(f"no complete bertjax checkpoint in {directory}")
+        step_dir = str(ckpt.directory / str(step))
         try:
-            restored = _restore_state_and_config(ckpt, step, abstract_params)
+            with _reading(step_dir):
+                restored = _restore_state_and_config(ckpt, step, abstract_params)
         except Exception as err:  # noqa: BLE001  (Orbax/TensorStore raise many types)
-            step_dir = str(ckpt.directory / str(step))
-            _UNRESTORABLE_DIRS.add(step_dir)
-            _quiet_consequences()
-            gc.collect()  # the bad step's abandoned reads end now, under the filters
             raise CheckpointRestoreError(
                 f"checkpoint step {step} in {directory} does not restore "
                 f"({_why_unrestorable(step_dir, err)})"

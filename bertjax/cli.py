@@ -2,7 +2,8 @@
 
 ``bertjax pretrain --config=configs/demo.py --workdir=DIR [--config.key=value ...]`` and
 ``bertjax finetune ...`` parse absl flags with ml_collections config files (locked: an unknown
-``--config.`` key is an error); the other subcommands own their argparse flags.
+``--config.`` key is an error); the other subcommands own their argparse flags. ``main`` is the
+only place that configures the process (console, logging, ``process_hooks``): the library does not.
 """
 
 from __future__ import annotations
@@ -13,11 +14,15 @@ import logging
 import os
 import re
 import sys
+import textwrap
 
-from bertjax import console, host_memory
+from bertjax import console, host_memory, process_hooks
 
 COMMANDS = {
-    "pretrain": ("bertjax.cli:train_command", "pretrain BERT (MLM + NSP) from a config"),
+    "pretrain": (
+        "bertjax.cli:train_command",
+        "pretrain an encoder (masked LM, plus NSP where the config asks) from a config",
+    ),
     "finetune": ("bertjax.cli:train_command", "fine-tune on GLUE/SQuAD/NER/SWAG from a config"),
     "compile": (
         "bertjax.cli:train_command",
@@ -125,19 +130,118 @@ def _config_override_error(err: BaseException, args: list[str]) -> str:
     return f"unknown config key {culprit.removeprefix('config.')}{suggestion}"
 
 
-def _define_aot_flags(flags) -> None:
-    flags.DEFINE_string(
-        "topology", None, "TPU slice to compile for from any machine: v5p-8, v4-32, v5e:4x4, ..."
+# The flags of the config-driven commands: (name, kind, default, help, commands); kind "bool" is
+# --[no]NAME. --config (a config file) comes first, defined by ml_collections.
+_TRAIN, _AOT = ("pretrain", "finetune"), ("compile", "plan")
+_ALL = _TRAIN + _AOT
+_FLAGS = (
+    ("workdir", "string", None, "run directory: checkpoints, metrics, data", _ALL),
+    ("dry_run", "bool", False, "only compile the train step and print its memory", _TRAIN),
+    ("verbose", "bool", False, "full tracebacks for errors (otherwise one line)", _ALL),
+    ("topology", "string", None, "TPU slice to compile for from any machine: v5p-8, v5e:4x4", _AOT),
+    ("num_slices", "integer", 1, "slices of --topology (multi-slice)", _AOT),
+    ("phase", "integer", 0, "which phase of data.phases to compile (0 = the first)", _AOT),
+    ("json", "bool", False, "print one JSON object instead of a table", _AOT),
+    ("budget_seconds", "float", 1800.0, "stop compiling candidates after this", ("plan",)),
+    ("max_candidates", "integer", 24, "compile at most this many candidates", ("plan",)),
+    ("jobs", "integer", 1, "candidates compiled at once (processes)", ("plan",)),
+)
+_VALUE_NAMES = {"config": "FILE[:ARG]", "workdir": "DIR", "topology": "SLICE"}
+_EXAMPLES = {
+    "pretrain": "bertjax pretrain --config=configs/demo.py --workdir=workdirs/demo "
+    "--config.train.steps=1000",
+    "finetune": "bertjax finetune --config=configs/glue.py --config.task=glue/mrpc \\\n"
+    "    --config.init_checkpoint=path/to/model --config.data_dir=path/to/glue --workdir=/tmp/mrpc",
+    "compile": "bertjax compile --config=configs/bert_base.py --topology=v5p-8",
+    "plan": "bertjax plan --config=configs/bert_large.py --topology=v5e-16",
+}
+
+
+def define_command_flags(command: str, flag_values):
+    """Defines the flags of ``command`` (pretrain, finetune, compile, plan) in the absl
+    ``flag_values``; returns the ``--config`` flag holder."""
+    from absl import flags
+    from ml_collections import config_flags
+
+    from bertjax import distributed
+
+    config_flag = config_flags.DEFINE_config_file(
+        "config",
+        None,
+        "experiment config file (configs/*.py)",
+        flag_values=flag_values,
+        lock_config=True,
     )
-    flags.DEFINE_integer("num_slices", 1, "slices of --topology (multi-slice)")
-    flags.DEFINE_integer("phase", 0, "which phase of data.phases to compile (0 = the first)")
-    flags.DEFINE_bool("json", False, "print one JSON object instead of a table")
-    flags.DEFINE_float("budget_seconds", 1800.0, "plan: stop compiling candidates after this")
-    flags.DEFINE_integer("max_candidates", 24, "plan: compile at most this many candidates")
-    flags.DEFINE_integer("jobs", 1, "plan: candidates compiled at once (processes)")
+    define = {
+        "string": flags.DEFINE_string,
+        "bool": flags.DEFINE_bool,
+        "integer": flags.DEFINE_integer,
+        "float": flags.DEFINE_float,
+    }
+    for name, kind, default, help_, commands in _FLAGS:
+        if command in commands:
+            define[kind](name, default, help_, flag_values=flag_values)
+    distributed.define_flags(flag_values)
+    return config_flag
 
 
-def _aot_command(command: str, config, workdir: str, FLAGS) -> None:
+def _wants_help(argv: list[str]) -> bool:
+    """Whether the command's own help is asked for (``--helpfull``: absl's list of every flag)."""
+    return any(arg in ("-h", "--help", "-?", "--helpshort") for arg in argv)
+
+
+def command_help(command: str) -> str:
+    """``bertjax COMMAND --help``: what the command does, its flags and how to set config keys."""
+    from absl import flags
+
+    flag_values = flags.FlagValues()
+    define_command_flags(command, flag_values)
+    # compile and plan need no workdir for a --topology (compile without one: its error says so)
+    required = {"config", *(("workdir",) if command in _TRAIN else ())}
+    required |= {"topology"} if command == "plan" else set()
+    workdir = "--workdir=DIR" if command in _TRAIN else "[--workdir=DIR]"
+    lines = [
+        f"usage: bertjax {command} --config=FILE {workdir} [--config.KEY=VALUE ...] [flags]",
+        "",
+        COMMANDS[command][1][0].upper() + COMMANDS[command][1][1:] + ".",
+        "",
+        "flags:",
+    ]
+    headed = set()
+    for name in flag_values:
+        flag = flag_values[name]
+        if name.startswith("distributed.") and "distributed" not in headed:
+            headed.add("distributed")
+            lines += ["", "multi-process runs (unset: from the BERTJAX_* environment variables):"]
+        value = _VALUE_NAMES.get(name) or {"int": "N", "float": "X"}.get(flag.flag_type(), "VALUE")
+        usage = f"--[no]{name}" if flag.boolean else f"--{name}={value}"
+        if name in required:
+            help_ = f"{flag.help} (required)"
+        elif flag.default is not None and flag.default is not False:
+            help_ = f"{flag.help} (default: {str(flag.default).lower()})"
+        else:
+            help_ = flag.help
+        text = textwrap.wrap(help_, 99 - 30)
+        if len(usage) > 26:
+            lines += [f"  {usage}", *(" " * 30 + t for t in text)]
+        else:
+            lines += [f"  {usage:<27} {text[0]}", *(" " * 30 + t for t in text[1:])]
+    lines += [
+        "",
+        "config keys:",
+        "  --config.KEY=VALUE sets one key of the config file's get_config(), e.g.",
+        "  --config.train.steps=1000 --config.optimizer.learning_rate=2e-4; a key the config",
+        "  does not have is an error (configs/base.py lists every key with its default).",
+        "",
+        "example:",
+        f"  {_EXAMPLES[command]}",
+        "",
+        "`--helpfull` also lists absl's and JAX's own flags.",
+    ]
+    return "\n".join(lines)
+
+
+def _aot_command(command: str, config, workdir: str | None, FLAGS) -> None:
     """compile / plan / pretrain --dry_run: reports of the ahead-of-time compiled train step."""
     from bertjax import compile as aot
     from bertjax import topology
@@ -159,6 +263,7 @@ def _aot_command(command: str, config, workdir: str, FLAGS) -> None:
             jobs=FLAGS.jobs,
         )
         print(json.dumps(result, indent=2) if FLAGS.json else plan.format_table(result))
+        plan.require_fit(result)  # nothing fits: NothingFits (a ValueError), one line, exit 1
         return
     devices = topology.devices(slice_) if slice_ else None
     report = aot.compile_train_step(
@@ -171,22 +276,15 @@ def _aot_command(command: str, config, workdir: str, FLAGS) -> None:
 
 
 def train_command(argv: list[str], command: str) -> None:
-    """pretrain / finetune / compile: absl flags, a locked config file, then the library call."""
+    """pretrain / finetune / compile / plan: absl flags, a locked config file, then the library
+    call."""
     # Imported here, not at the top: `bertjax --help` and the light commands stay instant.
     from absl import app, flags
-    from ml_collections import config_flags
 
     from bertjax import distributed
 
     _add_config_root_to_path(argv)
-    config_flag = config_flags.DEFINE_config_file(
-        "config", None, "experiment config file (configs/*.py)", lock_config=True
-    )
-    flags.DEFINE_string("workdir", None, "run directory: checkpoints, metrics, data")
-    flags.DEFINE_bool("dry_run", False, "only compile the train step and print its memory")
-    flags.DEFINE_bool("verbose", False, "full tracebacks for errors (default: one line)")
-    if command in ("compile", "plan"):
-        _define_aot_flags(flags)
+    config_flag = define_command_flags(command, flags.FLAGS)
     verbose = "--verbose" in argv or "--verbose=true" in argv
     config_file = _config_file(argv)
     if config_file and not os.path.isfile(config_file):
@@ -203,8 +301,7 @@ def train_command(argv: list[str], command: str) -> None:
                 message = _one_line(err)
             sys.exit(f"bertjax: error: {message or _config_override_error(err, args)}")
 
-    distributed.define_flags()
-    flags.mark_flags_as_required(["config", "workdir"])
+    flags.mark_flags_as_required(["config"] if command in _AOT else ["config", "workdir"])
 
     def run(_):
         from bertjax.preemption import CtrlCSaves
@@ -229,7 +326,7 @@ def train_command(argv: list[str], command: str) -> None:
             sys.exit(f"bertjax: error: {err}")
         import tensorflow as tf
 
-        from bertjax import train
+        from bertjax import metrics_logging, train
         from bertjax.preemption import PreemptionRequested
         from bertjax.workdir_lock import WorkdirLockedError
 
@@ -240,10 +337,10 @@ def train_command(argv: list[str], command: str) -> None:
             if command in ("compile", "plan") or flags.FLAGS.dry_run:
                 _aot_command(command, config, workdir, flags.FLAGS)
                 return
-            if command == "finetune":
-                from bertjax import multiseed as finetune
+            if command == "finetune":  # every seed of config.train.seeds, then their summary
+                from bertjax import multiseed
 
-                result = finetune.run(config, workdir)
+                result = multiseed.run(config, workdir)
             else:
                 result = train.train_and_evaluate(config, workdir)
         except PreemptionRequested as stopped:
@@ -263,7 +360,7 @@ def train_command(argv: list[str], command: str) -> None:
             tf.errors.OpError,
         ) as err:
             _fail(err, flags.FLAGS.verbose)
-        logging.getLogger("bertjax").info("done: %s", result.get("eval") or result.get("train"))
+        logging.getLogger("bertjax").info("%s", metrics_logging.summary(result))
 
     app.run(run, argv=[f"bertjax {command}", *argv], flags_parser=parse)
 
@@ -283,8 +380,14 @@ def main(argv: list[str] | None = None) -> None:
         print(f"bertjax: unknown command {command!r}\n\n{_usage()}", file=sys.stderr)
         sys.exit(2)
     target = COMMANDS[command][0]
+    if target == "bertjax.cli:train_command" and _wants_help(rest):
+        print(command_help(command))
+        sys.exit(0)
     module_name, func_name = target.split(":")
     func = getattr(importlib.import_module(module_name), func_name)
+    # The command's process, not a library caller's: one-line errors stay one line (see
+    # process_hooks). Installed for good; the interpreter's exit may still run abandoned work.
+    process_hooks.install()
     if target == "bertjax.cli:train_command":
         train_command(rest, command)
     else:

@@ -55,9 +55,11 @@ def with_overrides(config: ml_collections.ConfigDict, overrides: dict[str, Any])
     return config
 
 
-def shapes_only_task(config: ml_collections.ConfigDict, workdir: str) -> Task:
+def shapes_only_task(config: ml_collections.ConfigDict, workdir: str | None) -> Task:
     """The config's task for compiling: pretraining needs no corpus or prepared data (shapes come
-    from the config and the vocabulary's size); fine-tuning tasks read their data as in training."""
+    from the config and the vocabulary's size); fine-tuning tasks read their data as in training
+    (from the config's paths). Nothing is read from or written to ``workdir`` (None is fine)."""
+    workdir = workdir or ""
     if config.task != "pretrain":
         return prepared_task(config, workdir)
     from bertjax.tasks.pretraining import PretrainingTask
@@ -85,7 +87,7 @@ def vocabulary_size(config: ml_collections.ConfigDict) -> int:
 
 def compile_train_step(
     config: ml_collections.ConfigDict,
-    workdir: str,
+    workdir: str | None,
     task: Task | None = None,
     *,
     devices: list | None = None,
@@ -95,7 +97,14 @@ def compile_train_step(
 
     ``devices``: the mesh's devices (default: this machine's); compile-only TPU devices from
     ``bertjax.topology.devices`` give a TPU slice's memory use and cost-model step time.
+    ``workdir``: where this machine's compile prepares the pretraining data it lowers the step
+    for; unused with ``devices`` or ``task`` (None).
     """
+    if workdir is None and task is None and devices is None:
+        raise ValueError(
+            "compile without --topology needs --workdir (the data are prepared there); "
+            "with --topology it is not used"
+        )
     task = task or (
         shapes_only_task(config, workdir) if devices else prepared_task(config, workdir)
     )
@@ -283,6 +292,12 @@ def state_arrays(abstract_state, shardings) -> list[dict[str, Any]]:
     return sorted(rows, key=lambda r: -r["bytes_per_device"])
 
 
+def _size(num_bytes: int) -> str:
+    """Bytes in GiB from 1 GiB up, else in MiB."""
+    gib = 1024**3
+    return f"{num_bytes / gib:.2f} GiB" if num_bytes >= gib else f"{num_bytes / 2**20:.1f} MiB"
+
+
 def format_report(report: dict[str, Any], title: str = "") -> str:
     """The human-readable form of a compile report."""
     gib = 1024**3
@@ -302,6 +317,12 @@ def format_report(report: dict[str, Any], title: str = "") -> str:
             )
         else:
             lines.append(f"memory      {used:.2f} GiB per device")
+        lines.append(
+            f"            (arguments {_size(report['argument_size_in_bytes'])}, temporaries "
+            f"{_size(report['temp_size_in_bytes'])}, code "
+            f"{_size(report['generated_code_size_in_bytes'])}: as the compiler lays the step out "
+            f"for {report['device_kind']}; another chip's differs)"
+        )
     if "compile_error" in report:
         lines.append(f"memory      DOES NOT FIT: {report['compile_error']}")
     if "est_step_seconds" in report:
@@ -312,6 +333,10 @@ def format_report(report: dict[str, Any], title: str = "") -> str:
             + (f"MFU {mfu:.1%}" if mfu is not None else "MFU unknown (no peak for this device)")
         )
         lines.append(f"            ({ESTIMATE_NOTE})")
+        if "est_from" in report:  # the memory above is always the real program's
+            lines.append(
+                f"            (est. from {report['est_from']}; the memory is the step's as it runs)"
+            )
         if "kernel_cost" in report:
             lines.append(f"            (kernel cost {report['kernel_cost']})")
     if "est_unavailable" in report:

@@ -3,6 +3,7 @@ s3://, ...), so that code working on local files (data preparation) never import
 
 from __future__ import annotations
 
+import errno
 import glob as glob_lib
 import os
 import shutil
@@ -94,6 +95,26 @@ def io_errors(path: str) -> tuple[type[BaseException], ...]:
 
         return (OSError, tf.errors.OpError)
     return (OSError,)
+
+
+_REFUSALS = {
+    errno.EROFS: "read-only file system",
+    errno.EACCES: "permission denied",
+    errno.EPERM: "operation not permitted",
+}
+
+
+def write_refusal(path: str, err: BaseException) -> str | None:
+    """Why writing ``path`` failed when its file system refuses writes there ("read-only file
+    system", "permission denied", ...); None for any other failure (a full disk, a bad path)."""
+    if isinstance(err, OSError):
+        return _REFUSALS.get(err.errno)
+    if is_remote(path):
+        import tensorflow as tf  # remote paths only
+
+        if isinstance(err, tf.errors.PermissionDeniedError):
+            return "permission denied"
+    return None
 
 
 def utf8_error(path: str | os.PathLike, err: UnicodeDecodeError) -> ValueError:

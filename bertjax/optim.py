@@ -166,10 +166,15 @@ def create_optimizer(
     schedule.
 
     ``warmup_steps`` (default ``optimizer.warmup_steps``) is what the task resolved, e.g. a
-    fine-tuning task's ``warmup_proportion`` of its steps.
+    fine-tuning task's ``warmup_proportion`` of its steps; more than ``total_steps`` is an error.
     """
     opt = config.optimizer
     warmup = opt.warmup_steps if warmup_steps is None else warmup_steps
+    if warmup > total_steps:  # warmup_proportion cannot exceed the run: the key is warmup_steps
+        raise ValueError(
+            f"config key optimizer.warmup_steps={warmup} is longer than the run ({total_steps} "
+            "steps): the learning rate would never reach optimizer.learning_rate; lower it"
+        )
     kind = opt.get("schedule", "linear")
     if kind == "linear":
         schedule = learning_rate_schedule(

@@ -5,7 +5,9 @@ that fit by the TPU compiler's estimated step time (XLA's cost model: estimates,
 The search keeps the config's global batch (micro-batches by ``train.grad_accum_steps``) and its
 model; it changes only how the step is laid out and computed, so every candidate trains the same
 model on the same data. Candidates are ordered cheapest-first (no remat, no accumulation, plain
-data parallelism) and compiled until ``max_candidates`` or ``budget_seconds`` is reached.
+data parallelism) and compiled until ``max_candidates`` or ``budget_seconds`` is reached; a line
+per compiled candidate (fits or not, its memory, its estimated step time, the time spent) goes to
+``progress`` (stderr by default, so that ``plan --json`` prints one JSON object on stdout).
 """
 
 from __future__ import annotations
@@ -14,7 +16,9 @@ import concurrent.futures as futures
 import itertools
 import math
 import multiprocessing
+import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import ml_collections
@@ -38,6 +42,8 @@ ROW_KEYS = (
     "fits",
     "hbm_bytes_per_device",
     "hbm_capacity_bytes",
+    "hbm_bytes_at_least",
+    "compile_error",
     "est_step_seconds",
     "est_tokens_per_sec_per_chip",
     "est_mfu",
@@ -148,9 +154,18 @@ def _out_of_memory(outcome: dict[str, Any]) -> bool:
     return outcome.get("fits") is False or "RESOURCE_EXHAUSTED" in error or "memory" in error
 
 
+class NothingFits(ValueError):
+    """No candidate of a plan fits the slice (or none was compiled): the one-line reason."""
+
+
+def to_stderr(line: str) -> None:
+    """The default ``progress`` of :func:`run`: the line on stderr (stdout keeps the report)."""
+    print(line, file=sys.stderr, flush=True)
+
+
 def run(
     config: ml_collections.ConfigDict,
-    workdir: str,
+    workdir: str | None,
     slice_: topology.Slice,
     *,
     phase_index: int = 0,
@@ -158,30 +173,65 @@ def run(
     max_candidates: int = 24,
     jobs: int = 1,
     search: list[dict[str, Any]] | None = None,
+    progress: Callable[[str], None] | None = to_stderr,
 ) -> dict[str, Any]:
     """Compiles candidates for ``slice_`` (skipping those an outcome already decides, see
-    ``dominated``) and ranks those that fit by estimated step time."""
+    ``dominated``) and ranks those that fit by estimated step time.
+
+    ``workdir`` is not read or written (compiling for a slice needs no data; None is fine).
+    ``progress``: called with a line when the search starts, per compiled candidate and when it
+    stops early (None: silent). ``stopped_by`` in the result names the limit that ended the search
+    (None: every candidate was compiled or decided), ``not_tried`` counts what it left.
+    """
+    for flag, value in (
+        ("budget_seconds", budget_seconds),
+        ("max_candidates", max_candidates),
+        ("jobs", jobs),
+    ):
+        if not value > 0:
+            raise ValueError(f"--{flag}={value}: must be positive")
+    say = progress or (lambda line: None)
     devices = topology.devices(slice_)
+    capacity = topology.hbm_bytes(devices[0])
     if search is None:
-        search = candidates(config, len(devices), topology.hbm_bytes(devices[0]))
+        search = candidates(config, len(devices), capacity)
     queue = list(search)
     start = time.perf_counter()
     rows: list[dict[str, Any]] = []
     slice_args = (slice_.name, slice_.num_slices)
+    stopped_by: list[str] = []  # the limit that ended the search, if one did
+    limit = min(max_candidates, len(search))
+    say(
+        f"plan: compiling up to {limit} of {len(search)} candidates for {slice_.describe()}, "
+        f"phase {phase_index}, within {budget_seconds:g} s"
+    )
 
     def record(overrides, report):
         row = {"overrides": overrides}
         row.update({k: report.get(k) for k in ROW_KEYS})
+        if not row.get("fits"):
+            row["reason"] = _why_rejected(row)
         rows.append(row)
         queue[:] = [c for c in queue if not dominated(overrides, report, c)]
+        spent = time.perf_counter() - start
+        say(
+            f"plan: candidate {len(rows)}/{limit} {layout(overrides)}: {_outcome(row)} "
+            f"[{spent:.0f} s of {budget_seconds:g} s]"
+        )
 
     pending: dict[futures.Future, dict[str, Any]] = {}
 
     def take() -> dict[str, Any] | None:
         """The next candidate to compile; None once the queue, the count or the time is spent."""
-        if not queue or len(rows) + len(pending) >= max_candidates:
+        if not queue:
             return None
-        return queue.pop(0) if time.perf_counter() - start <= budget_seconds else None
+        if len(rows) + len(pending) >= max_candidates:
+            stopped_by[:] = ["max_candidates"]
+            return None
+        if time.perf_counter() - start > budget_seconds:
+            stopped_by[:] = ["budget_seconds"]
+            return None
+        return queue.pop(0)
 
     def compile_args(overrides):
         return with_overrides(config, overrides).to_dict(), workdir, slice_args, phase_index
@@ -201,6 +251,8 @@ def run(
                 done, _ = futures.wait(pending, return_when=futures.FIRST_COMPLETED)
                 for fut in done:
                     record(pending.pop(fut), fut.result())
+    if queue and stopped_by:
+        say(f"plan: stopped at --{stopped_by[0]}: {len(queue)} candidate(s) not tried")
     # By estimated step time; where the chip's cost model gives none (see compile's
     # est_unavailable), in search order: less recomputation and fewer micro-batches first.
     ranked = sorted(
@@ -212,11 +264,70 @@ def run(
         "searched": len(rows),
         "of": len(search),
         "seconds": round(time.perf_counter() - start, 1),
+        "budget_seconds": budget_seconds,
+        "max_candidates": max_candidates,
+        "hbm_capacity_bytes": capacity,
+        "stopped_by": stopped_by[0] if queue and stopped_by else None,
+        "not_tried": len(queue),
         "ranked": ranked,
         "rejected": [r for r in rows if not r.get("fits")],
         "best_overrides": overrides_flags(ranked[0]["overrides"]) if ranked else None,
         "note": "est_* are XLA TPU cost-model estimates, not measurements",
     }
+
+
+def verdict(result: dict[str, Any]) -> str:
+    """One line: the flags of the best candidate, or why there is none."""
+    if result["best_overrides"]:
+        return f"best: {result['best_overrides']}"
+    searched, left, by = result["searched"], result.get("not_tried"), result.get("stopped_by")
+    limit = f"--{by}={result.get(by)}" if by else ""
+    if not result["of"]:
+        cap = result.get("hbm_capacity_bytes", 0) / topology.GIB
+        return (
+            f"no candidate can fit: each layout's lower bound exceeds the {cap:.2f} GiB per device "
+            "(nothing compiled): a larger slice, or a smaller global batch or sequence"
+        )
+    if not searched:
+        return f"no candidate compiled: the {limit} s budget ran out before the first one"
+    if left and by:
+        return (
+            f"none of the {searched} compiled candidates fits; {limit} stopped the search with "
+            f"{left} not tried: raise {limit.split('=')[0]} to try them"
+        )
+    return (
+        f"no candidate fits (all {searched} compiled): a larger slice, or a smaller global batch "
+        "or sequence"
+    )
+
+
+def require_fit(result: dict[str, Any]) -> None:
+    """Raises :class:`NothingFits` with :func:`verdict`'s line where no candidate fits (``plan``
+    prints its report, then exits non-zero)."""
+    if not result["best_overrides"]:
+        raise NothingFits(f"plan for {result['topology']}: {verdict(result)}")
+
+
+def layout(overrides: dict[str, Any]) -> str:
+    """A candidate in a few words: mesh data x fsdp x tensor, remat, micro-batches, scan, kernel."""
+    o = overrides
+    return (
+        f"mesh {o['mesh.data']}x{o['mesh.fsdp']}x{o['mesh.tensor']} remat={o['model.remat']} "
+        f"accum={o['train.grad_accum_steps']} scan={o['model.scan_layers']} "
+        f"attn={o['model.attention_impl']}"
+    )
+
+
+def _outcome(row: dict[str, Any]) -> str:
+    """A compiled candidate's outcome: fits with its memory and est. step time, or why not."""
+    if not row.get("fits"):
+        return f"does not fit: {row['reason']}"
+    gib = topology.GIB
+    used = f"{row['hbm_bytes_per_device'] / gib:.2f} GiB per device"
+    if row.get("hbm_capacity_bytes"):
+        used += f" of {row['hbm_capacity_bytes'] / gib:.2f}"
+    est = row.get("est_step_seconds")
+    return f"fits, {used}, " + (f"est. {est * 1e3:.1f} ms a step" if est else "no est. step time")
 
 
 def overrides_flags(overrides: dict[str, Any]) -> str:
@@ -226,22 +337,23 @@ def overrides_flags(overrides: dict[str, Any]) -> str:
 
 def _why_rejected(row: dict[str, Any]) -> str:
     """Why a candidate does not fit: its error, its measured size, the lower bound from the TPU
-    compiler's refusal (``compile.out_of_memory``), or the refusal's sentence."""
+    compiler's refusal (``compile.out_of_memory``), or the refusal's sentence; each size against
+    the HBM a device has."""
     if row.get("error"):
         return row["error"]
     gib = topology.GIB
-    cap = f"{row.get('hbm_capacity_bytes', 0) / gib:.0f}"
+    cap = f"{(row.get('hbm_capacity_bytes') or 0) / gib:.2f} GiB available"
     if row.get("hbm_bytes_per_device") is not None:
-        return f"needs {row['hbm_bytes_per_device'] / gib:.1f} GiB of {cap}"
+        return f"needs {row['hbm_bytes_per_device'] / gib:.2f} GiB per device, {cap}"
     if row.get("hbm_bytes_at_least"):
         at_least = row["hbm_bytes_at_least"] / gib
-        return f"needs at least {at_least:.1f} GiB of {cap} (the TPU compiler refused it)"
-    return row.get("compile_error", "the TPU compiler refused it")
+        return f"needs at least {at_least:.2f} GiB per device, {cap} (the TPU compiler refused it)"
+    return row.get("compile_error") or "the TPU compiler refused it"
 
 
 def format_table(result: dict[str, Any]) -> str:
-    """The ranked candidates as a table, then the winning overrides."""
-    gib = 1024**3
+    """The ranked candidates as a table, the rejected ones with why, then :func:`verdict`."""
+    gib = topology.GIB
     lines = [
         f"plan for {result['topology']}, phase {result['phase']}: compiled {result['searched']} "
         f"of {result['of']} candidates in {result['seconds']:.0f} s "
@@ -249,12 +361,6 @@ def format_table(result: dict[str, Any]) -> str:
         f"{'rank':>4} {'est. ms':>8} {'est. MFU':>8} {'tok/s/chip':>11} {'HBM GiB':>8}  layout",
     ]
     for i, row in enumerate(result["ranked"], 1):
-        o = row["overrides"]
-        layout = (
-            f"mesh {o['mesh.data']}x{o['mesh.fsdp']}x{o['mesh.tensor']} remat={o['model.remat']} "
-            f"accum={o['train.grad_accum_steps']} scan={o['model.scan_layers']} "
-            f"attn={o['model.attention_impl']}"
-        )
         mfu, est, tps = (
             row.get("est_mfu"),
             row.get("est_step_seconds"),
@@ -264,18 +370,14 @@ def format_table(result: dict[str, Any]) -> str:
             f"{i:>4} {(f'{est * 1e3:.1f}' if est else '-'):>8} "
             f"{(f'{mfu:.1%}' if mfu is not None else '-'):>8} "
             f"{(f'{tps:,.0f}' if tps else '-'):>11} "
-            f"{row['hbm_bytes_per_device'] / gib:8.2f}  {layout}"
+            f"{row['hbm_bytes_per_device'] / gib:8.2f}  {layout(row['overrides'])}"
         )
     for row in result["rejected"]:
-        lines.append(
-            f"   - does not fit: {overrides_flags(row['overrides'])}: {_why_rejected(row)}"
-        )
+        why = row.get("reason") or _why_rejected(row)
+        lines.append(f"   - does not fit: {overrides_flags(row['overrides'])}: {why}")
     if any(r.get("est_unavailable") for r in result["ranked"]):
         lines.append(
             "(-: XLA's cost model gives no step time for this chip; ranked in search order)"
         )
-    if result["best_overrides"]:
-        lines.append(f"best: {result['best_overrides']}")
-    else:
-        lines.append("no candidate fits: a larger slice, or a smaller global batch or sequence")
+    lines.append(verdict(result))
     return "\n".join(lines)

@@ -27,14 +27,18 @@ class StopFlag:
 
     def __init__(self):
         self.requested = False
+        self._installed = False
         self._previous = None
 
     def install(self):
+        """Sets this flag as the running loop's and handles SIGTERM (main thread only) until
+        :meth:`restore`."""
         StopFlag.active = self
         try:
             self._previous = signal.signal(signal.SIGTERM, self._handle)
+            self._installed = True
         except ValueError:  # not the main thread
-            self._previous = None
+            self._installed = False
 
     def _handle(self, signum, frame):
         self.request("SIGTERM")
@@ -45,10 +49,13 @@ class StopFlag:
         self.requested = True
 
     def restore(self):
+        """Undoes :meth:`install`: the SIGTERM handler before it comes back, unless another one
+        replaced this flag's meanwhile (that one stays)."""
         if StopFlag.active is self:
             StopFlag.active = None
-        if self._previous is not None:
-            signal.signal(signal.SIGTERM, self._previous)
+        if self._installed:
+            self._installed = False
+            _put_back(signal.SIGTERM, self._handle, self._previous)
 
     def should_stop(self, step: int) -> bool:
         if jax.process_count() > 1:
@@ -70,7 +77,7 @@ class CtrlCSaves:
         return self
 
     def __exit__(self, *exc) -> None:
-        signal.signal(signal.SIGINT, self._previous)
+        _put_back(signal.SIGINT, self._handle, self._previous)
 
     def _handle(self, signum, frame):
         flag = StopFlag.active
@@ -79,3 +86,10 @@ class CtrlCSaves:
         self.pressed = True
         flag.request("Ctrl-C (SIGINT)")
         log.warning("press Ctrl-C again to exit at once without saving")
+
+
+def _put_back(signum: int, ours, previous) -> None:
+    """Reinstalls ``previous`` for ``signum`` if ``ours`` is still its handler; a handler not set
+    from Python (``previous`` None: Python cannot reinstall it) becomes the default action."""
+    if signal.getsignal(signum) == ours:
+        signal.signal(signum, signal.SIG_DFL if previous is None else previous)

@@ -76,7 +76,7 @@ def chip_grid(chips: int, dims: int) -> tuple[int, ...]:
     """Cloud TPU's grid for ``chips`` chips: 4 chips are 2x2(x1); each doubling doubles the smallest
     dimension, the last of equals (v5p-16 2x2x2, v5p-32 2x2x4, v5p-64 2x4x4, v5e-32 4x8)."""
     if chips < 1 or chips & (chips - 1):
-        raise ValueError(f"topology: {chips} chips is not a power of two")
+        raise ValueError(f"{chips} chips is not a power of two")
     if chips < 4:
         return (1,) * (dims - 1) + (chips,) if dims == 3 else (1, chips)
     grid = [2, 2] + [1] * (dims - 2)
@@ -88,33 +88,40 @@ def chip_grid(chips: int, dims: int) -> tuple[int, ...]:
 
 
 def parse(name: str, num_slices: int = 1) -> Slice:
-    """``v5p-8`` / ``v4-32`` / ``v5e-256`` / ``v5p:2x2x1`` -> a :class:`Slice` (ValueError if not)."""
+    """``v5p-8`` / ``v4-32`` / ``v5e-256`` / ``v5p:2x2x1`` -> a :class:`Slice`; else a ValueError
+    whose line starts ``--topology=NAME:``."""
     if num_slices < 1:
         raise ValueError(f"--num_slices={num_slices} must be at least 1")
+    flag = f"--topology={name}"
     text = name.strip().lower()
     grid_match = re.fullmatch(r"([a-z0-9]+)[:=_]((?:\d+x)*\d+)", text)
     type_match = re.fullmatch(r"([a-z0-9]+)-(\d+)", text)
     if not (grid_match or type_match):
         raise ValueError(
-            f"topology {name!r}: expected an accelerator type like v5p-8, v4-32, v5e-256 or a chip "
+            f"{flag}: expected an accelerator type like v5p-8, v4-32, v5e-256 or a chip "
             f"grid like v5p:2x2x1, v5e:4x4"
         )
     gen_name = (grid_match or type_match)[1]
     gen_name = ALIASES.get(gen_name, gen_name)
     if gen_name not in GENERATIONS:
-        raise ValueError(f"topology {name!r}: unknown TPU generation; known: {sorted(GENERATIONS)}")
+        raise ValueError(f"{flag}: unknown TPU generation; known: {sorted(GENERATIONS)}")
     gen = GENERATIONS[gen_name]
     if grid_match:
         grid = tuple(int(g) for g in grid_match[2].split("x"))
         if len(grid) != gen.dims or min(grid) < 1:
-            raise ValueError(f"topology {name!r}: {gen.name} grids have {gen.dims} dimensions")
+            raise ValueError(f"{flag}: {gen.name} grids have {gen.dims} dimensions")
     else:
         count = int(type_match[2])
         if count % gen.cores_per_chip:
             raise ValueError(
-                f"topology {name!r}: {gen.name}-N counts {gen.cores_per_chip} per chip"
+                f"{flag}: {gen.name}-N counts TensorCores, {gen.cores_per_chip} per chip"
             )
-        grid = chip_grid(count // gen.cores_per_chip, gen.dims)
+        chips = count // gen.cores_per_chip
+        try:
+            grid = chip_grid(chips, gen.dims)
+        except ValueError:
+            cores = f"{count} TensorCores are " if gen.cores_per_chip > 1 else ""
+            raise ValueError(f"{flag}: {cores}{chips} chips, not a power of two") from None
     return Slice(name, gen, grid, num_slices)
 
 

@@ -1,6 +1,7 @@
 """One run per WORKDIR: ``WORKDIR/run.lock`` names the holder (host, pid) while a run trains.
 
-A second run on the same WORKDIR refuses to start with one line naming the holder. The lock is
+A second run on the same WORKDIR refuses to start with one line naming the holder; a WORKDIR that
+cannot be written (a read-only file system, no permission) is a one-line error naming it. The lock is
 created exclusively where the filesystem allows it (a complete file hard-linked into place on
 local paths); on
 ``gs://`` and other ``tf.io.gfile`` filesystems, which have no exclusive create, it is written only
@@ -37,6 +38,11 @@ class WorkdirLockedError(RuntimeError):
     """Another live run holds the WORKDIR (the message names its host and pid)."""
 
 
+class WorkdirNotWritableError(OSError):
+    """The WORKDIR cannot be written (a read-only file system, or no permission): the message names
+    the WORKDIR, not the lock file that could not be created."""
+
+
 def _process_start(pid: int) -> str | None:
     """The process's start time in clock ticks (Linux /proc), to tell a reused pid apart."""
     try:
@@ -60,7 +66,8 @@ class WorkdirLock:
     """``with WorkdirLock(workdir): ...`` holds ``workdir/run.lock`` for the block."""
 
     def __init__(self, workdir: str, *, heartbeat_s: float = 60.0, stale_after_s: float = 600.0):
-        self.path = f"{str(workdir).rstrip('/')}/{LOCK_FILE}"
+        self.workdir = str(workdir).rstrip("/")
+        self.path = f"{self.workdir}/{LOCK_FILE}"
         self.remote = "://" in str(workdir)
         self.heartbeat_s, self.stale_after_s = heartbeat_s, stale_after_s
         pid = os.getpid()
@@ -83,7 +90,7 @@ class WorkdirLock:
         if jax.process_index() == 0:
             try:
                 self._acquire()
-            except WorkdirLockedError as err:
+            except (WorkdirLockedError, WorkdirNotWritableError) as err:
                 error = err
         if jax.process_count() > 1:
             ok = multihost_utils.broadcast_one_to_all(np.int32(error is None))
@@ -122,7 +129,20 @@ class WorkdirLock:
         raise WorkdirLockedError(f"{self.path}: could not take the lock (others keep taking it)")
 
     def _create(self) -> bool:
-        """Creates the lock file if absent; whether it is now ours."""
+        """Creates the lock file if absent; whether it is now ours (raises WorkdirNotWritableError
+        when the WORKDIR cannot be written)."""
+        try:
+            return self._create_file()
+        except fs.io_errors(self.path) as err:
+            why = fs.write_refusal(self.path, err)
+            if why is None:
+                raise
+            raise WorkdirNotWritableError(
+                f"{self.workdir}: WORKDIR is read-only ({why}); a run writes its lock, checkpoints "
+                "and metrics there: make it writable or use another WORKDIR"
+            ) from None
+
+    def _create_file(self) -> bool:
         text = json.dumps(self.record)
         if not self.remote:  # a complete file linked in place: exclusive, never half-written
             tmp = f"{self.path}.{self.record['token']}.tmp"

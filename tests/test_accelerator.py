@@ -230,6 +230,7 @@ def test_make_pretrain_end_to_end(tmp_path):
     cmd = [
         sys.executable, "-m", "bertjax.cli", "pretrain", "--config=configs/demo.py",
         f"--workdir={tmp_path / 'run'}", "--config.train.steps=20",
+        "--config.optimizer.warmup_steps=5",
     ]  # fmt: skip
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=600)

@@ -127,8 +127,10 @@ def test_kill_mid_checkpoint_corrupt_newest_then_disk_full_then_resume_exactly(
     assert not list(checkpoints.glob("*.orbax-checkpoint-tmp"))
 
 
-def test_disk_full_in_an_async_save_is_one_error_naming_the_path(tmp_path, monkeypatch):
+def test_disk_full_in_an_async_save_is_one_error_naming_the_path(tmp_path, monkeypatch, request):
     import jax.numpy as jnp
+
+    from bertjax import process_hooks
 
     ckpt = checkpointing.Checkpointer(str(tmp_path / "ck"), async_save=True)
     state = {"w": jnp.ones((4, 4))}
@@ -144,6 +146,7 @@ def test_disk_full_in_an_async_save_is_one_error_naming_the_path(tmp_path, monke
     monkeypatch.setattr(epath.Path, "write_text", full)
     unraisable = []  # what Python would print as "Exception ignored in ..."
     monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
+    request.addfinalizer(process_hooks.install())  # what the `bertjax` command installs
     with pytest.raises(checkpointing.CheckpointSaveError) as info:
         ckpt.save(2, state, {}, "{}", force=True)
         ckpt.wait()

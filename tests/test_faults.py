@@ -1,6 +1,7 @@
 """Faults a new user meets (issue 15): empty splits, corrupted checkpoints, a shared workdir,
 another vocabulary, bad config keys; each must give one clear line or the right behaviour."""
 
+import errno
 import gc
 import json
 import logging
@@ -90,17 +91,19 @@ def test_resume_skips_a_corrupted_newest_checkpoint(tmp_path, caplog, monkeypatc
     assert sorted(p.name for p in checkpoints.iterdir() if p.name.isdigit()) == ["2", "4"]
 
 
-def test_closed_loop_noise_is_dropped_from_the_first_checkpointer_on(tmp_path, monkeypatch):
+def test_closed_loop_noise_is_dropped_by_the_commands_hooks(monkeypatch, request):
     """An abandoned read can hand its result to Orbax's closed loop before bertjax has caught the
-    restore's error (CI): the filter is in place from the Checkpointer's creation, and it drops
-    only errors raised by the loop machinery itself, called from native code."""
+    restore's error (CI): the `bertjax` command's hooks (process_hooks.install) drop only errors
+    raised by the loop machinery itself, called from native code."""
     import asyncio
     import types
+
+    from bertjax import process_hooks
 
     shown, printed = [], []
     monkeypatch.setattr(sys, "unraisablehook", shown.append)
     monkeypatch.setattr(sys, "excepthook", lambda *args: printed.append(args[1]))
-    checkpointing.Checkpointer(str(tmp_path / "ck"), async_save=False).close()
+    request.addfinalizer(process_hooks.install())
     loop = asyncio.new_event_loop()
     loop.close()
     try:
@@ -183,6 +186,34 @@ def test_workdir_lock_without_exclusive_create(tmp_path, monkeypatch):
         with pytest.raises(workdir_lock.WorkdirLockedError, match=f"pid {os.getpid()}"):
             other.acquire()
     assert not (tmp_path / "run.lock").exists()
+
+
+@pytest.mark.parametrize(
+    "code, why",
+    [(errno.EROFS, "read-only file system"), (errno.EACCES, "permission denied")],
+)
+def test_a_read_only_workdir_is_one_line_naming_it(tmp_path, monkeypatch, code, why):
+    """What a write under a read-only WORKDIR raises (simulated: root may write a chmod-ed one)."""
+    real_open = open
+
+    def refusing_open(path, mode="r", *args, **kwargs):
+        if str(path).startswith(str(tmp_path)) and "w" in mode:
+            raise OSError(code, os.strerror(code), str(path))
+        return real_open(path, mode, *args, **kwargs)
+
+    monkeypatch.setattr(workdir_lock, "open", refusing_open, raising=False)
+    with pytest.raises(workdir_lock.WorkdirNotWritableError) as err:
+        workdir_lock.WorkdirLock(f"{tmp_path}/").acquire()
+    message = str(err.value)
+    assert message.startswith(f"{tmp_path}: WORKDIR is read-only ({why})"), message
+    assert "\n" not in message and "run.lock" not in message
+    assert isinstance(err.value, OSError)  # the CLI's one-line error path
+    monkeypatch.setattr(  # any other failure (a full disk) stays what it is
+        workdir_lock, "open", lambda *a, **k: (_ for _ in ()).throw(OSError(errno.ENOSPC, "full"))
+    )
+    with pytest.raises(OSError) as err:
+        workdir_lock.WorkdirLock(str(tmp_path)).acquire()
+    assert err.value.errno == errno.ENOSPC
 
 
 def test_training_refuses_a_locked_workdir_and_releases_after(tmp_path):

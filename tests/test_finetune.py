@@ -258,7 +258,7 @@ def _oracle(rows):
 
 
 @pytest.mark.parametrize("version", ["1.1", "2.0"])
-def test_squad_scoring_of_a_perfect_model_is_100(files, tmp_path, version):
+def test_squad_scoring_of_a_perfect_model_is_1(files, tmp_path, version, caplog):
     c = small_config(
         squad_config.get_config(),
         files,
@@ -267,9 +267,16 @@ def test_squad_scoring_of_a_perfect_model_is_100(files, tmp_path, version):
         **{"data.max_query_length": 10, "data.doc_stride": 8, "data.max_seq_length": 24},
     )
     task = get_task(c.task, c, str(tmp_path))
-    task.after_prepare()
-    feats = task.eval_sets[0].meta[1]
+    with caplog.at_level(logging.INFO, logger="bertjax"):
+        task.after_prepare()
+    examples, feats, _ = task.eval_sets[0].meta
     assert len(feats) > 5  # the short window splits each context into several features
+    train_feats = len(task.train_features["input_ids"])  # train = dev questions here
+    assert len(examples) == (4 if version == "1.1" else 5) < train_feats
+    assert (  # the log names both counts, each by its name
+        f"task squad/v{version}: {len(examples)} training examples in {train_feats} features, "
+        f"{len(examples)} dev examples in {len(feats)} features"
+    ) in caplog.text
     one_hot = lambda pos: np.eye(24, dtype=np.float32)[pos] * 10.0  # [features, seq]
     # Features whose window misses the answer point at [CLS] (as in training); v1.1 ignores them.
     run = _oracle(
@@ -279,11 +286,11 @@ def test_squad_scoring_of_a_perfect_model_is_100(files, tmp_path, version):
     preds = json.loads(pathlib.Path(final["predictions"]["predictions"]).read_text())
     assert preds["q1"] == "john smith" and preds["q4"] == "acme corp"
     if version == "1.1":
-        assert final["dev"] == {"exact_match": 100.0, "f1": 100.0}
+        assert final["dev"] == {"exact_match": 1.0, "f1": 1.0}  # fractions, as GLUE's
         assert "null_odds" not in final["predictions"]
     else:
-        assert preds["q5"] == "" and final["dev"]["exact"] == 100.0
-        assert final["dev"]["NoAns_total"] == 1 and final["dev"]["best_f1"] == 100.0
+        assert preds["q5"] == "" and final["dev"]["exact"] == 1.0
+        assert final["dev"]["NoAns_total"] == 1 and final["dev"]["best_f1"] == 1.0
 
 
 def test_ner_scoring_maps_pieces_back_to_words(files, tmp_path):
@@ -297,12 +304,12 @@ def test_ner_scoring_maps_pieces_back_to_words(files, tmp_path):
         for pos in np.flatnonzero(word_ids[i] >= 0):
             tag_ids[i, pos] = task.labels.index(tags[word_ids[i, pos]])
     metrics = task.evaluate(_oracle({"tag_ids": tag_ids}), None)
-    assert metrics == {"precision": 100.0, "recall": 100.0, "f1": 100.0, "accuracy": 100.0}
+    assert metrics == {"precision": 1.0, "recall": 1.0, "f1": 1.0, "accuracy": 1.0}
     # "john" tagged O: the gold "john smith" is missed and a wrong chunk "smith" (I-PER opens a
     # chunk, conlleval) is found: 2 of 3 entities right each way.
     tag_ids[:, 1] = task.labels.index("O")
     metrics = task.evaluate(_oracle({"tag_ids": tag_ids}), None)
-    assert metrics["recall"] == pytest.approx(200 / 3) == metrics["precision"]
+    assert metrics["recall"] == pytest.approx(2 / 3) == metrics["precision"]
 
 
 def test_ner_reports_entity_f1_on_dev_and_test(files, tmp_path):

@@ -98,7 +98,7 @@ def test_bad_rows_are_one_line_errors_naming_file_and_line(tmp_path):
         '{"text": "ok"}\n{"text": "bad\n': "bad.jsonl:2: invalid JSON",
         '{"text": "ok"}\n[1, 2]\n': "bad.jsonl:2: expected a JSON object, got list",
         '{"text": "ok"}\n\n{"body": "x", "id": 3}\n': (
-            "bad.jsonl:3: no key 'text' (--text_column); the row has keys 'body', 'id'"
+            "bad.jsonl:3: no key 'text' (text_column); the row has keys 'body', 'id'"
         ),
         '{"text": 5}\n': "bad.jsonl:1: 'text' is a int, not a string",
     }
@@ -169,11 +169,48 @@ def test_prepare_cli_and_vocab_read_parquet(tmp_path, tok):
     assert prepare.main(argv) == 0
     meta = json.loads((out / "metadata.json").read_text())
     assert meta["documents"]["train"] == 20 and meta["examples"]["train"] > 0
-    with pytest.raises(ValueError, match="no column 'text'"):
+    with pytest.raises(ValueError, match=r"no column 'text' \(--text_column\)"):
         bad = [a for a in argv if not a.startswith(("--text_column", "--output_dir"))]
         prepare.main([*bad, f"--output_dir={tmp_path}/out2"])
     lines = list(vocab.corpus_lines(str(tmp_path / "c.parquet"), "parquet", text_column="body"))
     assert lines == [s for d in _documents(20) for s in d]
+    vocab_argv = [f"--input={tmp_path}/c.parquet", f"--output={tmp_path}/v.txt", "--format=parquet"]
+    with pytest.raises(ValueError, match=r"no column 'text' \(--text_column\)"):
+        vocab.main([*vocab_argv, "--vocab_size=50"])
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
+def test_a_missing_text_column_names_the_callers_setting(tmp_path, tok, fmt):
+    """The library readers name the option the caller set: a pretraining run's data.text_column,
+    not the `bertjax prepare` flag (in worker processes too)."""
+    if fmt == "parquet":
+        _write_parquet(tmp_path / "c.parquet", _documents(6))
+    else:
+        _write_jsonl(tmp_path / "c.jsonl", _documents(6), key="body")
+    corpus_file = str(tmp_path / f"c.{fmt}")
+    kw = dict(corpus_format=fmt, text_column="text", text_column_setting="data.text_column")
+    for num_workers in (1, 2):
+        with pytest.raises(ValueError) as err:
+            prepare.prepare(
+                f"{corpus_file},{corpus_file}", str(tmp_path / f"out{num_workers}"), tok,
+                max_seq_length=32, num_shards=1, show_progress=False, num_workers=num_workers, **kw,
+            )  # fmt: skip
+        message = str(err.value)
+        assert "'text' (data.text_column); the " in message and "--text_column" not in message
+        assert corpus_file in message and "\n" not in message
+    with pytest.raises(ValueError, match=r"'text' \(data.text_column\); the "):
+        vocab.train_vocab(corpus_file, str(tmp_path / "v.txt"), 50, **kw)
+    meta = prepare.prepare(  # the label is no setting of the prepared data
+        corpus_file, str(tmp_path / "ok"), tok, max_seq_length=32, num_shards=1,
+        show_progress=False, num_workers=1, corpus_format=fmt, text_column="body",
+    )  # fmt: skip
+    assert "text_column_setting" not in meta
+    again = prepare.prepare(
+        corpus_file, str(tmp_path / "ok"), tok, max_seq_length=32, num_shards=1,
+        show_progress=False, num_workers=1, corpus_format=fmt, text_column="body",
+        text_column_setting="data.text_column",
+    )  # fmt: skip
+    assert again == meta  # the same settings: skipped, not "written for other settings"
 
 
 def test_open_stream_remote_paths_go_through_gfile(tmp_path):

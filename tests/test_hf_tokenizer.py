@@ -375,6 +375,7 @@ def test_prepare_and_pretrain_with_a_bpe_tokenizer_json(modernbert_dir, train_te
     c.data.nsp, c.data.max_seq_length, c.data.max_predictions_per_seq = False, 32, 10
     c.data.masked_lm_prob = 0.3
     c.train.steps, c.train.global_batch_size, c.train.log_every = 2, 8, 1
+    c.optimizer.warmup_steps = 1  # not longer than the run
     c.train.eval_every, c.train.eval_steps, c.train.async_checkpoints = 0, 0, False
     c.mesh.num_devices = 1
     c.tensorboard = False

@@ -96,6 +96,9 @@ def test_squad_v1_hand_case():
     out = m.evaluate_squad_v1(data, {"a": "broncos", "b": "the blue"})
     assert out["exact_match"] == pytest.approx(100 / 3)
     assert out["f1"] == pytest.approx(100 * (1 + 2 / 3) / 3)
+    # Training logs fractions: the same scores, not scaled back from percent.
+    fractions = m.evaluate_squad_v1(data, {"a": "broncos", "b": "the blue"}, percent=False)
+    assert fractions == {"exact_match": 1 / 3, "f1": (1 + 2 / 3) / 3}
     # v1.1: an empty prediction scores F1 0 even against an empty normalized gold.
     assert m.evaluate_squad_v1(
         [{"paragraphs": [{"qas": [data[0]["paragraphs"][0]["qas"][2]]}]}], {"c": ""}
@@ -150,6 +153,13 @@ def test_squad_v2_hand_case_with_threshold_search():
     }
     assert out == pytest.approx(expected)
     assert list(out) == list(expected)  # the official key order
+    fractions = m.evaluate_squad_v2(_v2_dataset(), preds, na, percent=False)
+    unscaled = ("total", "HasAns_total", "NoAns_total", "best_exact_thresh", "best_f1_thresh")
+    assert list(fractions) == list(expected)
+    assert fractions == pytest.approx(
+        {k: v if k in unscaled else v / 100 for k, v in expected.items()}
+    )
+    assert fractions["exact"] == 0.5 and fractions["best_f1"] == 0.875
     # na_prob_thresh 0.5: q2 and q4 become "no answer" -> correct for both.
     assert m.evaluate_squad_v2(_v2_dataset(), preds, na, na_prob_thresh=0.5)["exact"] == 75.0
     assert "best_f1" not in m.evaluate_squad_v2(_v2_dataset(), preds)
@@ -211,11 +221,14 @@ def test_ner_metrics_match_conlleval_reference(seed):
     pred = [[t if rng.random() < 0.7 else str(rng.choice(tags)) for t in s] for s in gold]
     correct, found_g, found_p = _conlleval_reference(gold, pred)
     out = m.ner_metrics(gold, pred)
-    assert out["precision"] == pytest.approx(100 * correct / found_p)
-    assert out["recall"] == pytest.approx(100 * correct / found_g)
-    assert 0 < out["f1"] < 100
+    assert out["precision"] == pytest.approx(correct / found_p)  # fractions, as seqeval's
+    assert out["recall"] == pytest.approx(correct / found_g)
+    assert 0 < out["f1"] < 1
     seqeval = pytest.importorskip("seqeval.metrics")
-    assert out["f1"] == pytest.approx(100 * seqeval.f1_score(gold, pred))
+    assert out["f1"] == pytest.approx(seqeval.f1_score(gold, pred))
+    assert out["precision"] == pytest.approx(seqeval.precision_score(gold, pred))
+    assert out["recall"] == pytest.approx(seqeval.recall_score(gold, pred))
+    assert out["accuracy"] == pytest.approx(seqeval.accuracy_score(gold, pred))
 
 
 def test_ner_metrics_hand_case():
@@ -223,9 +236,9 @@ def test_ner_metrics_hand_case():
     pred = [["B-PER", "I-PER", "O", "B-ORG"], ["B-ORG", "O"]]
     out = m.ner_metrics(gold, pred)
     # gold chunks 3, predicted 3, correct 2 (PER, ORG in sentence 2).
-    assert out["precision"] == pytest.approx(200 / 3) and out["recall"] == pytest.approx(200 / 3)
-    assert out["accuracy"] == pytest.approx(500 / 6)
-    assert out["per_type"]["PER"]["f1"] == 100.0 and out["per_type"]["LOC"]["recall"] == 0.0
+    assert out["precision"] == pytest.approx(2 / 3) and out["recall"] == pytest.approx(2 / 3)
+    assert out["accuracy"] == pytest.approx(5 / 6)
+    assert out["per_type"]["PER"]["f1"] == 1.0 and out["per_type"]["LOC"]["recall"] == 0.0
     with pytest.raises(ValueError, match="sentence 0"):
         m.ner_metrics([["O"]], [["O", "O"]])
 

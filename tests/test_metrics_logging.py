@@ -13,7 +13,7 @@ def test_records_append_and_truncate_on_resume(tmp_path, remote):
     workdir = f"ram://metrics_{id(tmp_path)}" if remote else str(tmp_path)
     writer = MetricsWriter(workdir, tensorboard=False)
     for step in range(1, 5):
-        writer.write(step, {"loss": 1.0 / step}, total_steps=4, elapsed=float(step))
+        writer.write(step, {"loss": 1.0 / step}, total_steps=4, eta=float(4 - step))
     writer.write(4, {"mlm_accuracy": 0.5}, split="eval")
     writer.truncate_after(2)  # a resume from the step-2 checkpoint
     writer.write(3, {"loss": 0.25})

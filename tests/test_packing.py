@@ -344,6 +344,7 @@ def test_prepare_and_train_with_packing(corpus, tmp_path):
     c.data.max_seq_length, c.data.max_predictions_per_seq = 32, 5
     c.data.dupe_factor, c.data.num_shards, c.data.eval_fraction = 1, 2, 0.2
     c.train.steps, c.train.global_batch_size, c.train.log_every = 3, 8, 1
+    c.optimizer.warmup_steps = 1  # not longer than the run
     c.train.eval_every, c.train.eval_steps, c.train.checkpoint_every = 3, 1, 3
     c.train.async_checkpoints = False
     c.mesh.num_devices = 1

@@ -107,7 +107,7 @@ def test_readme_local_sh_example_runs_with_logs_under_the_workdir(tmp_path):
     words = [w.replace("--config=configs/", f"--config={REPO}/configs/") for w in words]
     env = {k: v for k, v in os.environ.items() if k not in ("LOG_DIR", "XLA_FLAGS")}
     proc = subprocess.run(
-        ["bash", *words, "--config.train.steps=2"],  # the example, 2 steps
+        ["bash", *words, "--config.train.steps=2", "--config.optimizer.warmup_steps=1"],  # 2 steps
         cwd=tmp_path,  # no ./workdir/logs here afterwards
         env=env,
         capture_output=True,
@@ -219,7 +219,7 @@ def _as_run(command: str, here: pathlib.Path) -> str:
     if command.startswith("make "):
         command = "make -o .venv/bin/.installed " + command[5:]
     if command.endswith("make -o .venv/bin/.installed pretrain"):
-        command += " ARGS=--config.train.steps=2"  # the demo's data and model, 2 steps
+        command += ' ARGS="--config.train.steps=2 --config.optimizer.warmup_steps=1"'  # 2 steps
     if " finetune " in command:  # 2 steps of batch 8 on tiny files
         command = command.replace('ARGS="', f'ARGS="{TINY_FT} ')
         command += "" if "ARGS=" in command else f" {TINY_FT}"

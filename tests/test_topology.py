@@ -3,6 +3,7 @@
 
 import importlib.util
 import json
+import re
 import subprocess
 import sys
 
@@ -61,13 +62,15 @@ def test_slice_names_follow_cloud_tpu(name, libtpu_name, chips):
         ("v5p", "expected an accelerator type"),
         ("v9-8", "unknown TPU generation"),
         ("v5p:2x2", "3 dimensions"),
-        ("v5p-7", "counts 2 per chip"),
-        ("v5e-12", "not a power of two"),
+        ("v5p-7", "counts TensorCores, 2 per chip"),
+        ("v5e-12", "12 chips, not a power of two"),
+        ("v5p-6", "6 TensorCores are 3 chips, not a power of two"),
     ],
 )
-def test_bad_slice_names_are_one_line(name, match):
-    with pytest.raises(ValueError, match=match):
+def test_bad_slice_names_are_one_line_naming_the_flag(name, match):
+    with pytest.raises(ValueError, match=f"^--topology={re.escape(name)}: .*{match}") as err:
         topology.parse(name)
+    assert "\n" not in str(err.value)
 
 
 def test_device_kinds_map_to_generations():
@@ -121,7 +124,8 @@ def refuse(*args, **kwargs):
 
 aot.compile_step = refuse
 config = aot.with_overrides(bert_base.get_config(), json.loads(sys.argv[1]))
-report = aot.compile_train_step(config, sys.argv[3], devices=topology.devices(topology.parse("v5e:2x2")))
+workdir = sys.argv[3] or None  # none: compiling for a slice reads and writes no workdir
+report = aot.compile_train_step(config, workdir, devices=topology.devices(topology.parse("v5e:2x2")))
 print(json.dumps(report))
 print(aot.format_report(report).splitlines()[1])
 """
@@ -131,13 +135,13 @@ print(aot.format_report(report).splitlines()[1])
 def test_a_step_larger_than_hbm_is_a_report_that_it_does_not_fit(tmp_path):
     # The TPU compiler refuses a program larger than HBM with an error; compile (and plan) report
     # it as not fitting, with the compiler's sentence and the bytes it asked for, not a traceback.
-    def run(message):
+    def run(message, workdir=""):
         return subprocess.run(
-            [sys.executable, "-c", REFUSED_COMPILE, json.dumps(TINY), message, str(tmp_path)],
+            [sys.executable, "-c", REFUSED_COMPILE, json.dumps(TINY), message, workdir],
             cwd=REPO, capture_output=True, text=True, timeout=300,
         )  # fmt: skip
 
-    out = run(HBM_REFUSAL)
+    out = run(HBM_REFUSAL)  # no workdir
     assert out.returncode == 0, out.stderr[-2000:]
     report_line, human = out.stdout.strip().splitlines()[-2:]
     report = json.loads(report_line)
@@ -147,7 +151,7 @@ def test_a_step_larger_than_hbm_is_a_report_that_it_does_not_fit(tmp_path):
     assert report["hbm_bytes_at_least"] > report["temp_size_in_bytes"]
     assert report["hbm_capacity_bytes"] == 16 * topology.GIB and report["devices"] == 4
     assert human.startswith("memory      DOES NOT FIT: RESOURCE_EXHAUSTED")
-    other = run("INTERNAL: something else")  # any other compiler error still raises
+    other = run("INTERNAL: something else", str(tmp_path))  # any other compiler error raises
     assert other.returncode != 0 and "something else" in other.stderr
 
 
@@ -240,7 +244,7 @@ def test_plan_table_ranks_in_search_order_where_the_chip_has_no_estimate():
     result.update(ranked=[row], rejected=[refused], best_overrides=plan.overrides_flags(base))
     table = plan.format_table(result)
     assert "no step time for this chip" in table and "12.00" in table
-    assert "needs at least 20.0 GiB of 16 (the TPU compiler refused it)" in table
+    assert "needs at least 20.00 GiB per device, 16.00 GiB available (the TPU compiler" in table
     assert table.splitlines()[-1] == "best: " + plan.overrides_flags(base)
 
 

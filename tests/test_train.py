@@ -2,6 +2,7 @@
 Ctrl-C."""
 
 import json
+import logging
 import os
 import pathlib
 import signal
@@ -24,11 +25,22 @@ def _losses(workdir, key="loss"):
     return [r[key] for r in read_metrics(workdir)]
 
 
-def test_smoke_run_logs_evaluates_and_checkpoints(tmp_path):
+def test_smoke_run_logs_evaluates_and_checkpoints(tmp_path, caplog):
     config = tiny_config(
         tmp_path, steps=4, **{"train.eval_every": 2, "train.eval_steps": 1, "tensorboard": True}
     )
-    result = train.train_and_evaluate(config, str(tmp_path / "run"))
+    with caplog.at_level(logging.INFO, logger="bertjax"):
+        result = train.train_and_evaluate(config, str(tmp_path / "run"))
+    # The console: the compilation announced before the first step, then its time; short train
+    # lines; no ETA until steps after the compiling one were timed.
+    lines = [r.getMessage() for r in caplog.records if r.name == "bertjax"]
+    train_lines = [x for x in lines if x.startswith("[train]")]
+    compiling = lines.index("compiling the train step (phase 1/1, batch 8 x seq 16) ...")
+    assert compiling < lines.index(train_lines[0]) and lines[compiling + 1].startswith(
+        "compiled the train step in "
+    )
+    assert train_lines[0].startswith("[train] step 1/4 loss=") and "eta" not in train_lines[0]
+    assert " eta " in train_lines[-1] and all(len(x) < 160 for x in train_lines), train_lines
     records = read_metrics(tmp_path / "run")
     assert [r["step"] for r in records] == [1, 2, 3, 4]
     for key in (
@@ -287,6 +299,7 @@ def test_offline_demo_builds_corpus_vocab_and_data_then_trains(tmp_path):
     config.model.preset = "tiny"
     config.data.vocab_size = 2000
     config.train.steps = 2
+    config.optimizer.warmup_steps = 1  # the demo's 50 would outlast the 2 steps: an error
     config.train.eval_every = 2
     config.train.eval_steps = 1
     config.tensorboard = False

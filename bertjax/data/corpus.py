@@ -301,19 +301,24 @@ def iter_source_documents(
     fmt: str,
     on_bytes: Callable[[int], None] | None = None,
     text_column: str = "text",
+    text_column_setting: str = "text_column",
 ) -> Iterator[list[str]]:
     """The documents of one work unit (`on_bytes` as in `iter_lines`; unused for TFDS).
 
-    `text_column` is the JSON key / Parquet column of the row formats (ignored by the others).
+    `text_column` is the JSON key / Parquet column of the row formats (ignored by the others);
+    `text_column_setting` is what errors call the option that chose it (`--text_column`,
+    `data.text_column`).
     """
     if fmt not in FORMATS:
         raise ValueError(f"unknown corpus format {fmt!r}; expected one of {FORMATS}")
     if source.kind == "tfds":
         return _tfds_documents(source, fmt)
     if fmt == "jsonl":
-        return row_documents(formats.jsonl_texts(source.path, text_column, on_bytes))
+        texts = formats.jsonl_texts(source.path, text_column, on_bytes, text_column_setting)
+        return row_documents(texts)
     if fmt == "parquet":
-        return row_documents(formats.parquet_texts(source.path, text_column, on_bytes))
+        texts = formats.parquet_texts(source.path, text_column, on_bytes, text_column_setting)
+        return row_documents(texts)
     reader = bert_documents if fmt == "bert" else text_documents
     return reader(iter_lines(source.path, on_bytes))
 
@@ -324,7 +329,11 @@ def iter_documents(
     *,
     tfds_data_dir: str | None = None,
     text_column: str = "text",
+    text_column_setting: str = "text_column",
 ) -> Iterator[list[str]]:
-    """All documents (lists of sentence strings) of a corpus spec, in source order, streamed."""
+    """All documents (lists of sentence strings) of a corpus spec, in source order, streamed
+    (`text_column`, `text_column_setting` as in `iter_source_documents`)."""
     for source in list_sources(spec, tfds_data_dir=tfds_data_dir):
-        yield from iter_source_documents(source, fmt, text_column=text_column)
+        yield from iter_source_documents(
+            source, fmt, text_column=text_column, text_column_setting=text_column_setting
+        )

@@ -109,13 +109,17 @@ def numbered_lines(
 
 
 def jsonl_texts(
-    path: str, column: str = "text", on_bytes: Callable[[int], None] | None = None
+    path: str,
+    column: str = "text",
+    on_bytes: Callable[[int], None] | None = None,
+    setting: str = "text_column",
 ) -> Iterator[str]:
     """The `column` string of every JSON object line of a JSONL file (blank lines skipped).
 
     A row whose value is null is skipped (an empty document). Raises ValueError naming
-    `path:line` for invalid JSON, a non-object line, a missing key (listing the keys the row has)
-    or a value that is not a string.
+    `path:line` for invalid JSON, a non-object line, a missing key (listing the keys the row has,
+    and naming `setting`, what the caller calls the option that chose `column`: `--text_column`,
+    `data.text_column`) or a value that is not a string.
     """
     with open_stream(path) as (stream, raw):
         for number, line in numbered_lines(stream, raw, on_bytes):
@@ -132,7 +136,7 @@ def jsonl_texts(
                 )
             if column not in row:
                 raise ValueError(
-                    f"{path}:{number}: no key {column!r} (--text_column); the row has keys "
+                    f"{path}:{number}: no key {column!r} ({setting}); the row has keys "
                     f"{', '.join(map(repr, row)) or 'none'}"
                 )
             text = row[column]
@@ -146,12 +150,16 @@ def jsonl_texts(
 
 
 def parquet_texts(
-    path: str, column: str = "text", on_bytes: Callable[[int], None] | None = None
+    path: str,
+    column: str = "text",
+    on_bytes: Callable[[int], None] | None = None,
+    setting: str = "text_column",
 ) -> Iterator[str]:
     """The `column` strings of a Parquet file, one record batch of a row group at a time.
 
     Null values are skipped. Raises ValueError for a file that is not Parquet, a missing column
-    (listing the columns there are) or a column that does not hold strings (naming the row).
+    (listing the columns there are, and naming `setting` as `jsonl_texts` does) or a column that
+    does not hold strings.
     """
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -164,7 +172,7 @@ def parquet_texts(
         names = parquet.schema_arrow.names
         if column not in names:
             raise ValueError(
-                f"{path}: no column {column!r} (--text_column); the columns are "
+                f"{path}: no column {column!r} ({setting}); the columns are "
                 f"{', '.join(map(repr, names))}"
             )
         field = parquet.schema_arrow.field(column)

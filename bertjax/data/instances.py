@@ -20,7 +20,10 @@ from bertjax.data.records import example_bytes, float_feature, int64_feature
 
 @dataclasses.dataclass(frozen=True)
 class PrepareConfig:
-    """Every option that changes the records (num_workers does not)."""
+    """Every option that changes the records (num_workers does not), and `text_column_setting`,
+    which changes none (compare=False: not a setting of the prepared data): what errors call the
+    option that chose `text_column` (`--text_column` for `bertjax prepare`, `data.text_column` for
+    a pretraining run)."""
 
     max_seq_length: int = 128
     max_predictions_per_seq: int = 20
@@ -37,6 +40,7 @@ class PrepareConfig:
     corpus_format: str = "bert"
     packing: bool = False
     text_column: str = "text"  # the JSON key / Parquet column of the row formats
+    text_column_setting: str = dataclasses.field(default="text_column", compare=False)
 
     def validate(self) -> None:
         """One-line ValueError naming the first bad option."""

@@ -107,7 +107,7 @@ def vocab_sha256(path: str) -> str:
 def _settings(cfg: PrepareConfig, entries: list[str], sources: list, tok) -> dict:
     return {
         "format_version": FORMAT_VERSION,
-        **{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)},
+        **{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.compare},
         "input": entries,
         "sources": [s.name for s in sources],
         "vocab_file": str(tok.vocab_file),
@@ -144,6 +144,7 @@ def prepare(
     show_progress: bool = True,
     packing: bool = False,
     text_column: str = "text",
+    text_column_setting: str = "text_column",
     runner: str | None = None,
     beam_args: Sequence[str] = (),
 ) -> dict:
@@ -151,12 +152,13 @@ def prepare(
 
     `tokenizer` is a `bertjax.text.tokenization` tokenizer (workers reload it from its vocab_file). When
     output_dir already holds a metadata.json for the same settings the work is skipped; for other
-    settings it is an error. Options are described in the module docstring.
+    settings it is an error. Options are described in the module docstring; `text_column_setting`
+    is what errors call the option that chose `text_column` (`--text_column`, `data.text_column`).
     """
     cfg = PrepareConfig(
         max_seq_length, max_predictions_per_seq, masked_lm_prob, short_seq_prob, dupe_factor, nsp,
         masking, whole_word_mask, seed, num_shards, eval_fraction, random_document_buffer,
-        corpus_format, packing, text_column,
+        corpus_format, packing, text_column, text_column_setting,
     )  # fmt: skip
     cfg.validate()
     entries = (
@@ -436,7 +438,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         num_shards=args.num_shards, eval_fraction=args.eval_fraction,
         random_document_buffer=args.random_document_buffer, num_workers=args.num_workers,
         tfds_data_dir=args.tfds_data_dir, show_progress=not args.no_progress, packing=args.packing,
-        text_column=args.text_column, runner=args.runner, beam_args=beam_args,
+        text_column=args.text_column, text_column_setting="--text_column", runner=args.runner,
+        beam_args=beam_args,
     )  # fmt: skip
     print(
         f"{args.output_dir}: {meta['examples']} examples from {meta['documents']} documents, "

@@ -119,11 +119,15 @@ def tokenized_documents(
     tok,
     on_bytes: Callable[[int], None] | None = None,
     text_column: str = "text",
+    text_column_setting: str = "text_column",
 ) -> Iterator[Document]:
-    """The non-empty tokenized documents of one work unit, in corpus order."""
+    """The non-empty tokenized documents of one work unit, in corpus order (`text_column`,
+    `text_column_setting` as in `corpus.iter_source_documents`)."""
     bulk = tok.bulk_encoder() if hasattr(tok, "bulk_encoder") else None
     if bulk is None or not (fmt == "bert" and source.kind == "file"):
-        documents = corpus.iter_source_documents(source, fmt, on_bytes, text_column)
+        documents = corpus.iter_source_documents(
+            source, fmt, on_bytes, text_column, text_column_setting
+        )
         if bulk is None:
             return _sentence_documents(documents, tok)
         return _line_documents(map(bulk.encode_lines, _joined_blocks(documents)))

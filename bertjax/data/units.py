@@ -94,7 +94,7 @@ def _tokenized_documents(source, index, cfg, tok, progress):
     eval_rng = np.random.default_rng([cfg.seed, index, _EVAL_STREAM])
     on_bytes = lambda n: progress.add(0, n)  # noqa: E731
     for doc in token_docs.tokenized_documents(
-        source, cfg.corpus_format, tok, on_bytes, cfg.text_column
+        source, cfg.corpus_format, tok, on_bytes, cfg.text_column, cfg.text_column_setting
     ):
         progress.add(1)
         split = "eval" if cfg.eval_fraction and eval_rng.random() < cfg.eval_fraction else "train"

@@ -38,10 +38,35 @@ class DataIterator(Protocol):
     def restore(self, state: dict) -> None: ...
 
 
+MICRO_BATCHING = ("additive", "cached", "whole_batch")
+
+
 class Task:
-    """Base class of a task; subclasses override what differs."""
+    """Base class of a task; subclasses override what differs.
+
+    The loss contract. With ``train.grad_accum_steps = k > 1`` the trainer splits each batch into
+    ``k`` micro-batches (micro-batch ``i`` holds rows ``i, i + k, ...``) and needs to know how the
+    loss behaves under that split; ``micro_batching`` says it:
+
+    * ``"additive"`` (the default; pretraining and the fine-tuning tasks): ``loss`` divides every
+      term by the GLOBAL normalisers of ``normalizers(batch)`` (computed on the whole batch), so the
+      micro-batches' losses, metrics and gradients add up to the whole batch's. The trainer sums them.
+    * ``"cached"``: the loss couples the rows of a batch (in-batch negatives, as in a contrastive
+      InfoNCE loss), so it does not add up. The task provides ``embed`` (a micro-batch's
+      per-row embeddings) and ``batch_loss`` (the whole batch's loss from every row's embedding);
+      the trainer runs the two-pass GradCache step (``bertjax.microbatch``): it embeds every
+      micro-batch without keeping activations, takes ``batch_loss`` and its gradient with respect to
+      the embeddings, then embeds each micro-batch again with the same dropout key and adds up the
+      vector-Jacobian products. The gradient is the whole batch's, at one micro-batch's memory.
+      The trainer calls neither ``normalizers`` nor ``loss`` of such a task in training (with
+      ``k = 1`` it differentiates ``batch_loss(embed(...))`` directly); ``eval_outputs`` is the
+      task's own.
+    * ``"whole_batch"``: the loss cannot be split; ``train.grad_accum_steps > 1`` is an error.
+    """
 
     name = "task"
+    # How the loss behaves under micro-batching: one of MICRO_BATCHING (see the class docstring).
+    micro_batching: str = "additive"
     # Which normaliser each metric is divided by (see ``normalizers``); used to average over batches.
     metric_normalizers: dict[str, str] = {}
 
@@ -114,6 +139,20 @@ class Task:
     ) -> tuple[jax.Array, dict[str, jax.Array]]:
         """(loss, metrics), every term divided by the GLOBAL normalisers (so micro-batches add up)."""
         raise NotImplementedError
+
+    def embed(self, model: nn.Module, params: Any, batch: Batch, rng: jax.Array) -> Any:
+        """(``micro_batching = "cached"`` tasks) The embeddings of one micro-batch in training mode:
+        a pytree of arrays whose leading axis is the micro-batch's rows (e.g. ``{"query": [rows,
+        d], "document": [rows, d]}``). ``rng`` is the micro-batch's dropout key; the trainer calls
+        ``embed`` twice per micro-batch with the same key, so both passes drop the same units."""
+        raise NotImplementedError(f"task {self.name}: micro_batching='cached' needs embed()")
+
+    def batch_loss(self, embeddings: Any, batch: Batch) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """(``micro_batching = "cached"`` tasks) (loss, metrics) of the WHOLE batch from the
+        embeddings of all its rows (``embed``'s pytree, micro-batches joined back into the batch's
+        row order, so row ``r`` of every leaf is row ``r`` of ``batch``). It must not use the
+        params: the trainer differentiates it with respect to the embeddings only."""
+        raise NotImplementedError(f"task {self.name}: micro_batching='cached' needs batch_loss()")
 
     def train_data(self, phase: Phase, process_index: int, process_count: int) -> DataIterator:
         raise NotImplementedError

@@ -4,9 +4,14 @@ Every function here reproduces a reference exactly:
   * classification / regression metrics match scikit-learn and SciPy (Spearman ranks ties by their
     average rank, as `scipy.stats.spearmanr` does); GLUE scores are fractions in [0, 1];
   * `evaluate_squad_v1` is the official `evaluate-v1.1.py`, `evaluate_squad_v2` the official
-    `evaluate-v2.0.py` (scores in percent, as the official scripts print them);
-  * `ner_metrics` is the chunk-level precision / recall / F1 of `conlleval` (percent), with its chunk
-    start / end rules, so BIO (IOB2) and IOB1 tag sequences are both scored correctly.
+    `evaluate-v2.0.py`: in percent by default, as the official scripts print them (`bertjax
+    evaluate squad`), as fractions with `percent=False` (what training logs);
+  * `ner_metrics` is the chunk-level precision / recall / F1 of `conlleval`, with its chunk
+    start / end rules, so BIO (IOB2) and IOB1 tag sequences are both scored correctly; as fractions,
+    as `seqeval` gives them (conlleval prints these times 100).
+
+A training run logs, writes (metrics.jsonl, eval_results.json) and selects its best checkpoint by
+fractions for every task.
 """
 
 from __future__ import annotations
@@ -210,9 +215,10 @@ def _squad_questions(dataset: Sequence[Mapping]) -> Iterable[Mapping]:
 
 
 def evaluate_squad_v1(
-    dataset: Sequence[Mapping], predictions: Mapping[str, str]
+    dataset: Sequence[Mapping], predictions: Mapping[str, str], *, percent: bool = True
 ) -> dict[str, float]:
-    """evaluate-v1.1.py: {'exact_match', 'f1'} in percent, max over gold answers.
+    """evaluate-v1.1.py: {'exact_match', 'f1'} in percent (fractions when not `percent`), max over
+    gold answers.
 
     `dataset` is the JSON's "data" list. A question without a prediction scores 0 (and counts).
     """
@@ -232,26 +238,34 @@ def evaluate_squad_v1(
         )
     if total == 0:
         raise ValueError("the SQuAD dataset holds no questions")
-    return {"exact_match": 100.0 * exact / total, "f1": 100.0 * f1 / total}
+    scale = _scale(percent)
+    return {"exact_match": scale * exact / total, "f1": scale * f1 / total}
 
 
-def _make_eval_dict(exact: Mapping[str, float], f1: Mapping[str, float], qids=None) -> dict:
+def _scale(percent: bool) -> float:
+    """100 for percent (the official scripts' `100.0 * x / total`, bit for bit), else 1."""
+    return 100.0 if percent else 1.0
+
+
+def _make_eval_dict(
+    exact: Mapping[str, float], f1: Mapping[str, float], scale: float, qids=None
+) -> dict:
     if qids is None:
         total = len(exact)
         return {
-            "exact": 100.0 * sum(exact.values()) / total,
-            "f1": 100.0 * sum(f1.values()) / total,
+            "exact": scale * sum(exact.values()) / total,
+            "f1": scale * sum(f1.values()) / total,
             "total": total,
         }
     total = len(qids)
     return {
-        "exact": 100.0 * sum(exact.get(k, 0.0) for k in qids) / total,
-        "f1": 100.0 * sum(f1.get(k, 0.0) for k in qids) / total,
+        "exact": scale * sum(exact.get(k, 0.0) for k in qids) / total,
+        "f1": scale * sum(f1.get(k, 0.0) for k in qids) / total,
         "total": total,
     }
 
 
-def _find_best_thresh(preds, scores, na_probs, qid_to_has_ans) -> tuple[float, float]:
+def _find_best_thresh(preds, scores, na_probs, qid_to_has_ans, scale) -> tuple[float, float]:
     """Sweep the no-answer threshold over the sorted na_probs (official find_best_thresh)."""
     cur_score = sum(1 for k in qid_to_has_ans if not qid_to_has_ans[k])
     best_score = cur_score
@@ -267,7 +281,7 @@ def _find_best_thresh(preds, scores, na_probs, qid_to_has_ans) -> tuple[float, f
         if cur_score > best_score:
             best_score = cur_score
             best_thresh = na_probs[qid]
-    return 100.0 * best_score / len(scores), best_thresh
+    return scale * best_score / len(scores), best_thresh
 
 
 def evaluate_squad_v2(
@@ -275,8 +289,11 @@ def evaluate_squad_v2(
     predictions: Mapping[str, str],
     na_probs: Mapping[str, float] | None = None,
     na_prob_thresh: float = 1.0,
+    *,
+    percent: bool = True,
 ) -> dict[str, float]:
-    """evaluate-v2.0.py: exact/f1/total, HasAns_* and NoAns_* splits, and best_* with `na_probs`.
+    """evaluate-v2.0.py: exact/f1/total, HasAns_* and NoAns_* splits, and best_* with `na_probs`;
+    scores in percent (fractions when not `percent`; counts and thresholds are the same either way).
 
     Questions without a prediction are left out of the overall totals (as the official script does)
     and count 0 in the HasAns/NoAns splits (where the official script would crash).
@@ -309,19 +326,20 @@ def evaluate_squad_v2(
         return out
 
     exact_t, f1_t = threshold(exact_raw), threshold(f1_raw)
-    result = _make_eval_dict(exact_t, f1_t)
+    scale = _scale(percent)
+    result = _make_eval_dict(exact_t, f1_t, scale)
     has_ans = [k for k, v in qid_to_has_ans.items() if v]
     no_ans = [k for k, v in qid_to_has_ans.items() if not v]
     for prefix, qids in (("HasAns", has_ans), ("NoAns", no_ans)):
         if qids:
-            for k, v in _make_eval_dict(exact_t, f1_t, qids).items():
+            for k, v in _make_eval_dict(exact_t, f1_t, scale, qids).items():
                 result[f"{prefix}_{k}"] = v
     if given_probs:
         result["best_exact"], result["best_exact_thresh"] = _find_best_thresh(
-            predictions, exact_raw, probs, qid_to_has_ans
+            predictions, exact_raw, probs, qid_to_has_ans, scale
         )
         result["best_f1"], result["best_f1_thresh"] = _find_best_thresh(
-            predictions, f1_raw, probs, qid_to_has_ans
+            predictions, f1_raw, probs, qid_to_has_ans, scale
         )
     return result
 
@@ -375,8 +393,8 @@ def get_entities(tags: Sequence[str]) -> list[tuple[str, int, int]]:
 
 
 def _prf(correct: int, found_pred: int, found_gold: int) -> dict[str, float]:
-    precision = 100.0 * correct / found_pred if found_pred else 0.0
-    recall = 100.0 * correct / found_gold if found_gold else 0.0
+    precision = correct / found_pred if found_pred else 0.0
+    recall = correct / found_gold if found_gold else 0.0
     f1 = 2 * precision * recall / (precision + recall) if precision + recall else 0.0
     return {"precision": precision, "recall": recall, "f1": f1}
 
@@ -384,7 +402,8 @@ def _prf(correct: int, found_pred: int, found_gold: int) -> dict[str, float]:
 def ner_metrics(
     gold_sequences: Sequence[Sequence[str]], pred_sequences: Sequence[Sequence[str]]
 ) -> dict:
-    """conlleval scores in percent: overall precision/recall/f1, token accuracy and per-type scores.
+    """conlleval scores as fractions (seqeval's scale; conlleval prints them in percent): overall
+    precision/recall/f1, token accuracy and per-type scores.
 
     Each sentence is scored separately (a sentence break ends every chunk, as in conlleval); a
     predicted chunk is correct when its type, first and last token equal a gold chunk's.
@@ -411,7 +430,7 @@ def ner_metrics(
         tokens += len(gold)
         correct_tokens += sum(g == p for g, p in zip(gold, pred))
     result = _prf(sum(correct.values()), sum(found_pred.values()), sum(found_gold.values()))
-    result["accuracy"] = 100.0 * correct_tokens / tokens if tokens else 0.0
+    result["accuracy"] = correct_tokens / tokens if tokens else 0.0
     result["per_type"] = {
         kind: _prf(correct[kind], found_pred[kind], found_gold[kind])
         for kind in sorted(set(found_gold) | set(found_pred))

@@ -7,7 +7,7 @@ Data: ``config.data_dir`` holds the train / dev / test column files (``train.txt
 fit it, else built from the training tags. Every word is labelled at its first word piece (the
 BERT paper's feature-based/fine-tuning setup); the loss averages over labelled pieces of the global
 batch. Evaluation maps piece predictions back to one tag per word and scores entity-level
-precision / recall / F1 with conlleval's rules (``metrics.ner_metrics``, percent). ``finalize``
+precision / recall / F1 with conlleval's rules (``metrics.ner_metrics``, fractions). ``finalize``
 reports dev and, when the test file exists, test scores (the paper's Table 3 number is test F1).
 """
 

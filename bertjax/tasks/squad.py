@@ -5,7 +5,8 @@ v2.0 names), or TFDS ``squad/v1.1`` / ``squad/v2.0`` when ``data_dir`` is empty,
 sliding-window features exactly as the original ``run_squad.py`` (``squad_data``). Loss: mean of
 the start and end cross-entropies per feature (v2.0 impossible questions point at [CLS]).
 Evaluation runs the official post-processing (``squad_postprocess``) and the official scoring
-(``metrics.evaluate_squad_v1/v2``: percent). ``finalize`` writes
+(``metrics.evaluate_squad_v1/v2``, as fractions like every task's metrics; ``bertjax evaluate squad``
+prints the official percentages). ``finalize`` writes
 ``WORKDIR/squad/predictions.json`` and ``nbest_predictions.json``; for v2.0 also ``null_odds.json``,
 the best-threshold search (``best_f1_thresh`` ...) and ``predictions_best_thresh.json`` re-thresholded
 at ``best_f1_thresh``.
@@ -14,6 +15,7 @@ at ``best_f1_thresh``.
 from __future__ import annotations
 
 import json
+import logging
 import os
 
 import jax
@@ -24,6 +26,8 @@ from bertjax.tasks import squad_data, squad_postprocess
 from bertjax.tasks.base import register
 from bertjax.tasks.finetuning import EvalSet, FinetuneTask, subset
 from bertjax.tasks.metrics import evaluate_squad_v1, evaluate_squad_v2
+
+log = logging.getLogger("bertjax")
 
 SPAN_KEYS = ("input_ids", "input_mask", "segment_ids", "start_positions", "end_positions")
 
@@ -81,6 +85,11 @@ class SquadFinetune(FinetuneTask):
         dataset = _restrict(dataset, ids)
         inputs = {k: v for k, v in dev_feats.arrays().items() if k in SPAN_KEYS[:3]}
         self.eval_sets = [EvalSet("dev", inputs, (dev, dev_feats, dataset))]
+        log.info(
+            "task %s: %d training examples in %d features, %d dev examples in %d features (a "
+            "long context gives one feature per doc_stride window)",
+            self.name, len(train), len(feats), len(dev), len(dev_feats),
+        )  # fmt: skip
 
     def build_model(self, model_config):
         return SpanClassifier(model_config)
@@ -116,8 +125,8 @@ class SquadFinetune(FinetuneTask):
 
     def _scores(self, dataset, preds) -> dict[str, float]:
         if not self.v2:
-            return evaluate_squad_v1(dataset, preds.predictions)
-        return evaluate_squad_v2(dataset, preds.predictions, preds.null_odds)
+            return evaluate_squad_v1(dataset, preds.predictions, percent=False)
+        return evaluate_squad_v2(dataset, preds.predictions, preds.null_odds, percent=False)
 
     def score(self, eval_set, outputs):
         preds = self._postprocess(eval_set, outputs)

@@ -26,12 +26,16 @@ def corpus_lines(
     corpus_format: str = "bert",
     max_lines: int | None = None,
     text_column: str = "text",
+    text_column_setting: str = "text_column",
 ) -> Iterator[str]:
     """The sentences of a corpus, read exactly as ``prepare`` reads it (``bertjax.data.corpus``:
     globs, ``gs://``, ``tfds:``; formats bert / text / jsonl / parquet), stopping after
-    ``max_lines``."""
+    ``max_lines``; errors call the option that chose ``text_column`` ``text_column_setting``."""
     count = 0
-    for document in corpus.iter_documents(spec, corpus_format, text_column=text_column):
+    documents = corpus.iter_documents(
+        spec, corpus_format, text_column=text_column, text_column_setting=text_column_setting
+    )
+    for document in documents:
         for sentence in document:
             if max_lines is not None and count >= max_lines:
                 return
@@ -245,6 +249,7 @@ def train_vocab(
     seed: int = 0,
     corpus_format: str = "bert",
     text_column: str = "text",
+    text_column_setting: str = "text_column",
 ) -> str:
     """Trains a vocabulary on a corpus (files, globs, ``gs://``, ``tfds:``; read as ``prepare``
     reads it, in ``corpus_format``) and returns the written path.
@@ -254,6 +259,8 @@ def train_vocab(
     is dropped) for a unigram model whose pieces 0-4 are [PAD] [UNK] [CLS] [SEP] [MASK]; lower-casing
     is built into the model's normalizer when do_lower_case.
     Input is streamed; only the first max_lines non-blank lines are read when given.
+    `text_column_setting` is what errors call the option that chose `text_column` (`--text_column`,
+    `data.text_column`).
     """
     if kind not in KINDS:
         raise ValueError(f"kind={kind!r}: must be one of {', '.join(KINDS)}")
@@ -263,7 +270,7 @@ def train_vocab(
         )
     if max_lines is not None and max_lines <= 0:
         raise ValueError(f"max_lines={max_lines} must be positive")
-    lines = corpus_lines(files, corpus_format, max_lines, text_column)
+    lines = corpus_lines(files, corpus_format, max_lines, text_column, text_column_setting)
     if kind == "sentencepiece":
         prefix = output.removesuffix(".model")
         return _train_sentencepiece(lines, prefix, vocab_size, do_lower_case, seed)
@@ -308,6 +315,7 @@ def main(argv: list[str]) -> None:
         seed=args.seed,
         corpus_format=args.format,
         text_column=args.text_column,
+        text_column_setting="--text_column",
     )
     tok = load_tokenizer(path, None if args.kind == "sentencepiece" else args.lower_case)
     print(f"wrote {path} ({tok.kind}, {tok.vocab_size} tokens, do_lower_case={tok.do_lower_case})")

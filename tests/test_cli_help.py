@@ -1,0 +1,53 @@
+"""`bertjax pretrain|finetune|compile|plan --help`: what the command does, its own flags with their
+help, how to set config keys; not absl's or JAX's flags (those are `--helpfull`'s)."""
+
+import pytest
+from absl import flags
+
+from bertjax import cli
+
+OWN = {
+    "pretrain": ["config", "workdir", "dry_run", "verbose"],
+    "finetune": ["config", "workdir", "dry_run", "verbose"],
+    "compile": ["config", "workdir", "verbose", "topology", "num_slices", "phase", "json"],
+    "plan": [
+        *("config", "workdir", "verbose", "topology", "num_slices", "phase", "json"),
+        *("budget_seconds", "max_candidates", "jobs"),
+    ],
+}
+PLAN_ONLY = ("budget_seconds", "max_candidates", "jobs")
+
+
+@pytest.mark.parametrize("command", sorted(OWN))
+@pytest.mark.parametrize("asked", ["--help", "-h"])
+def test_help_lists_the_commands_own_flags(command, asked, capsys):
+    defined_before = set(flags.FLAGS)
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["bertjax", command, "--config=configs/demo.py", asked])
+    out = capsys.readouterr().out
+    assert exited.value.code == 0, out
+    workdir = "--workdir=DIR" if command in ("pretrain", "finetune") else "[--workdir=DIR]"
+    assert out.startswith(f"usage: bertjax {command} --config=FILE {workdir}"), out
+    about = cli.COMMANDS[command][1]
+    assert f"\n{about[0].upper()}{about[1:]}.\n" in out  # the one-line description
+    assert "--config.KEY=VALUE" in out and "--config.train.steps=" in out
+    lines = {line.split()[0].split("=")[0]: line for line in out.splitlines() if line[:4] == "  --"}
+    for name in OWN[command]:  # each flag, with its help text on its line
+        usage = f"--[no]{name}" if name in ("dry_run", "verbose", "json") else f"--{name}"
+        assert usage in lines and len(lines[usage].split()) >= 3, (usage, out)
+    assert "--distributed.coordinator=" in out  # multi-process runs
+    for name in {n for names in OWN.values() for n in names} - set(OWN[command]):
+        assert f"--{name}" not in out and f"--[no]{name}" not in out, name
+    for internal in ("--verbosity", "--logtostderr", "--jax_", "--flagfile", "Try --helpfull"):
+        assert internal not in out, internal
+    new_flags = set(flags.FLAGS) - defined_before  # help defines none of its flags in the process
+    assert not new_flags & {"config", "workdir", "verbose"}, new_flags
+
+
+def test_compile_refuses_the_flags_only_plan_reads():
+    fv = flags.FlagValues()
+    cli.define_command_flags("compile", fv)
+    assert not set(PLAN_ONLY) & set(fv) and "dry_run" not in fv
+    plan = flags.FlagValues()
+    cli.define_command_flags("plan", plan)
+    assert set(PLAN_ONLY) <= set(plan)
