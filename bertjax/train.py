@@ -109,7 +109,7 @@ def build(
 
     def init_boxed(rng):
         params_rng, train_rng = jax.random.split(jax.random.wrap_key_data(rng))
-        params = task.initial_params(model, params_rng, init_batch)
+        params = task.fresh_params(model, params_rng, init_batch)
         return TrainState(
             step=jnp.zeros((), jnp.int32),
             params=params,
@@ -128,7 +128,7 @@ def build(
             state = jax.jit(lambda r: nn.meta.unbox(init_boxed(r)), out_shardings=state_shardings)(
                 rng
             )
-        params = task.init_params(model, state.params)
+        params = task.start_params(model, state.params)
         if params is not state.params:
             params = jax.device_put(params, state_shardings.params)
             state = state.replace(params=params, opt_state=jax.jit(tx.init)(params))
@@ -172,7 +172,7 @@ def phase_setup(setup: Setup, phase: Phase) -> Setup:
     def shapes(m):  # under the run's mesh: the kernels are chosen for its devices (splash on TPU)
         with jax.set_mesh(setup.mesh), nn.logical_axis_rules(setup.rules):
             return jax.eval_shape(
-                lambda: setup.task.initial_params(m, jax.random.key(0), init_batch)
+                lambda: setup.task.fresh_params(m, jax.random.key(0), init_batch)
             )
 
     want, got = nn.meta.unbox(shapes(setup.model)), nn.meta.unbox(shapes(model))
@@ -274,6 +274,7 @@ def jit_train_step(setup: Setup, accum_steps: int, unroll: bool = False):
 def prepared_task(config: ml_collections.ConfigDict, workdir: str) -> Task:
     """The config's task with its data built (by process 0, the others wait) and loaded."""
     task = get_task(config.task, config, workdir)
+    task.check()  # config-only errors before any data work
     if jax.process_index() == 0:
         task.prepare()
     if jax.process_count() > 1:
