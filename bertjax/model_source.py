@@ -107,7 +107,7 @@ class ModelSource:
     def pretrained(self) -> Pretrained | None:
         """The init checkpoint, loaded at first use (None: the model comes from its preset)."""
         if self.init_checkpoint and self._pretrained is None:
-            self._pretrained = load_pretrained(self.init_checkpoint, vocab=self._vocab)
+            self._pretrained = load_pretrained(self.init_checkpoint, vocab=self._vocab, quiet=True)
         return self._pretrained
 
     # ---- the tokenizer -------------------------------------------------------------------------

@@ -197,9 +197,16 @@ def fresh_head_tensors(module: InferenceModel, heads, seed: int) -> dict[str, np
 
 
 def pretrained_from_checkpoint(
-    ckpt: Checkpoint, heads: str = "available", dtype: str = "float32", seed: int = 0
+    ckpt: Checkpoint,
+    heads: str = "available",
+    dtype: str = "float32",
+    seed: int = 0,
+    quiet: bool = False,
 ) -> Pretrained:
-    """Builds a :class:`Pretrained` from a loaded :class:`~bertjax.convert.Checkpoint`."""
+    """Builds a :class:`Pretrained` from a loaded :class:`~bertjax.convert.Checkpoint`;
+    ``quiet``: no log lines about its heads (a run that starts from it says what it takes)."""
+    say = log.debug if quiet else log.info
+    warn = log.debug if quiet else log.warning
     if heads not in ("available", "all"):
         raise ValueError(f"heads={heads!r} must be 'available' or 'all'")
     present = set(ckpt.heads)
@@ -212,7 +219,7 @@ def pretrained_from_checkpoint(
     num_labels = ckpt.num_labels
     if "classifier" in present and "pooler" not in present:
         # A classifier beside an encoder without pooler is a per-token (tagging) head.
-        log.warning(
+        warn(
             "%s: classifier without pooler (a token classifier) is not run here (fine-tuning "
             "from it starts from it)",
             ckpt.source,
@@ -221,7 +228,7 @@ def pretrained_from_checkpoint(
         tensors = {k: v for k, v in tensors.items() if not k.startswith("classifier/")}
         num_labels = 0
     if present & {"token_head", "qa"}:  # run by models.heads.TokenClassifier / SpanClassifier
-        log.warning(
+        warn(
             "%s: the token-classification / QA head is not run here (fine-tuning from it starts "
             "from it)",
             ckpt.source,
@@ -246,9 +253,9 @@ def pretrained_from_checkpoint(
     fresh = sorted(want - present)
     if fresh:
         tensors.update(fresh_head_tensors(module, fresh, seed))
-        log.info("%s: heads %s absent; initialised freshly (seed %d)", ckpt.source, fresh, seed)
+        say("%s: heads %s absent; initialised freshly (seed %d)", ckpt.source, fresh, seed)
     elif missing:
-        log.info("%s: heads %s absent (heads='all' initialises them)", ckpt.source, list(missing))
+        say("%s: heads %s absent (heads='all' initialises them)", ckpt.source, list(missing))
     params = unflatten_params(tensors)
     tokenizer = None
     if ckpt.vocab_file:
@@ -277,16 +284,17 @@ def load_pretrained(
     seed: int = 0,
     vocab: str | None = None,
     fmt: str | None = None,
+    quiet: bool = False,
 ) -> Pretrained:
     """Loads a HF, original Google or bertjax checkpoint directory as a runnable model.
 
     heads="available" keeps the heads the checkpoint has; "all" adds freshly initialised pooler,
     MLM and NSP heads (seeded by ``seed``) where absent. ``dtype`` is the compute dtype (params
     stay float32). ``vocab`` overrides the vocabulary file found beside the checkpoint and ``fmt``
-    (hf, tf, bertjax) the detected format.
+    (hf, tf, bertjax) the detected format. ``quiet``: no log lines about the heads.
     """
     ckpt = load_checkpoint(path, fmt, vocab)
-    return pretrained_from_checkpoint(ckpt, heads=heads, dtype=dtype, seed=seed)
+    return pretrained_from_checkpoint(ckpt, heads=heads, dtype=dtype, seed=seed, quiet=quiet)
 
 
 def merge_encoder(fresh: Any, source: Any, source_name: str, arch: Any) -> Any:
