@@ -35,8 +35,8 @@ _LAZY = {
     "BertConfig": "bertjax.models.bert",
     "BertModel": "bertjax.models.bert",
     "BertOutput": "bertjax.models.bert",
-    "get_preset": "bertjax.models.bert",
-    "preset_names": "bertjax.models.bert",
+    "get_preset": "bertjax.models",  # (name, architecture_name="bert", **overrides)
+    "preset_names": "bertjax.models",
     "PreTrainingModel": "bertjax.models.heads",
     "BertForPreTraining": "bertjax.models.heads",  # BERT's name for the encoder + MLM (+ NSP) heads
     "classification_loss": "bertjax.losses",

@@ -10,7 +10,6 @@ compile comes from XLA's cost model (``cost_analysis()["optimal_seconds"]``): an
 
 from __future__ import annotations
 
-import logging
 import re
 import time
 from typing import Any
@@ -19,10 +18,10 @@ import flax.linen as nn
 import jax
 import ml_collections
 import numpy as np
-import tensorflow as tf
 
 from bertjax import checkpointing, flops, sharding, topology
 from bertjax.tasks.base import Task
+from bertjax.tasks.registry import task_class
 from bertjax.train import build, jit_train_step, phase_setup, prepared_task
 
 ESTIMATE_NOTE = "est_* are XLA TPU cost-model estimates (compiled.cost_analysis), not measurements"
@@ -56,33 +55,16 @@ def with_overrides(config: ml_collections.ConfigDict, overrides: dict[str, Any])
 
 
 def shapes_only_task(config: ml_collections.ConfigDict, workdir: str | None) -> Task:
-    """The config's task for compiling: pretraining needs no corpus or prepared data (shapes come
-    from the config and the vocabulary's size); fine-tuning tasks read their data as in training
-    (from the config's paths). Nothing is read from or written to ``workdir`` (None is fine)."""
+    """The config's task for compiling: built from its config alone where it can be
+    (``Task.for_compiling``: pretraining reads no corpus or prepared data), else prepared and
+    loaded as in training (fine-tuning tasks take their shapes from their data, from the config's
+    paths). Nothing is read from or written to ``workdir`` (None is fine)."""
     workdir = workdir or ""
-    if config.task != "pretrain":
+    task = task_class(config.task).for_compiling(config, workdir)
+    if task is None:
         return prepared_task(config, workdir)
-    from bertjax.tasks.pretraining import PretrainingTask
-
-    return PretrainingTask(config, workdir, vocab_size=vocabulary_size(config))
-
-
-def vocabulary_size(config: ml_collections.ConfigDict) -> int:
-    """The size of ``data.vocab`` when it can be read here, else ``data.vocab_size``."""
-    path = config.data.get("vocab", "")
-    try:
-        if path and tf.io.gfile.exists(path):
-            from bertjax.text import load_tokenizer
-
-            return load_tokenizer(path).vocab_size
-    except (tf.errors.OpError, OSError) as err:  # e.g. gs:// without credentials
-        logging.getLogger("bertjax").warning(
-            "cannot read data.vocab %s (%s): using data.vocab_size=%d",
-            path,
-            str(err).splitlines()[0][:120],
-            config.data.vocab_size,
-        )
-    return int(config.data.vocab_size)
+    task.check()
+    return task
 
 
 def compile_train_step(

@@ -91,7 +91,7 @@ def carry_task_head(
     warning.
     """
     kind = model_kind(model)
-    encoder_name = models.architecture(model.config).ENCODER_NAME
+    encoder_name = models.architecture(model.config).encoder_name
     matches = kind is not None and kind in kinds
     out = dict(params)
     taken, fresh = [], []

@@ -88,7 +88,7 @@ def candidates(
         for fsdp in dict.fromkeys(fsdps):
             meshes.append((rest // fsdp, fsdp, tensor))
     accums = [a for a in (1, 2, 4, 8, 16, 32) if global_batch % a == 0]
-    scans = (False, True) if cfg.architecture == "bert" else (False,)  # modernbert: no scan
+    scans = (False, True) if models.architecture(cfg).can_scan else (False,)
     # splash only where it runs: sequences of 128-multiples and no attention dropout (with
     # dropout, training attention takes the explicit path whatever attention_impl says)
     kernel_ok = all(s % 128 == 0 for s in seqs) and not cfg.attention_dropout

@@ -24,11 +24,10 @@ import numpy as np
 from flax import traverse_util
 
 import bertjax.models as models
-from bertjax.convert import Checkpoint, layout, load_checkpoint, unflatten_params
+from bertjax.convert import Checkpoint, load_checkpoint, unflatten_params
 from bertjax.convert.checkpoint import head_of
 from bertjax.head_init import checkpoint_kinds
-from bertjax.layers.core import output_dense
-from bertjax.models.heads import encoder, tied_word_embeddings
+from bertjax.models.heads import InferenceModel
 from bertjax.text import load_tokenizer
 
 log = logging.getLogger("bertjax")
@@ -37,59 +36,7 @@ Array = jax.Array
 TASK_HEADS = ("classifier", "token_head", "qa")  # a fine-tuning model's heads outside the encoder
 
 
-class PretrainedEncoder(nn.Module):
-    """An encoder of any architecture plus whichever heads a checkpoint holds: ``predictions`` (MLM,
-    tied decoder), ``seq_relationship`` (NSP) and ``classifier`` (sequence classification).
-    ``pool_first_token``: the pooler reads the first unpadded token (a ModernBERT multiple-choice
-    scorer, as transformers' ``attention_mask.argmax(-1)``), not position 0."""
-
-    config: Any
-    pooler: bool = True
-    mlm: bool = False
-    nsp: bool = False
-    num_labels: int = 0
-    pool_first_token: bool = False
-
-    @nn.compact
-    def __call__(
-        self,
-        input_ids: Array,
-        token_type_ids: Array | None = None,
-        attention_mask: Array | None = None,
-        *,
-        deterministic: bool = True,
-        output_hidden_states: bool = False,
-    ) -> dict[str, Any]:
-        cfg = self.config
-        enc = encoder(cfg, add_pooler=self.pooler)
-        first = None
-        if self.pool_first_token and attention_mask is not None:
-            first = jnp.argmax(attention_mask, axis=-1).astype(jnp.int32)[:, None]  # [batch, 1]
-        out = enc(
-            input_ids,
-            token_type_ids,
-            attention_mask,
-            deterministic=deterministic,
-            output_hidden_states=output_hidden_states,
-            pool_positions=first,
-        )
-        pooled_output = out.pooled_output
-        if first is not None and pooled_output is not None:
-            pooled_output = pooled_output[:, 0]  # [batch, hidden]
-        result = {"sequence_output": out.sequence_output, "pooled_output": pooled_output}
-        if output_hidden_states:
-            result["hidden_states"] = out.hidden_states  # L + 1 of [batch, seq, hidden]
-        if self.mlm:
-            head = models.architecture(cfg).MaskedLMHead(cfg, name="predictions")
-            words = tied_word_embeddings(cfg, enc)
-            result["mlm_logits"] = head(out.sequence_output, words)  # [b, seq, vocab]
-        pooled = None if pooled_output is None else pooled_output.astype(jnp.float32)
-        if self.nsp:
-            result["nsp_logits"] = output_dense(cfg, 2, "seq_relationship")(pooled)  # [b, 2]
-        if self.num_labels:
-            classifier = output_dense(cfg, self.num_labels, "classifier")
-            result["logits"] = classifier(pooled)  # [batch, num_labels]
-        return result
+PretrainedEncoder = InferenceModel  # the name bertjax 0.2 gave it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,7 +104,7 @@ class Pretrained:
     fine-tuning head kinds they serve (``bertjax.head_init``), from ``hf_class`` or the heads.
     """
 
-    module: PretrainedEncoder
+    module: InferenceModel
     params: dict
     config: Any
     tokenizer: Any
@@ -180,15 +127,16 @@ class Pretrained:
     @property
     def encoder_params(self) -> dict:
         """The encoder's params (``bert`` subtree for BERT: what fine-tuning heads start from)."""
-        return self.params[models.architecture(self.config).ENCODER_NAME]
+        return self.params[models.architecture(self.config).encoder_name]
 
     bert_params = encoder_params  # the name bertjax 0.1 gave it
 
     def with_encoder(self, params: dict, source: str) -> dict:
         """``params`` of a model built on this architecture with the encoder subtree replaced by
         this checkpoint's (see :func:`merge_encoder`; ``source`` names it in errors)."""
-        name = models.architecture(self.config).ENCODER_NAME
-        return {**params, name: merge_encoder(params[name], self.encoder_params, source, name)}
+        arch = models.architecture(self.config)
+        name = arch.encoder_name
+        return {**params, name: merge_encoder(params[name], self.encoder_params, source, arch)}
 
     def encode_batch(
         self, texts_or_pairs: Sequence, max_length: int | None = None, pad_to_max_length=False
@@ -234,43 +182,44 @@ class Pretrained:
 
 
 @functools.lru_cache(maxsize=16)
-def _jitted_apply(module: PretrainedEncoder):
+def _jitted_apply(module: InferenceModel):
     """One jitted ``apply`` per module definition, shared by every model loaded with it."""
     return jax.jit(module.apply, static_argnames=("output_hidden_states",))
 
 
-def fresh_head_tensors(config: Any, heads, seed: int) -> dict[str, np.ndarray]:
-    """Newly initialised tensors of the given heads (flat bertjax paths), as in ``modeling``:
-    kernels truncated-normal(initializer_range), LayerNorm scales one, biases zero."""
-    entries = [e for e in layout(config, heads) if e.head in heads]
-    keys = jax.random.split(jax.random.key(seed), max(len(entries), 1))
-    kernel_init = nn.initializers.truncated_normal(stddev=config.initializer_range)
-    out = {}
-    for entry, key in zip(entries, keys):
-        if entry.path.endswith("/kernel"):
-            out[entry.path] = np.asarray(kernel_init(key, entry.shape, jnp.float32))
-        elif entry.path.endswith("/scale"):
-            out[entry.path] = np.ones(entry.shape, np.float32)
-        else:
-            out[entry.path] = np.zeros(entry.shape, np.float32)
-    return out
+def fresh_head_tensors(module: InferenceModel, heads, seed: int) -> dict[str, np.ndarray]:
+    """Newly initialised tensors (flat bertjax paths) of ``heads`` (pooler, mlm, nsp) of
+    ``module``, by the model's own initialisers (``seed``)."""
+    ids = np.zeros((1, 2), np.int32)
+    params = jax.jit(lambda key: module.init(key, ids, ids, ids)["params"])(jax.random.key(seed))
+    flat = traverse_util.flatten_dict(nn.meta.unbox(params), sep="/")
+    return {p: np.asarray(v, np.float32) for p, v in flat.items() if head_of(p) in heads}
 
 
 def pretrained_from_checkpoint(
-    ckpt: Checkpoint, heads: str = "available", dtype: str = "float32", seed: int = 0
+    ckpt: Checkpoint,
+    heads: str = "available",
+    dtype: str = "float32",
+    seed: int = 0,
+    quiet: bool = False,
 ) -> Pretrained:
-    """Builds a :class:`Pretrained` from a loaded :class:`~bertjax.convert.Checkpoint`."""
+    """Builds a :class:`Pretrained` from a loaded :class:`~bertjax.convert.Checkpoint`;
+    ``quiet``: no log lines about its heads (a run that starts from it says what it takes)."""
+    say = log.debug if quiet else log.info
+    warn = log.debug if quiet else log.warning
     if heads not in ("available", "all"):
         raise ValueError(f"heads={heads!r} must be 'available' or 'all'")
     present = set(ckpt.heads)
-    missing = tuple(h for h in ("pooler", "mlm", "nsp") if h not in present)
+    arch = models.architecture(ckpt.config)
+    own = ("pooler", "mlm", "nsp") if arch.nsp else ("pooler", "mlm")  # heads it can run
+    missing = tuple(h for h in own if h not in present)
     tensors = {k: np.asarray(v, np.float32) for k, v in ckpt.tensors.items()}
     task_tensors = {k: v for k, v in tensors.items() if head_of(k) in TASK_HEADS}
     task_kinds = checkpoint_kinds(ckpt.heads, ckpt.hf_class, ckpt.num_labels)
     num_labels = ckpt.num_labels
     if "classifier" in present and "pooler" not in present:
         # A classifier beside an encoder without pooler is a per-token (tagging) head.
-        log.warning(
+        warn(
             "%s: classifier without pooler (a token classifier) is not run here (fine-tuning "
             "from it starts from it)",
             ckpt.source,
@@ -279,7 +228,7 @@ def pretrained_from_checkpoint(
         tensors = {k: v for k, v in tensors.items() if not k.startswith("classifier/")}
         num_labels = 0
     if present & {"token_head", "qa"}:  # run by models.heads.TokenClassifier / SpanClassifier
-        log.warning(
+        warn(
             "%s: the token-classification / QA head is not run here (fine-tuning from it starts "
             "from it)",
             ckpt.source,
@@ -288,12 +237,12 @@ def pretrained_from_checkpoint(
         tensors = {k: v for k, v in tensors.items() if not k.startswith(("head/", "qa_outputs/"))}
     want = set(present)
     if heads == "all":
-        want |= {"pooler", "mlm", "nsp"}
+        want |= set(own)
     if "nsp" in want:
         want.add("pooler")  # NSP reads the pooled output
     config = ckpt.config.replace(dtype=dtype, param_dtype="float32", scan_layers=False)
-    choice_pools_first = models.architecture(config).CHOICE_POOLS_FIRST_TOKEN
-    module = PretrainedEncoder(
+    choice_pools_first = arch.choice_pools_first_token
+    module = InferenceModel(
         config,
         pooler="pooler" in want,
         mlm="mlm" in want,
@@ -303,10 +252,10 @@ def pretrained_from_checkpoint(
     )
     fresh = sorted(want - present)
     if fresh:
-        tensors.update(fresh_head_tensors(config, fresh, seed))
-        log.info("%s: heads %s absent; initialised freshly (seed %d)", ckpt.source, fresh, seed)
+        tensors.update(fresh_head_tensors(module, fresh, seed))
+        say("%s: heads %s absent; initialised freshly (seed %d)", ckpt.source, fresh, seed)
     elif missing:
-        log.info("%s: heads %s absent (heads='all' initialises them)", ckpt.source, list(missing))
+        say("%s: heads %s absent (heads='all' initialises them)", ckpt.source, list(missing))
     params = unflatten_params(tensors)
     tokenizer = None
     if ckpt.vocab_file:
@@ -335,71 +284,38 @@ def load_pretrained(
     seed: int = 0,
     vocab: str | None = None,
     fmt: str | None = None,
+    quiet: bool = False,
 ) -> Pretrained:
     """Loads a HF, original Google or bertjax checkpoint directory as a runnable model.
 
     heads="available" keeps the heads the checkpoint has; "all" adds freshly initialised pooler,
     MLM and NSP heads (seeded by ``seed``) where absent. ``dtype`` is the compute dtype (params
     stay float32). ``vocab`` overrides the vocabulary file found beside the checkpoint and ``fmt``
-    (hf, tf, bertjax) the detected format.
+    (hf, tf, bertjax) the detected format. ``quiet``: no log lines about the heads.
     """
     ckpt = load_checkpoint(path, fmt, vocab)
-    return pretrained_from_checkpoint(ckpt, heads=heads, dtype=dtype, seed=seed)
+    return pretrained_from_checkpoint(ckpt, heads=heads, dtype=dtype, seed=seed, quiet=quiet)
 
 
-# config.model keys that may change a checkpoint's model config (numerics, not architecture).
-NUMERIC_MODEL_KEYS = (
-    "dtype",
-    "hidden_dropout",
-    "attention_dropout",
-    "dropout_impl",
-    "attention_impl",
-    "remat",
-    "scan_layers",
-)
+def merge_encoder(fresh: Any, source: Any, source_name: str, arch: Any) -> Any:
+    """The fresh encoder param tree (subtree ``arch.encoder_name`` of a model of architecture
+    ``arch``) with every tensor taken from ``source`` (the same subtree of a checkpoint, layers
+    unrolled), stacked onto a leading axis where ``fresh`` scans its layers
+    (``arch.scanned_layers``).
 
-
-def init_model_config(ckpt_config: Any, model: Any, source: str) -> Any:
-    """The model config of a run that starts from a checkpoint: the checkpoint's architecture with
-    the experiment's ``config.model`` numerics (NUMERIC_MODEL_KEYS); other keys set to a different
-    value are ignored with a warning naming them."""
-    if model.get("architecture") not in (None, ckpt_config.architecture):
-        raise ValueError(
-            f"config key model.architecture={model.architecture!r} but the init checkpoint "
-            f"{source} is {ckpt_config.architecture!r}"
-        )
-    values = {**model.to_dict(), "architecture": ckpt_config.architecture}
-    _, overrides = models.model_overrides(values, ckpt_config.vocab_size)
-    fixed = sorted(
-        k
-        for k, v in overrides.items()
-        if k not in NUMERIC_MODEL_KEYS and v != getattr(ckpt_config, k)
-    )
-    if fixed:  # the checkpoint defines the architecture; only numerics may change
-        log.warning(
-            "init checkpoint %s defines the architecture: config keys %s ignored",
-            source,
-            ", ".join(f"model.{k}" for k in fixed),
-        )
-    return ckpt_config.replace(**{k: v for k, v in overrides.items() if k in NUMERIC_MODEL_KEYS})
-
-
-def merge_encoder(fresh: Any, source: Any, source_name: str, encoder_name: str) -> Any:
-    """The fresh encoder param tree (subtree ``encoder_name``) with every tensor taken from
-    ``source`` (the same subtree of a checkpoint, with unrolled ``layer_{i}``), stacked onto a
-    leading axis where ``fresh`` scans its layers.
-
-    A pooler absent from ``source`` stays fresh; any other absent tensor or a shape mismatch is a
+    A pooler absent from ``source`` stays fresh (the callers' log says so); any other absent tensor or a shape mismatch is a
     ValueError naming the parameter.
     """
     src = {"/".join(k): v for k, v in traverse_util.flatten_dict(source).items()}
+    encoder_name = arch.encoder_name
+    stacked, unrolled = arch.scanned_layers or ("", "")
+    prefix = tuple(stacked.split("/")) if stacked else None
     out = {}
-    kept_fresh = []
     for path, leaf in traverse_util.flatten_dict(fresh).items():
         name = "/".join(path)
-        if path[:2] == ("encoder", "layers"):  # scanned: [layers, ...]
-            rest = "/".join(path[2:])
-            names = [f"encoder/layer_{i}/{rest}" for i in range(leaf.shape[0])]
+        if prefix and path[: len(prefix)] == prefix:  # scanned: [layers, ...]
+            rest = "/".join(path[len(prefix) :])
+            names = [f"{unrolled.format(i=i)}/{rest}" for i in range(leaf.shape[0])]
             if all(n in src for n in names):
                 value = np.stack([np.asarray(src[n]) for n in names])
             else:
@@ -408,7 +324,6 @@ def merge_encoder(fresh: Any, source: Any, source_name: str, encoder_name: str) 
             value = src.get(name)
         if value is None:
             if path[0] == "pooler":
-                kept_fresh.append(name)
                 out[path] = leaf
                 continue
             raise ValueError(
@@ -422,6 +337,4 @@ def merge_encoder(fresh: Any, source: Any, source_name: str, encoder_name: str) 
                 f"wants {tuple(leaf.shape)}"
             )
         out[path] = value.astype(leaf.dtype)
-    if kept_fresh:
-        log.info("init checkpoint %s has no pooler: it stays freshly initialised", source_name)
     return traverse_util.unflatten_dict(out)

@@ -20,13 +20,10 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
-from jax.experimental import multihost_utils
 
 from bertjax import atomic, checkpointing, flops, fs, sharding
 from bertjax.metrics_logging import Eta, MetricsWriter, Throughput
 from bertjax.preemption import PreemptionRequested, StopFlag
-from bertjax.tasks.base import Task
-from bertjax.tasks.registry import get_task
 from bertjax.train_step import (
     Setup,
     TrainState,
@@ -35,6 +32,7 @@ from bertjax.train_step import (
     jit_train_step,
     make_train_step,
     phase_setup,
+    prepared_task,
 )
 from bertjax.workdir_lock import WorkdirLock
 
@@ -51,17 +49,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("bertjax")
-
-
-def prepared_task(config: ml_collections.ConfigDict, workdir: str) -> Task:
-    """The config's task with its data built (by process 0, the others wait) and loaded."""
-    task = get_task(config.task, config, workdir)
-    if jax.process_index() == 0:
-        task.prepare()
-    if jax.process_count() > 1:
-        multihost_utils.sync_global_devices("bertjax: data prepared")
-    task.after_prepare()
-    return task
 
 
 def _host_metrics(sums: dict, count: int) -> dict[str, float]:

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import optax
+from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
 from bertjax import microbatch, sharding
@@ -58,6 +59,18 @@ class Setup:
     eval_fn: Callable  # jitted task.eval_outputs(params, batch); shared by evaluation and finalize
 
 
+def prepared_task(config: ml_collections.ConfigDict, workdir: str) -> Task:
+    """The config's task with its data built (by process 0, the others wait) and loaded."""
+    task = get_task(config.task, config, workdir)
+    task.check()  # config-only errors before any data work
+    if jax.process_index() == 0:
+        task.prepare()
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices("bertjax: data prepared")
+    task.after_prepare()
+    return task
+
+
 def build(
     config: ml_collections.ConfigDict,
     workdir: str,
@@ -70,7 +83,7 @@ def build(
     compile-only devices of a simulated TPU slice for ahead-of-time compilation.
     """
     check_batch_size("train.global_batch_size", config.train.global_batch_size)
-    task = task or get_task(config.task, config, workdir)
+    task = task or prepared_task(config, workdir)
     num = config.mesh.get("num_devices", 0)
     if devices is None and num:
         devices = jax.devices()[:num]
@@ -101,7 +114,7 @@ def build(
 
     def init_boxed(rng):
         params_rng, train_rng = jax.random.split(jax.random.wrap_key_data(rng))
-        params = task.initial_params(model, params_rng, init_batch)
+        params = task.fresh_params(model, params_rng, init_batch)
         return TrainState(
             step=jnp.zeros((), jnp.int32),
             params=params,
@@ -120,7 +133,7 @@ def build(
             state = jax.jit(lambda r: nn.meta.unbox(init_boxed(r)), out_shardings=state_shardings)(
                 rng
             )
-        params = task.init_params(model, state.params)
+        params = task.start_params(model, state.params)
         if params is not state.params:
             params = jax.device_put(params, state_shardings.params)
             state = state.replace(params=params, opt_state=jax.jit(tx.init)(params))
@@ -164,7 +177,7 @@ def phase_setup(setup: Setup, phase: Phase) -> Setup:
     def shapes(m):  # under the run's mesh: the kernels are chosen for its devices (splash on TPU)
         with jax.set_mesh(setup.mesh), nn.logical_axis_rules(setup.rules):
             return jax.eval_shape(
-                lambda: setup.task.initial_params(m, jax.random.key(0), init_batch)
+                lambda: setup.task.fresh_params(m, jax.random.key(0), init_batch)
             )
 
     want, got = nn.meta.unbox(shapes(setup.model)), nn.meta.unbox(shapes(model))

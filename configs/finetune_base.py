@@ -15,13 +15,17 @@ def get_config() -> ml_collections.ConfigDict:
     c = base.get_config()
     c.task = "glue/sst2"
     c.init_checkpoint = ""  # HF / Google / bertjax checkpoint dir; empty: random init (tests)
-    c.vocab = ""  # vocab.txt / .model; empty: the init checkpoint's vocabulary
-    c.do_lower_case = ml_collections.config_dict.placeholder(bool)  # unset: the checkpoint's
+    # The vocabulary and its casing are data.vocab / data.do_lower_case, as in pretraining; the
+    # top-level vocab / do_lower_case are the same settings under the names bertjax 0.2 gave them.
+    c.vocab = ""
+    c.do_lower_case = ml_collections.config_dict.placeholder(bool)
     c.data_dir = ""  # folder in the official layout; empty: TFDS by name (GLUE)
     c.seeds = ()  # empty: train.seed; several (--config.seeds="(1,2,3)"): one run per seed
 
     # The pretraining data keys of base do not apply; fine-tuning data options replace them.
     c.data = ml_collections.ConfigDict()
+    c.data.vocab = ""  # vocab.txt / .model / tokenizer.json; empty: the init checkpoint's
+    c.data.do_lower_case = ml_collections.config_dict.placeholder(bool)  # unset: the checkpoint's
     c.data.max_seq_length = 128
     c.data.max_train_examples = 0  # > 0: a seeded random subset of the training split
     c.data.max_eval_examples = 0  # > 0: the first N dev examples (quick checks only)

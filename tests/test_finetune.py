@@ -277,6 +277,7 @@ def test_squad_scoring_of_a_perfect_model_is_1(files, tmp_path, version, caplog)
         f"task squad/v{version}: {len(examples)} training examples in {train_feats} features, "
         f"{len(examples)} dev examples in {len(feats)} features"
     ) in caplog.text
+    assert f": {train_feats} training features," in caplog.text  # the trainer's line too
     one_hot = lambda pos: np.eye(24, dtype=np.float32)[pos] * 10.0  # [features, seq]
     # Features whose window misses the answer point at [CLS] (as in training); v1.1 ignores them.
     run = _oracle(
@@ -400,7 +401,7 @@ def test_init_checkpoint_replaces_the_encoder(files, tmp_path, scan):
     np.testing.assert_allclose(ours.sequence_output, ref.sequence_output, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(ours.pooled_output, ref.pooled_output, rtol=1e-5, atol=1e-5)
     # Without the checkpoint the same seed gives a different (random) encoder; the head is fresh.
-    task.pretrained = None
+    task.source = None  # no init checkpoint: start_params keeps the fresh params
     rand = setup.init_state(jax.random.key_data(jax.random.key(0)))
     other = encoder({"params": rand.params["bert"]}, **inputs)
     assert not np.allclose(other.sequence_output, ref.sequence_output, atol=1e-3)
@@ -621,7 +622,7 @@ def test_modernbert_init_checkpoint_from_transformers_fine_tunes(files, tmp_path
     assert setup.model.config.architecture == "modernbert"
     assert setup.model.config.num_layers == 3  # from the checkpoint, not config.model
     state = setup.init_state(jax.random.key_data(jax.random.key(0)))
-    want = task.pretrained.encoder_params
+    want = task.source.pretrained.encoder_params
     got = state.params["model"]
     for (path, a), (_, b) in zip(
         jax.tree_util.tree_leaves_with_path(want), jax.tree_util.tree_leaves_with_path(got)

@@ -51,7 +51,7 @@ MAX_DIFFS: dict[str, float] = {}
 def _registered():
     """The architecture registry knows ``modernbert`` (the lead adds it to bertjax.models)."""
     with pytest.MonkeyPatch.context() as mp:
-        mp.setitem(bertjax.models.ARCHITECTURES, "modernbert", modernbert)
+        mp.setitem(bertjax.models.ARCHITECTURES, "modernbert", modernbert.ARCHITECTURE)
         yield
     if MAX_DIFFS:
         print("\nmax abs differences:", {k: f"{v:.2e}" for k, v in MAX_DIFFS.items()})
@@ -177,7 +177,7 @@ def test_encoder_and_mlm_match_transformers(variant):
     real = mask.astype(bool)
     params = _unflatten(flat)
 
-    encoder = modernbert.Encoder(cfg, add_pooler=False)
+    encoder = modernbert.ModernBertModel(cfg, add_pooler=False)
     out = jax.jit(
         lambda p, i, m: encoder.apply({"params": p}, i, None, m, output_hidden_states=True)
     )(params["model"], ids, mask)
@@ -351,8 +351,8 @@ def test_num_params_is_the_real_count(biases):
     cfg = _small(**flags, decoder_bias=not biases)
     ids = jnp.ones((1, 4), jnp.int32)
     assert _count(_shapes(PreTrainingModel(cfg, nsp=False), ids)) == cfg.num_params()
-    assert _count(_shapes(modernbert.Encoder(cfg, add_pooler=False), ids)) == cfg.num_params(False)
-    with_pooler = _count(_shapes(modernbert.Encoder(cfg), ids))
+    assert _count(_shapes(modernbert.ModernBertModel(cfg, add_pooler=False), ids)) == cfg.num_params(False)
+    with_pooler = _count(_shapes(modernbert.ModernBertModel(cfg), ids))
     assert with_pooler == cfg.num_params(False, include_pooler=True)
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
@@ -420,7 +420,7 @@ def test_config_presets_and_validation():
         128,
         50368,
     )
-    assert base.head_dim == 64 and modernbert.Config is modernbert.ModernBertConfig
+    assert base.head_dim == 64 and modernbert.ARCHITECTURE.config_class is modernbert.ModernBertConfig
     assert base.to_dict()["architecture"] == "modernbert"
     assert modernbert.ModernBertConfig.from_dict(base.to_dict()) == base
     assert bertjax.models.config_from_dict(large.to_dict()) == large
@@ -550,10 +550,10 @@ def test_splash_sliding_window_in_interpreter(monkeypatch):
     cfg = _small(num_layers=2, hidden_size=64, num_heads=2, intermediate_size=48, vocab_size=50)
     cfg = cfg.replace(max_position_embeddings=128)
     ids, mask = _batch(cfg.vocab_size, lengths=(128, 77))
-    enc = modernbert.Encoder(cfg, add_pooler=False)
+    enc = modernbert.ModernBertModel(cfg, add_pooler=False)
     params = jax.jit(enc.init)(jax.random.key(0), ids, None, mask)["params"]
     outs = [
-        jax.jit(modernbert.Encoder(c, add_pooler=False).apply)({"params": params}, ids, None, mask)
+        jax.jit(modernbert.ModernBertModel(c, add_pooler=False).apply)({"params": params}, ids, None, mask)
         for c in (cfg, cfg.replace(attention_impl="splash"))
     ]
     real = mask > 0
@@ -576,7 +576,7 @@ def test_dot_product_and_remat_equal_xla_on_the_model():
         ("remat", cfg.replace(remat="full")),
         ("bfloat16", cfg.replace(dtype="bfloat16")),
     ):
-        enc = modernbert.Encoder(variant_cfg, add_pooler=False)
+        enc = modernbert.ModernBertModel(variant_cfg, add_pooler=False)
         run = jax.jit(lambda p, i, m, e=enc: e.apply({"params": p}, i, None, m).sequence_output)
         outputs[name] = np.asarray(run(params, ref["ids"], ref["mask"]))
     _close("dot_product vs xla", outputs["dot_product"][real], outputs["xla"][real], tol=1e-5)
@@ -600,7 +600,7 @@ def test_packed_rows_equal_separate_sequences(variant):
     pack = np.array([[1] * 13 + [2] * 9 + [0, 0]], np.int32)
     positions = np.array([list(range(13)) + list(range(9)) + [0, 0]], np.int32)
     starts = np.array([[0, 13]], np.int32)
-    enc = modernbert.Encoder(cfg)
+    enc = modernbert.ModernBertModel(cfg)
     packed = enc.apply(
         {"params": params["model"]},
         row,

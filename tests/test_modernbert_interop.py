@@ -93,7 +93,7 @@ def test_continued_pretraining_starts_from_the_checkpoint(tmp_path, tied):
     assert setup.model.config.num_layers == 3
     assert np.isfinite(first["mlm_loss"]) and first["step"] == 0
     state = setup.init_state(jax.random.key_data(jax.random.key(0)))
-    want = task.pretrained.params
+    want = task.source.pretrained.params
     assert ("decoder" in state.params["predictions"]) == (not tied)
     for head in ("model", "predictions"):  # the encoder and the MLM head come from the checkpoint
         for a, b in zip(jax.tree.leaves(want[head]), jax.tree.leaves(state.params[head])):

@@ -86,7 +86,7 @@ def _tasks(files, tmp_path, make, data_dir, **overrides):
     plain, packed = tasks
     model = plain.build_model(plain.model_config())
     batch = plain.init_batch(plain.phases()[0], 1)
-    params = nn.meta.unbox(plain.initial_params(model, jax.random.key(1), batch))
+    params = nn.meta.unbox(plain.fresh_params(model, jax.random.key(1), batch))
     return plain, packed, model, params
 
 

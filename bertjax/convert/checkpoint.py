@@ -184,7 +184,7 @@ def check_vocab(ckpt: Checkpoint) -> None:
         return
     size = load_tokenizer(ckpt.vocab_file, ckpt.do_lower_case).vocab_size
     arch = models.architecture(ckpt.config)
-    table = "/".join((arch.ENCODER_NAME, *arch.WORD_EMBEDDINGS))
+    table = "/".join((arch.encoder_name, *arch.word_embeddings))
     shape = ckpt.tensors[table].shape
     if size != shape[0]:
         raise ValueError(

@@ -25,7 +25,7 @@ def param_layout(config, num_labels: int = 0) -> list[Entry]:
     flat = traverse_util.flatten_dict(nn.meta.unbox(shapes["params"]), sep="/")
     entries = [Entry(p, p, tuple(a.shape), "copy", head_of(p)) for p, a in flat.items()]
     h = config.hidden_size
-    token_head = models.architecture(config).TokenHead  # token classification / QA transform
+    token_head = models.architecture(config).token_head  # token classification / QA transform
     if token_head is not None:
         x = np.zeros((1, h), np.float32)
         shapes = jax.eval_shape(lambda: token_head(config).init(jax.random.key(0), x))

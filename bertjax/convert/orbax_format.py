@@ -30,7 +30,7 @@ def _model_config(values: dict, flat: dict, source: str):
         raise ValueError(f"{source}: checkpoint config has neither 'model_config' nor 'model'")
     model = ml_collections.ConfigDict(values["model"])
     arch = models.architecture(model.get("architecture") or models.DEFAULT)
-    table = "/".join((arch.ENCODER_NAME, *arch.WORD_EMBEDDINGS))
+    table = "/".join((arch.encoder_name, *arch.word_embeddings))
     if table not in flat:
         raise ValueError(f"{source}: no {table} in the params")
     return models.model_config_from(model, int(flat[table].shape[0]))

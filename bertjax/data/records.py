@@ -72,12 +72,6 @@ def float_feature(values: Sequence[float]) -> bytes:
     return _field(b"\x12", _field(b"\x0a", struct.pack(f"<{len(values)}f", *values)))
 
 
-def packed_feature(packed: bytes, kind: str = "int64") -> bytes:
-    """Serialized Feature from its packed payload: int64 varints, or ("float") float32 bytes."""
-    tag = b"\x1a" if kind == "int64" else b"\x12"
-    return _field(tag, _field(b"\x0a", packed)) if packed else tag + b"\x00"
-
-
 def example_bytes(features: Mapping[str, bytes]) -> bytes:
     """Serialized `tf.train.Example` of {name: serialized Feature}, keys sorted (deterministic)."""
     entries = []

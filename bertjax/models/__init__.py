@@ -1,45 +1,33 @@
-"""The architecture registry: ``model.architecture`` names one module of this package.
+"""The architecture registry: ``model.architecture`` names one entry of ``ARCHITECTURES``.
 
-Each architecture module (``bert``, ...) holds everything the rest of bertjax needs to know about
-its encoder, under the same names:
-
-* ``Config`` - a frozen dataclass with ``architecture`` (class attribute), the fields every config
-  shares (``vocab_size``, ``hidden_size``, ``num_layers``, ``num_heads``, ``intermediate_size``,
-  ``hidden_act``, ``hidden_dropout``, ``attention_dropout``, ``dropout_impl``,
-  ``max_position_embeddings``, ``initializer_range``, ``dtype``, ``param_dtype``,
-  ``attention_impl``, ``remat``, ``scan_layers``), ``replace``, ``to_dict``/``from_dict`` and
-  ``num_params``; ``get_preset(name, **overrides)`` and ``preset_names()``;
-* ``Encoder(config, add_pooler)`` - the Flax encoder, called as ``(input_ids, token_type_ids,
-  attention_mask, *, deterministic, output_hidden_states, position_ids, pack_ids, pool_positions)``
-  and returning ``bertjax.layers.core.EncoderOutput``;
-* ``MaskedLMHead(config)`` - ``(hidden [..., H], word_embeddings [V, H]) -> logits [..., V]``;
-* ``ENCODER_NAME`` (the encoder's params subtree) and ``WORD_EMBEDDINGS`` (the path of the table
-  tied to the MLM decoder inside it);
-* ``POOLER_IN_PRETRAINING`` (the pooler is trained by pretraining: NSP) and
-  ``CHOICE_POOLS_FIRST_TOKEN`` (multiple choice pools the first unpadded token, not position 0);
-* ``forward_flops_per_sequence(config, seq_len, num_masked)``.
-
-Task heads (``bertjax.models.heads``), the trainer, ``convert``, ``load_pretrained`` and the
-benchmarks reach an architecture only through :func:`architecture` / :func:`config_from_dict`.
+Each architecture module (``bert``, ``modernbert``) ends with ``ARCHITECTURE =
+Architecture(...)`` (``bertjax.models.contract``): its config and presets, encoder, heads,
+parameter and FLOP counts, whether it scans, its pretraining heads. Adding an architecture is one
+module here plus one line in ``ARCHITECTURES``; ``tests/test_layout.py`` checks the contract of every
+entry. Task heads (``bertjax.models.heads``), the trainer, ``plan``, ``compile``, ``convert``,
+``load_pretrained`` and the benchmarks reach an architecture only through :func:`architecture` /
+:func:`config_from_dict`, and never compare its name.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from types import ModuleType
 from typing import Any
 
 from bertjax.models import bert, modernbert
+from bertjax.models.contract import Architecture
 
-ARCHITECTURES: dict[str, ModuleType] = {
-    "bert": bert,
-    "modernbert": modernbert,
+ARCHITECTURES: dict[str, Architecture] = {
+    arch.name: arch
+    for arch in (
+        bert.ARCHITECTURE,
+        modernbert.ARCHITECTURE,
+    )
 }
-DEFAULT = "bert"
+DEFAULT = bert.ARCHITECTURE.name  # a config or checkpoint without ``architecture``
 
 
-def architecture(name_or_config: Any) -> ModuleType:
-    """The architecture module for a name or a model config; unknown names list the known ones."""
+def architecture(name_or_config: Any) -> Architecture:
+    """The architecture of a name or a model config; unknown names list the known ones."""
     name = getattr(name_or_config, "architecture", name_or_config) or DEFAULT
     if name not in ARCHITECTURES:
         raise ValueError(
@@ -54,17 +42,19 @@ def get_preset(name: str, architecture_name: str = DEFAULT, **overrides: Any):
     return architecture(architecture_name).get_preset(name, **overrides)
 
 
+def preset_names(architecture_name: str = DEFAULT) -> list[str]:
+    """The preset names of an architecture (default BERT's)."""
+    return list(architecture(architecture_name).preset_names())
+
+
 def config_from_dict(values: dict[str, Any]):
     """A model config from its ``to_dict()`` form (``architecture`` key; absent = BERT)."""
-    return architecture(values.get("architecture", DEFAULT)).Config.from_dict(values)
+    return architecture(values.get("architecture", DEFAULT)).config_class.from_dict(values)
 
 
 def config_fields(architecture_name: str) -> tuple[str, ...]:
     """Every field of an architecture's model config (what ``config.model`` may override)."""
-    return tuple(f.name for f in dataclasses.fields(architecture(architecture_name).Config))
-
-
-_FIELD_TYPES = {"int": int, "float": float, "str": str, "bool": bool}
+    return architecture(architecture_name).config_fields()
 
 
 def experiment_keys() -> dict[str, type]:
@@ -72,12 +62,12 @@ def experiment_keys() -> dict[str, type]:
     experiment config defines (as typed placeholders, so ``--config.model.X=`` works for all)."""
     keys: dict[str, type] = {}
     for arch in ARCHITECTURES.values():
-        for field in dataclasses.fields(arch.Config):
-            keys.setdefault(field.name, _FIELD_TYPES[str(field.type).split(" ")[0]])
+        for name, kind in arch.field_types().items():
+            keys.setdefault(name, kind)
     return keys
 
 
-def model_overrides(model: Any, vocab_size: int) -> tuple[ModuleType, dict[str, Any]]:
+def model_overrides(model: Any, vocab_size: int) -> tuple[Architecture, dict[str, Any]]:
     """The architecture an experiment's ``config.model`` names (``architecture``, default bert)
     and the fields it sets (unset/None keys are left to the preset).
 
@@ -85,7 +75,7 @@ def model_overrides(model: Any, vocab_size: int) -> tuple[ModuleType, dict[str, 
     so is a field that the architecture does not have (one line naming the key).
     """
     arch = architecture(model.get("architecture") or DEFAULT)
-    fields = set(config_fields(arch.Config.architecture))
+    fields = set(arch.config_fields())
     overrides = {}
     for key, value in model.items():
         if key in ("architecture", "preset") or value is None:
@@ -93,7 +83,7 @@ def model_overrides(model: Any, vocab_size: int) -> tuple[ModuleType, dict[str, 
         if key not in fields:
             raise ValueError(
                 f"config key model.{key}={value!r} does not apply to architecture "
-                f"{arch.Config.architecture!r}"
+                f"{arch.name!r}"
             )
         if key == "vocab_size":
             if value != vocab_size:

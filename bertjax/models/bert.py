@@ -54,17 +54,9 @@ from bertjax.layers.core import (
 )
 from bertjax.layers.dropout import Dropout
 from bertjax.layers.splash_attention import segment_ids_from_mask
+from bertjax.models.contract import Architecture
 
 Array = jax.Array
-
-ENCODER_NAME = "bert"  # the encoder's subtree in every model's params
-# Where the word-embedding table (tied to the MLM decoder) sits in the encoder's params.
-WORD_EMBEDDINGS = ("embeddings", "word_embeddings", "embedding")
-# The pooler exists in pretraining even without NSP (checkpoints of MLM-only runs carry it).
-POOLER_IN_PRETRAINING = True
-# Multiple choice pools position 0 ([CLS]), as BertForMultipleChoice.
-CHOICE_POOLS_FIRST_TOKEN = False
-TokenHead = None  # no transform between the encoder and the token/span classifiers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -428,5 +420,21 @@ def forward_flops_per_sequence(cfg: BertConfig, seq_len: int, num_masked: int) -
     return float(encoder + heads + mlm)
 
 
-Config = BertConfig
-Encoder = BertModel
+
+ARCHITECTURE = Architecture(
+    name="bert",
+    config_class=BertConfig,
+    get_preset=get_preset,
+    preset_names=preset_names,
+    encoder=BertModel,
+    masked_lm_head=MaskedLMHead,
+    token_head=None,
+    encoder_name="bert",  # the encoder's subtree in every model's params
+    word_embeddings=("embeddings", "word_embeddings", "embedding"),  # tied to the MLM decoder
+    pretraining_heads=("mlm", "nsp"),
+    pooler_in_pretraining=True,  # MLM-only runs carry the pooler too
+    choice_pools_first_token=False,  # position 0 ([CLS]), as BertForMultipleChoice
+    forward_flops_per_sequence=forward_flops_per_sequence,
+    hf_reference="BertForPreTraining",
+    scanned_layers=("encoder/layers", "encoder/layer_{i}"),
+)

@@ -38,23 +38,50 @@ Array = jax.Array
 def encoder(config: Any, add_pooler: bool = True) -> nn.Module:
     """The config's architecture's encoder, named as its checkpoints expect."""
     arch = architecture(config)
-    return arch.Encoder(config, add_pooler=add_pooler, name=arch.ENCODER_NAME)
+    return arch.encoder(config, add_pooler=add_pooler, name=arch.encoder_name)
 
 
 def token_head(config: Any, x: Array) -> Array:
     """The architecture's per-token transform before the token and span classifiers (its
     ``TokenHead``, named ``head``: ModernBERT's dense + act + norm, as HF's ``head``), or ``x``
     unchanged (BERT). Call inside a compact module."""
-    head = architecture(config).TokenHead
+    head = architecture(config).token_head
     return x if head is None else head(config, name="head")(x)
 
 
 def tied_word_embeddings(config: Any, encoder_module: nn.Module) -> Array:
     """The encoder's word-embedding table [vocab, hidden] (the MLM decoder's tied weights)."""
     table = encoder_module.variables["params"]
-    for key in architecture(config).WORD_EMBEDDINGS:
+    for key in architecture(config).word_embeddings:
         table = table[key]
     return nn.meta.unbox(table)
+
+
+def mlm_logits(config: Any, encoder_module: nn.Module, hidden: Array) -> Array:
+    """The masked-LM head (``predictions``: the architecture's transform, decoder tied to the
+    encoder's word embeddings): [..., hidden] -> [..., vocab]. Call inside a compact module."""
+    head = architecture(config).masked_lm_head(config, name="predictions")
+    return head(hidden, tied_word_embeddings(config, encoder_module))
+
+
+def nsp_logits(config: Any, pooled: Array) -> Array:
+    """The next-sentence head (``seq_relationship``, float32): [..., hidden] -> [..., 2]."""
+    return output_dense(config, 2, "seq_relationship")(pooled.astype(jnp.float32))
+
+
+def classifier_logits(config: Any, pooled: Array, num_labels: int, deterministic: bool) -> Array:
+    """Dropout (``hidden_dropout``) then the ``classifier`` Dense in float32: [..., hidden] ->
+    [..., num_labels]. Call inside a compact module."""
+    pooled = Dropout(config.hidden_dropout, config.dropout_impl)(
+        pooled.astype(jnp.float32), deterministic=deterministic
+    )
+    return output_dense(config, num_labels, "classifier")(pooled)
+
+
+def first_token_positions(attention_mask: Array) -> Array:
+    """[batch, 1] the first unpadded token of each row (left padding), as transformers'
+    ``attention_mask.argmax(-1)``: where an architecture with ``choice_pools_first_token`` pools."""
+    return jnp.argmax(attention_mask, axis=-1).astype(jnp.int32)[:, None]
 
 
 class PreTrainingModel(nn.Module):
@@ -83,7 +110,7 @@ class PreTrainingModel(nn.Module):
         (see the encoder); positions are then row-global.
         """
         cfg = self.config
-        enc = encoder(cfg, add_pooler=self.nsp or architecture(cfg).POOLER_IN_PRETRAINING)
+        enc = encoder(cfg, add_pooler=self.nsp or architecture(cfg).pooler_in_pretraining)
         out = enc(
             input_ids,
             token_type_ids,
@@ -95,16 +122,13 @@ class PreTrainingModel(nn.Module):
         seq = out.sequence_output
         if masked_lm_positions is not None:
             seq = gather_positions(seq, masked_lm_positions)  # [batch, k, hidden]
-        head = architecture(cfg).MaskedLMHead(cfg, name="predictions")
         result = {
             "sequence_output": out.sequence_output,
             "pooled_output": out.pooled_output,
-            "mlm_logits": head(seq, tied_word_embeddings(cfg, enc)),
+            "mlm_logits": mlm_logits(cfg, enc, seq),
         }
         if self.nsp:
-            result["nsp_logits"] = output_dense(cfg, 2, "seq_relationship")(
-                out.pooled_output.astype(jnp.float32)
-            )
+            result["nsp_logits"] = nsp_logits(cfg, out.pooled_output)
         return result
 
 
@@ -136,11 +160,8 @@ class SequenceClassifier(nn.Module):
             pack_ids=pack_ids,
             pool_positions=cls_positions,
         )
-        pooled = out.pooled_output.astype(jnp.float32)  # [batch, (k,) hidden]
-        pooled = Dropout(self.config.hidden_dropout, self.config.dropout_impl)(
-            pooled, deterministic=deterministic
-        )
-        return output_dense(self.config, self.num_labels, "classifier")(pooled)  # [b, (k,) labels]
+        # [batch, (k,) hidden] -> [batch, (k,) labels]
+        return classifier_logits(self.config, out.pooled_output, self.num_labels, deterministic)
 
 
 class SpanClassifier(nn.Module):
@@ -162,7 +183,7 @@ class SpanClassifier(nn.Module):
             input_ids, token_type_ids, attention_mask, deterministic=deterministic
         )
         seq = token_head(self.config, out.sequence_output).astype(jnp.float32)  # [b, s, hidden]
-        if architecture(self.config).TokenHead is not None:  # HF drops out after the head
+        if architecture(self.config).token_head is not None:  # HF drops out after the head
             seq = Dropout(self.config.hidden_dropout, self.config.dropout_impl)(
                 seq, deterministic=deterministic
             )
@@ -228,9 +249,8 @@ class MultipleChoice(nn.Module):
             return None if x is None else x.reshape(b * c, s)  # [batch * choices, seq]
 
         first = None
-        if attention_mask is not None and architecture(self.config).CHOICE_POOLS_FIRST_TOKEN:
-            # the first unpadded token (left padding), as attention_mask.argmax(-1)
-            first = jnp.argmax(flat(attention_mask), axis=-1).astype(jnp.int32)[:, None]
+        if attention_mask is not None and architecture(self.config).choice_pools_first_token:
+            first = first_token_positions(flat(attention_mask))
         out = encoder(self.config)(
             flat(input_ids),
             flat(token_type_ids),
@@ -239,12 +259,60 @@ class MultipleChoice(nn.Module):
             pool_positions=first,
         )
         pooled = out.pooled_output if first is None else out.pooled_output[:, 0]
-        pooled = pooled.astype(jnp.float32)  # [batch * choices, hidden]
-        pooled = Dropout(self.config.hidden_dropout, self.config.dropout_impl)(
-            pooled, deterministic=deterministic
-        )
-        scores = output_dense(self.config, 1, "classifier")(pooled)  # [batch * choices, 1]
+        scores = classifier_logits(self.config, pooled, 1, deterministic)  # [batch * choices, 1]
         return scores.reshape(b, c)
+
+
+class InferenceModel(nn.Module):
+    """An encoder plus whichever heads a checkpoint holds (what ``load_pretrained`` runs):
+    ``mlm`` (``predictions``), ``nsp`` (``seq_relationship``) and a sequence ``classifier`` of
+    ``num_labels``, built by the functions the training models use. ``pool_first_token``: the
+    pooler reads the first unpadded token (a multiple-choice scorer of an architecture with
+    ``choice_pools_first_token``), not position 0."""
+
+    config: Any
+    pooler: bool = True
+    mlm: bool = False
+    nsp: bool = False
+    num_labels: int = 0
+    pool_first_token: bool = False
+
+    @nn.compact
+    def __call__(
+        self,
+        input_ids: Array,  # [batch, seq]
+        token_type_ids: Array | None = None,
+        attention_mask: Array | None = None,
+        *,
+        deterministic: bool = True,
+        output_hidden_states: bool = False,
+    ) -> dict[str, Any]:
+        cfg = self.config
+        enc = encoder(cfg, add_pooler=self.pooler)
+        first = None
+        if self.pool_first_token and attention_mask is not None:
+            first = first_token_positions(attention_mask)  # [batch, 1]
+        out = enc(
+            input_ids,
+            token_type_ids,
+            attention_mask,
+            deterministic=deterministic,
+            output_hidden_states=output_hidden_states,
+            pool_positions=first,
+        )
+        pooled = out.pooled_output
+        if first is not None and pooled is not None:
+            pooled = pooled[:, 0]  # [batch, hidden]
+        result = {"sequence_output": out.sequence_output, "pooled_output": pooled}
+        if output_hidden_states:
+            result["hidden_states"] = out.hidden_states  # L + 1 of [batch, seq, hidden]
+        if self.mlm:
+            result["mlm_logits"] = mlm_logits(cfg, enc, out.sequence_output)  # [b, seq, vocab]
+        if self.nsp:
+            result["nsp_logits"] = nsp_logits(cfg, pooled)  # [batch, 2]
+        if self.num_labels:
+            result["logits"] = classifier_logits(cfg, pooled, self.num_labels, deterministic)
+        return result
 
 
 HEADS = {

@@ -62,14 +62,9 @@ from bertjax.layers.core import (
 from bertjax.layers.dropout import Dropout
 from bertjax.layers.rope import apply_rope, frequencies, parse_schedule, rope_tables
 from bertjax.layers.splash_attention import segment_ids_from_mask
+from bertjax.models.contract import Architecture
 
 Array = jax.Array
-
-ENCODER_NAME = "model"  # the encoder's subtree in every model's params (HF's base_model_prefix)
-WORD_EMBEDDINGS = ("embeddings", "word_embeddings", "embedding")  # tied to the MLM decoder
-POOLER_IN_PRETRAINING = False  # ModernBERT pretrains with MLM only; the pooler is a task head
-# HF's ModernBertForMultipleChoice pools (cls) the first unpadded token, not position 0.
-CHOICE_POOLS_FIRST_TOKEN = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -514,5 +509,21 @@ def forward_flops_per_sequence(cfg: ModernBertConfig, seq_len: int, num_masked: 
     return float(seq_len * per_token + num_masked * 2 * (h * h + h * v))
 
 
-Config = ModernBertConfig
-Encoder = ModernBertModel
+
+ARCHITECTURE = Architecture(
+    name="modernbert",
+    config_class=ModernBertConfig,
+    get_preset=get_preset,
+    preset_names=preset_names,
+    encoder=ModernBertModel,
+    masked_lm_head=MaskedLMHead,
+    token_head=TokenHead,
+    encoder_name="model",  # the encoder's subtree in every model's params (HF's base_model_prefix)
+    word_embeddings=("embeddings", "word_embeddings", "embedding"),  # tied to the MLM decoder
+    pretraining_heads=("mlm",),
+    pooler_in_pretraining=False,  # MLM only: the pooler is a task head
+    choice_pools_first_token=True,  # as HF's ModernBertForMultipleChoice
+    forward_flops_per_sequence=forward_flops_per_sequence,
+    hf_reference="ModernBertForMaskedLM",
+    scanned_layers=None,  # its layers differ (global/local): no nn.scan
+)

@@ -16,6 +16,8 @@ import jax
 import ml_collections
 import numpy as np
 
+from bertjax.model_source import ModelSource
+
 Batch = dict[str, Any]
 
 
@@ -70,11 +72,24 @@ class Task:
     # Which normaliser each metric is divided by (see ``normalizers``); used to average over batches.
     metric_normalizers: dict[str, str] = {}
 
+    # Where the model comes from (init checkpoint or preset): set by tasks that train an encoder.
+    source: ModelSource | None = None
+
     def __init__(self, config: ml_collections.ConfigDict, workdir: str):
         self.config = config
         self.workdir = workdir
 
+    @classmethod
+    def for_compiling(cls, config: ml_collections.ConfigDict, workdir: str) -> Task | None:
+        """The task built from its config alone, to compile its step without its data (None:
+        the task's shapes come from its data, so compiling prepares it as training does)."""
+        return None
+
     # ---- set-up --------------------------------------------------------------------------------
+    def check(self) -> None:
+        """Checks everything that needs only the config (and the init checkpoint) before any
+        data work, so that a bad key costs seconds, not a data preparation."""
+
     def prepare(self) -> None:
         """Builds what the task needs on disk (runs on process 0 before the others read it)."""
 
@@ -103,7 +118,7 @@ class Task:
         """The model's call arguments taken from a batch."""
         raise NotImplementedError
 
-    def initial_params(self, model: nn.Module, rng: jax.Array, batch: Batch) -> Any:
+    def fresh_params(self, model: nn.Module, rng: jax.Array, batch: Batch) -> Any:
         """Freshly initialised (boxed, logically partitioned) params."""
         return model.init({"params": rng}, **self.model_inputs(batch), deterministic=True)["params"]
 
@@ -119,9 +134,10 @@ class Task:
         """Learning-rate warmup steps of a run of ``total_steps`` (default optimizer.warmup_steps)."""
         return int(self.config.optimizer.warmup_steps)
 
-    def init_params(self, model: nn.Module, params: Any) -> Any:
-        """Hook to replace freshly initialised params (e.g. from an init checkpoint)."""
-        return params
+    def start_params(self, model: nn.Module, fresh: Any) -> Any:
+        """The params training starts from: ``fresh`` (unboxed :meth:`fresh_params`) with the
+        init checkpoint's tensors where the task has one (``bertjax.model_source``)."""
+        return fresh if self.source is None else self.source.load_into(model, fresh)
 
     # ---- training ------------------------------------------------------------------------------
     def normalizers(self, batch: Batch) -> dict[str, jax.Array]:

@@ -3,14 +3,15 @@
 A fine-tuning task (GLUE, SQuAD, NER, SWAG) builds its features in memory in ``load_data`` and
 supplies a head, a loss and host-side scoring; this base class turns them into the ``Task`` API:
 
-* the tokenizer is ``config.vocab`` or the init checkpoint's vocabulary, cased as the checkpoint's
-  tokenizer (else as the vocabulary itself); a set ``config.do_lower_case`` that differs applies with
+* the tokenizer is ``data.vocab`` (or its older name ``vocab``) or the init checkpoint's
+  vocabulary, cased as the checkpoint's tokenizer (else as the vocabulary itself); a set
+  ``data.do_lower_case`` (or ``do_lower_case``) that differs applies with
   a warning (a tokenizer.json's normalizer always decides); a vocabulary whose size differs from
   the checkpoint's embedding table is an error;
 * the model config is the init checkpoint's (``config.model`` may change only numerics: dtype,
   dropout, attention implementation, remat, scan), else ``config.model`` + the vocabulary size;
-* ``init_params`` replaces the fresh encoder (``bert`` subtree for BERT) with the checkpoint's (the
-  pooler stays fresh when the checkpoint has none), and the task head with the checkpoint's own
+* ``start_params`` (``bertjax.model_source``) replaces the fresh encoder with the checkpoint's
+  (the pooler stays fresh when the checkpoint has none), and the task head with the checkpoint's own
   task head where it is of the task's kind and its shapes fit (``bertjax.head_init``: a converted
   ``*ForSequenceClassification`` with the task's label count, ...); the log names what was taken;
 * training runs ``config.train.epochs`` epochs (``train.steps`` > 0 overrides), with a linear warmup
@@ -39,14 +40,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bertjax import flops, models
+from bertjax import flops
 from bertjax.data import packing
 from bertjax.data.array_data import ArrayData
 from bertjax.data.batch_packing import BatchPacked, row_buckets
-from bertjax.head_init import carry_task_head
-from bertjax.pretrained import init_model_config, load_pretrained
+from bertjax.model_source import ModelSource
 from bertjax.tasks.base import Phase, Task
-from bertjax.text import load_tokenizer
 
 log = logging.getLogger("bertjax")
 
@@ -79,21 +78,48 @@ def subset(examples: list, limit: int, seed: int | None = 0) -> list:
     return [examples[i] for i in keep]
 
 
+def data_setting(config, key: str) -> tuple[str, Any]:
+    """(config key, value) of ``data.<key>`` or of the top-level ``<key>``, its older name (the
+    one set; unset: ``data.<key>``); both set to different values is an error."""
+    new, old = config.data.get(key), config.get(key)
+    if old in (None, ""):
+        return "data." + key, new
+    if new in (None, ""):
+        return key, old
+    if new != old:
+        raise ValueError(
+            f"config keys data.{key}={new!r} and {key}={old!r} disagree (the same setting): set "
+            f"data.{key} only"
+        )
+    return "data." + key, new
+
+
 class FinetuneTask(Task):
     """Base of the fine-tuning tasks; subclasses implement the methods marked "subclass"."""
 
     name = "finetune"
     main_metric = "accuracy"  # the dev metric kept as best (maximised)
+    rows = "examples"  # what a feature row is, in logs (SQuAD: "features")
     packing_unsupported = ""  # why data.packing cannot apply to the task ("" = it can)
     token_outputs: tuple[str, ...] = ()  # eval outputs per token [b, seq] (the others per example)
 
     def __init__(self, config, workdir):
         super().__init__(config, workdir)
         self.tokenizer = None
-        self.pretrained = None  # bertjax.pretrained.Pretrained when config.init_checkpoint is set
+        (vocab_key, self.vocab), (lower_key, self.do_lower_case) = (
+            data_setting(config, key) for key in ("vocab", "do_lower_case")
+        )
+        self.source = ModelSource(
+            config.model,
+            config.init_checkpoint,
+            vocab=self.vocab or None,
+            keys=dict(vocab=vocab_key, do_lower_case=lower_key),
+        )
+        self._warned: set[str] = set()
         self.train_features: dict[str, np.ndarray] | None = None
         self.eval_sets: list[EvalSet] = []
         self._total_steps = 0
+        self._steps_per_epoch = 0
         self._loaded = False
         self._packed_eval: dict[int, tuple] = {}  # id(features) -> (features, packed, layout)
 
@@ -163,48 +189,27 @@ class FinetuneTask(Task):
             )
         return self.config.data_dir
 
+    def check(self) -> None:
+        """Before reading any split: the tokenizer against the init checkpoint (size, tokens,
+        casing), the model's keys and data.max_seq_length against its position table."""
+        self._load_tokenizer()
+        self.source.model_config(self.tokenizer.vocab_size, self.config.data.max_seq_length)
+
     def _load_tokenizer(self) -> None:
-        """The casing follows the init checkpoint's tokenizer (else the vocabulary's own); a set
-        ``do_lower_case`` that differs from it applies, with a warning; a tokenizer.json's
-        normalizer always decides (the key is then ignored, with a warning)."""
-        cfg = self.config
-        lower, ckpt_tok = cfg.get("do_lower_case"), None
-        if cfg.init_checkpoint:
-            self.pretrained = load_pretrained(cfg.init_checkpoint, vocab=cfg.vocab or None)
-            ckpt_tok = self.pretrained.tokenizer
-        if cfg.vocab:
-            vocab = cfg.vocab
-        elif ckpt_tok is not None:
-            vocab = ckpt_tok.vocab_file
-        else:
-            raise ValueError(
-                "config key vocab is empty and no init_checkpoint vocabulary was found: name a "
-                "vocab.txt or .model file"
+        """``vocab`` or the init checkpoint's vocabulary (``bertjax.model_source``): cased as the
+        checkpoint's tokenizer unless ``do_lower_case`` says otherwise (a warning); a
+        tokenizer.json's normalizer always decides (the key is then ignored, with a warning)."""
+        if self.tokenizer is None:
+            self.tokenizer = self.source.tokenizer(
+                self.vocab, self.do_lower_case, warned=self._warned
             )
-        if vocab.endswith(".json") or os.path.isdir(vocab):
-            self.tokenizer = load_tokenizer(vocab)
-            if lower is not None and bool(lower) != self.tokenizer.do_lower_case:
-                log.warning(
-                    "config key do_lower_case=%s ignored: the normalizer of %s %s case (a "
-                    "tokenizer.json decides its own casing)",
-                    lower, vocab, "folds" if self.tokenizer.do_lower_case else "keeps",
-                )  # fmt: skip
-        else:
-            follow = ckpt_tok.do_lower_case if ckpt_tok is not None else None
-            self.tokenizer = load_tokenizer(vocab, do_lower_case=follow if lower is None else lower)
-            if lower is not None and follow is not None and bool(lower) != follow:
-                log.warning(
-                    "config key do_lower_case=%s overrides the init checkpoint's tokenizer (%s "
-                    "%s case): words missing from the vocabulary in that casing become [UNK]",
-                    lower, ckpt_tok.vocab_file, "folds" if follow else "keeps",
-                )  # fmt: skip
-        if self.pretrained is not None:
-            table = self.pretrained.config.vocab_size
-            if self.tokenizer.vocab_size != table:
-                raise ValueError(
-                    f"config key vocab={vocab!r} has {self.tokenizer.vocab_size} tokens but the "
-                    f"init checkpoint {cfg.init_checkpoint} embeds {table}"
-                )
+
+    def _require_loaded(self) -> None:
+        if not self._loaded:
+            raise RuntimeError(
+                f"task {self.name}: its data is not loaded; call after_prepare() first "
+                "(bertjax.train.prepared_task does)"
+            )
 
     def after_prepare(self) -> None:
         """Loads the tokenizer, the init checkpoint and every split; resolves steps and warmup."""
@@ -241,9 +246,10 @@ class FinetuneTask(Task):
             self._total_steps = max(1, int(n / tcfg.global_batch_size * tcfg.epochs))
         self._steps_per_epoch = per_epoch
         log.info(
-            "task %s: %d training examples, %d steps (%d per epoch), eval sets %s",
+            "task %s: %d training %s, %d steps (%d per epoch), eval sets %s",
             self.name,
             n,
+            self.rows,
             self._total_steps,
             per_epoch,
             {e.name: e.size for e in self.eval_sets},
@@ -264,39 +270,12 @@ class FinetuneTask(Task):
         return super().warmup_steps(total_steps)
 
     def model_config(self):
-        self.after_prepare()
-        if self.pretrained is not None:
-            cfg = init_model_config(
-                self.pretrained.config, self.config.model, self.config.init_checkpoint
-            )
-        else:
-            cfg = models.model_config_from(self.config.model, self.tokenizer.vocab_size)
+        self._require_loaded()
         seq = self.train_features["input_ids"].shape[-1]
-        if seq > cfg.max_position_embeddings:
-            raise ValueError(
-                f"config key data.max_seq_length={seq} exceeds the model's "
-                f"max_position_embeddings={cfg.max_position_embeddings}"
-            )
-        return cfg
-
-    def init_params(self, model, params):
-        if self.pretrained is None:
-            return params
-        source = self.config.init_checkpoint
-        params = self.pretrained.with_encoder(params, source)
-        log.info("encoder initialised from %s", source)
-        return carry_task_head(
-            params,
-            model,
-            self.pretrained.task_tensors,
-            self.pretrained.task_kinds,
-            source,
-            hf_class=self.pretrained.hf_class,
-            pooler="pooler" not in self.pretrained.missing,
-        )
+        return self.source.model_config(self.tokenizer.vocab_size, seq)
 
     def phases(self) -> list[Phase]:
-        self.after_prepare()
+        self._require_loaded()
         seq = self.train_features["input_ids"].shape[-1]
         return [
             Phase(
@@ -437,7 +416,7 @@ class FinetuneTask(Task):
         return metrics
 
     def eval_every(self) -> int:
-        self.after_prepare()
+        self._require_loaded()
         return self.config.train.eval_every or self._steps_per_epoch
 
     def best_metric(self):

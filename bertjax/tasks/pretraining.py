@@ -20,8 +20,8 @@ from bertjax import flops, fs, losses, models
 from bertjax.data.demo_corpus import build_demo_corpus
 from bertjax.data.metadata import METADATA_FILE, read_metadata
 from bertjax.data.prepare import prepare, vocab_sha256
+from bertjax.model_source import ModelSource
 from bertjax.models.heads import PreTrainingModel
-from bertjax.pretrained import init_model_config, load_pretrained
 from bertjax.tasks.base import Phase, Task, register
 from bertjax.text import load_tokenizer
 from bertjax.text.vocab import train_vocab
@@ -48,8 +48,16 @@ class PretrainingTask(Task):
         super().__init__(config, workdir)
         self.tokenizer = None
         self.fixed_vocab_size = vocab_size
-        self.pretrained = None  # bertjax.pretrained.Pretrained of config.init_checkpoint
-        self._casing_warned = False
+        self.source = ModelSource(
+            config.model,
+            config.get("init_checkpoint", ""),
+            keys=dict(
+                vocab="data.vocab",
+                do_lower_case="data.do_lower_case",
+                max_seq_length="data.max_seq_length",
+            ),
+        )
+        self._warned: set[str] = set()
         d = config.data
         self.prepared_root = d.prepared_dir or os.path.join(workdir, "data")
         self.packing = bool(d.get("packing", False))
@@ -59,6 +67,36 @@ class PretrainingTask(Task):
                 "packed)"
             )
         self._check_streams()
+
+    @classmethod
+    def for_compiling(cls, config, workdir):
+        """Shapes come from the config and the vocabulary's size: ``data.vocab`` when it can be
+        read here, else ``data.vocab_size``; no corpus or prepared data is read."""
+        path, size = config.data.get("vocab", ""), int(config.data.vocab_size)
+        try:
+            if path and fs.exists(path):
+                size = load_tokenizer(path).vocab_size
+        except OSError as err:  # e.g. gs:// without credentials
+            log.warning(
+                "cannot read data.vocab %s (%s): using data.vocab_size=%d",
+                path, str(err).splitlines()[0][:120], size,
+            )  # fmt: skip
+        return cls(config, workdir, vocab_size=size)
+
+    def check(self) -> None:
+        """What needs only the config, the init checkpoint and a named vocabulary: the model's
+        keys, the vocabulary against the checkpoint (size, tokens, casing), the sequence length
+        against the position table."""
+        longest = max(s["max_seq_length"] for s in self._phase_specs())
+        if self.fixed_vocab_size:
+            self.source.model_config(self.fixed_vocab_size, longest)
+            return
+        vocab = self._vocab_path()
+        if self.config.data.vocab or fs.exists(vocab):
+            size = self._load_tokenizer(vocab).vocab_size
+        else:  # trained from the corpus by prepare, to data.vocab_size tokens
+            size = int(self.config.data.vocab_size)
+        self.source.model_config(size, longest)
 
     def _check_streams(self) -> None:
         """Before any data work: the streams split every phase's global batch and the hosts."""
@@ -128,21 +166,11 @@ class PretrainingTask(Task):
         return d.corpus, d.corpus_format
 
     def _load_tokenizer(self, vocab: str):
-        """The run's tokenizer; a tokenizer.json carries its own case handling (its normalizer),
-        so data.do_lower_case applies to WordPiece/SentencePiece vocabularies only (unset: the
-        vocabulary's own casing, as a checkpoint of the run reloads it)."""
+        """The run's tokenizer (``bertjax.model_source``): a tokenizer.json decides its casing;
+        a vocabulary file is cased as data.do_lower_case, else as the init checkpoint's
+        tokenizer, else as the vocabulary itself."""
         lower = self.config.data.get("do_lower_case")
-        if not vocab.endswith(".json"):
-            return load_tokenizer(vocab, do_lower_case=lower)
-        tok = load_tokenizer(vocab)
-        if lower is not None and bool(lower) != tok.do_lower_case and not self._casing_warned:
-            log.warning(
-                "config key data.do_lower_case=%s ignored: the normalizer of %s %s case (a "
-                "tokenizer.json decides its own casing)",
-                lower, vocab, "folds" if tok.do_lower_case else "keeps",
-            )  # fmt: skip
-            self._casing_warned = True
-        return tok
+        return self.source.tokenizer(vocab, lower, warned=self._warned)
 
     def _vocab_path(self) -> str:
         d = self.config.data
@@ -179,6 +207,7 @@ class PretrainingTask(Task):
                 seed=self.config.data.seed,
                 corpus_format=fmt,
                 text_column=d.get("text_column", "text"),
+                text_column_setting="data.text_column",
             )
         tokenizer = self._load_tokenizer(vocab)
         for spec in self._phase_specs():
@@ -194,6 +223,7 @@ class PretrainingTask(Task):
                 tokenizer,
                 corpus_format=fmt,
                 text_column=d.get("text_column", "text"),
+                text_column_setting="data.text_column",
                 max_seq_length=spec["max_seq_length"],
                 max_predictions_per_seq=spec["max_predictions_per_seq"],
                 masked_lm_prob=d.masked_lm_prob,
@@ -254,88 +284,11 @@ class PretrainingTask(Task):
     # ---- model ---------------------------------------------------------------------------------
     def model_config(self):
         vocab_size = self.fixed_vocab_size or self.tokenizer.vocab_size
-        source = self.config.get("init_checkpoint")
-        if source:
-            self.pretrained = self.pretrained or load_pretrained(source)
-            cfg = init_model_config(self.pretrained.config, self.config.model, source)
-            if cfg.vocab_size != vocab_size:
-                raise ValueError(
-                    f"init checkpoint {source} embeds {cfg.vocab_size} tokens but the vocabulary "
-                    f"{self._vocab_path()} has {vocab_size}"
-                )
-            self._check_init_vocab(source)
-        else:
-            cfg = models.model_config_from(self.config.model, vocab_size)
         longest = max(s["max_seq_length"] for s in self._phase_specs())
-        if longest > cfg.max_position_embeddings:
-            raise ValueError(
-                f"config key data.max_seq_length={longest} exceeds "
-                f"model.max_position_embeddings={cfg.max_position_embeddings}"
-            )
-        return cfg
-
-    def _check_init_vocab(self, source: str) -> None:
-        """The init checkpoint's vocabulary must be the run's: the same token at every id."""
-        theirs, ours = self.pretrained.tokenizer, self.tokenizer
-        if ours is None:  # no data on disk (compiling): no vocabulary to compare
-            return
-        if theirs is None:
-            log.warning(
-                "init checkpoint %s has no vocabulary file: cannot check that it was trained "
-                "with %s",
-                source, self._vocab_path(),
-            )  # fmt: skip
-            return
-        if list(theirs.vocab) != list(ours.vocab):
-            diff = [i for i, (a, b) in enumerate(zip(ours.vocab, theirs.vocab)) if a != b]
-            where = f"{len(ours.vocab)} tokens here, {len(theirs.vocab)} there"
-            if diff:
-                i = diff[0]
-                where = f"token {i} is {ours.vocab[i]!r} here, {theirs.vocab[i]!r} there"
-            raise ValueError(
-                f"config key data.vocab={self._vocab_path()} is not the vocabulary of the init "
-                f"checkpoint {source} ({theirs.vocab_file}): {where}"
-            )
-        if theirs.do_lower_case != ours.do_lower_case:
-            log.warning(
-                "config key data.do_lower_case: the run %s case, the init checkpoint's tokenizer "
-                "%s (%s)",
-                *("folds" if t.do_lower_case else "keeps" for t in (ours, theirs)), source,
-            )  # fmt: skip
+        return self.source.model_config(vocab_size, longest)
 
     def build_model(self, model_config):
         return PreTrainingModel(model_config, nsp=self.config.data.nsp)
-
-    def init_params(self, model, params):
-        """With ``init_checkpoint``: the encoder and every head of the model that the checkpoint
-        has (MLM ``predictions``, NSP ``seq_relationship``) from the checkpoint; heads it lacks
-        stay freshly initialised, and the log names them."""
-        if self.pretrained is None:
-            return params
-        source = self.config.init_checkpoint
-        params = self.pretrained.with_encoder(params, source)
-        encoder_name = models.architecture(model.config).ENCODER_NAME
-        loaded, fresh = [], []
-        for head in sorted(k for k in params if k != encoder_name):
-            tensors = self.pretrained.params.get(head)
-            if tensors is None:
-                fresh.append(head)
-                continue
-            want = jax.tree.map(lambda x: tuple(x.shape), params[head])
-            got = jax.tree.map(lambda x: tuple(np.shape(x)), tensors)
-            if want != got:
-                raise ValueError(
-                    f"init checkpoint {source}: head {head!r} has shapes {got}, the model wants "
-                    f"{want}"
-                )
-            params[head] = jax.tree.map(lambda x, f: np.asarray(x).astype(f.dtype), tensors,
-                                        params[head])  # fmt: skip
-            loaded.append(head)
-        log.info(
-            "continued pretraining from %s: heads from the checkpoint %s; initialised fresh %s",
-            source, loaded or "none", fresh or "none",
-        )  # fmt: skip
-        return params
 
     def phase_model(self, model, phase):
         """A phase's ``model`` options (e.g. ``dict(global_rope_theta=160_000.0)`` for context
@@ -419,20 +372,26 @@ class PretrainingTask(Task):
 
     # ---- data ----------------------------------------------------------------------------------
     def _dynamic_masking(self, phase):
-        d = self.config.data
-        meta = read_metadata(self.data_dir(phase.options["max_seq_length"]))
+        """Dynamic masking as the data was prepared (its metadata.json), which the config must
+        describe: a masking key that differs is an error naming it, not a silent change."""
+        data_dir = self.data_dir(phase.options["max_seq_length"])
+        meta = read_metadata(data_dir)
         if meta["masking"] != "dynamic":
             return None
-        tok = self.tokenizer
-        return dict(
-            vocab_size=tok.vocab_size,
-            mask_id=tok.mask_id,
-            special_ids=[tok.pad_id, tok.cls_id, tok.sep_id],
-            word_start=tok.word_start_table(),
-            masked_lm_prob=d.masked_lm_prob,
-            max_predictions_per_seq=phase.options["max_predictions_per_seq"],
-            whole_word=d.whole_word_mask,
-        )
+        d = self.config.data
+        for key, want in (
+            ("masked_lm_prob", d.masked_lm_prob),
+            ("whole_word_mask", d.whole_word_mask),
+            ("max_predictions_per_seq", phase.options["max_predictions_per_seq"]),
+        ):
+            if meta.get(key) != want:
+                raise ValueError(
+                    f"{data_dir}/{METADATA_FILE}: {key}={meta.get(key)!r} but the config sets "
+                    f"data.{key}={want!r}; delete the prepared data or fix data.{key}"
+                )
+        from bertjax.data import pipeline  # tf.data: the model and the step need no TensorFlow
+
+        return pipeline.dynamic_masking_config(meta, self.tokenizer.word_start_table())
 
     def _data(self, phase, split, process_index, process_count, *, shuffle):
         """Per-host batches; with ``data.streams`` the global batch is independent of host count."""

@@ -6,8 +6,13 @@ from bertjax.tasks import glue, ner, pretraining, squad, swag  # noqa: F401  (ea
 from bertjax.tasks.base import REGISTRY, Task
 
 
-def get_task(name: str, config: ml_collections.ConfigDict, workdir: str) -> Task:
-    """Instantiates the task registered under ``name``; unknown names list the known ones."""
+def task_class(name: str) -> type[Task]:
+    """The task class registered under ``name``; unknown names list the known ones."""
     if name not in REGISTRY:
         raise ValueError(f"config key task={name!r} is not a known task; known: {sorted(REGISTRY)}")
-    return REGISTRY[name](config, workdir)
+    return REGISTRY[name]
+
+
+def get_task(name: str, config: ml_collections.ConfigDict, workdir: str) -> Task:
+    """Instantiates the task registered under ``name``; unknown names list the known ones."""
+    return task_class(name)(config, workdir)

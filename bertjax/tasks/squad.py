@@ -36,6 +36,7 @@ class SquadFinetune(FinetuneTask):
     """Extractive question answering on SQuAD; ``version`` is "1.1" or "2.0"."""
 
     version = "1.1"
+    rows = "features"  # a long context gives one feature per doc_stride window
     packing_unsupported = (
         "its doc_stride windows already fill max_seq_length and its answer spans index whole rows"
     )

@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from bertjax import flops, sharding, train
+from bertjax import flops, models, sharding, train
 from bertjax.sharding import RULES
 from bertjax.tasks.pretraining import PretrainingTask
 from bertjax.tools import bench_finetune, bench_peers
@@ -65,8 +65,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--preset", default="small", help="model preset (tiny/mini/small/base/L4_H512...)"
     )
     p.add_argument(
-        "--architecture", default="bert", help="bert (MLM + NSP) | modernbert (MLM only)"
-    )
+        "--architecture", default=models.DEFAULT, choices=sorted(models.ARCHITECTURES),
+        help="the encoder family (its pretraining heads: MLM, and NSP where it has them)",
+    )  # fmt: skip
     p.add_argument("--vocab_size", type=int, default=30522)
     p.add_argument("--batch", type=int, default=32, help="global batch size")
     p.add_argument("--seq", type=int, default=128)
@@ -128,12 +129,13 @@ def bench_config(args: argparse.Namespace):
         k: getattr(args, k)
         for k in ("dtype", "attention_impl", "remat", "scan_layers", "dropout_impl")
     }
-    bert = args.architecture == "bert"
+    arch = models.architecture(args.architecture)
     model = dict(architecture=args.architecture, preset=args.preset, **switches)
-    model["max_position_embeddings"] = max(512 if bert else 8192, args.seq)
+    positions = arch.get_preset(args.preset).max_position_embeddings
+    model["max_position_embeddings"] = max(positions, args.seq)
     attention_dropout = args.dropout if args.attention_dropout is None else args.attention_dropout
     model.update(hidden_dropout=args.dropout, attention_dropout=attention_dropout)
-    data = dict(max_seq_length=args.seq, max_predictions_per_seq=args.masked, nsp=bert, phases=())
+    data = dict(max_seq_length=args.seq, max_predictions_per_seq=args.masked, nsp=arch.nsp, phases=())
     optimizer = dict(name="adamw", learning_rate=1e-4, warmup_steps=10_000, grad_clip_norm=1.0)
     optimizer.update(b1=0.9, b2=0.999, eps=1e-6, weight_decay=0.01, end_lr_factor=0.0)
     mesh = dict(data=-1, fsdp=1, tensor=1, num_devices=args.devices)
@@ -336,14 +338,17 @@ def measure_peers(args, result: dict) -> dict[str, Any]:
         warmup=2,
         dropout=args.dropout,
     )
-    if args.architecture == "modernbert":
-        c = result["model_config"]  # the window and layer pattern of the bertjax model
+    c = result["model_config"]
+    if "local_attention" in c:  # sliding-window layers: the peer takes their window and pattern
         shape.update(window=c["local_attention"], global_every=c["global_attn_every_n_layers"])
         shape.update(accum=args.grad_accum_steps)  # like for like: the same micro-batches
         if args.dtype == "bfloat16":
             shape.update(dtype="bfloat16")  # PyTorch's autocast: bf16 matmuls, fp32 weights
+    reference = models.architecture(args.architecture).hf_reference
+    if reference not in bench_peers.PEERS:
+        return {"skipped": f"no peer benchmark of {reference} (bench_peers.PEERS)"}
     peers = {}
-    for framework in bench_peers.PEERS[args.architecture]:
+    for framework in bench_peers.PEERS[reference]:
         peer = bench_peers.run_peer(python, framework, shape)
         peer["bertjax_speedup"] = result["tokens_per_sec"] / peer["tokens_per_sec"]
         peer["bertjax_speedup_cpu_time"] = peer["step_cpu_s"] / result["step_cpu_s"]

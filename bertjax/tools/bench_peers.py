@@ -28,7 +28,8 @@ import sys
 import time
 
 PEER_FRAMEWORKS = ("flax", "torch", "torch-modernbert", "torch-cls")
-PEERS = {"bert": ("flax", "torch"), "modernbert": ("torch-modernbert",)}  # per architecture
+# The peers of each architecture, by its transformers reference class (``Architecture.hf_reference``).
+PEERS = {"BertForPreTraining": ("flax", "torch"), "ModernBertForMaskedLM": ("torch-modernbert",)}
 
 
 def default_peer_python() -> str:
@@ -36,7 +37,8 @@ def default_peer_python() -> str:
     env = os.environ.get("BERTJAX_PEERS_PYTHON")
     if env:
         return env
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    here = os.path.abspath(__file__)  # <repo>/bertjax/tools/bench_peers.py
+    root = os.path.dirname(os.path.dirname(os.path.dirname(here)))
     return os.path.join(root, ".venv-peers", "bin", "python")
 
 

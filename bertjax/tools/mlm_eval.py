@@ -43,7 +43,7 @@ def evaluate_mlm(
             f"embeds {config.vocab_size}"
         )
     model = PreTrainingModel(config, nsp=False)
-    keep = {models.architecture(config).ENCODER_NAME, "predictions"}
+    keep = {models.architecture(config).encoder_name, "predictions"}
     params = {k: v for k, v in pretrained.params.items() if k in keep}
 
     sums = jax.jit(lambda params, batch: masked_lm_sums(model, params, batch))
