@@ -34,18 +34,26 @@ from bertjax import fs, process_hooks
 log = logging.getLogger(__name__)
 
 
-def run_config_json(config_json: str, model_config: Any, config: Any) -> str:
+def run_config_json(
+    config_json: str, model_config: Any, config: Any, tokenizer: Any = None
+) -> str:
     """The run's config JSON plus ``model_config``: the model this phase trains, as built (from
     the init checkpoint, with the phase's options such as its RoPE base), which ``convert``,
     ``load_pretrained`` and runs started from the checkpoint rebuild. The kernels chosen for this
     run's devices go back to the run's own setting (``auto`` picks again where it is loaded) or,
-    unset, the architecture's default."""
+    unset, the architecture's default. ``tokenizer``: the run's, recorded as ``tokenizer``
+    (vocabulary file and casing)."""
     values = json.loads(config_json)
     model = model_config.to_dict()
     for key in ("attention_impl", "dropout_impl"):
         if key in model:
             model[key] = config.model.get(key) or getattr(type(model_config), key, "auto")
     values["model_config"] = model
+    if tokenizer is not None:  # what the run tokenized with, whichever key or checkpoint named it
+        values["tokenizer"] = {
+            "vocab_file": tokenizer.vocab_file if "://" in tokenizer.vocab_file else os.path.abspath(tokenizer.vocab_file),
+            "do_lower_case": bool(tokenizer.do_lower_case),
+        }
     return json.dumps(values, sort_keys=True)
 
 

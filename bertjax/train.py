@@ -178,7 +178,9 @@ def _run_phase(run: _Run, phase, phase_index, state, step, data_state) -> PhaseR
     """Runs one phase (fixed shapes) from ``step`` to ``phase.until_step``."""
     setup, config, writer, ckpt, stop = run.setup, run.config, run.writer, run.ckpt, run.stop
     setup = phase_setup(setup, phase)
-    config_json = checkpointing.run_config_json(run.config_json, setup.model.config, config)
+    config_json = checkpointing.run_config_json(
+        run.config_json, setup.model.config, config, getattr(setup.task, "tokenizer", None)
+    )
     peak, best = run.peak, run.best
     task, tcfg = setup.task, config.train
     pcount, pindex = jax.process_count(), jax.process_index()

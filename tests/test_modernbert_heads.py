@@ -158,3 +158,19 @@ def test_load_pretrained_keeps_the_encoder_of_a_token_classifier(tmp_path):
     real = mask.astype(bool)
     got, want = np.asarray(out.sequence_output)[real], ref.last_hidden_state.numpy()[real]
     assert float(np.max(np.abs(got - want))) <= TOL
+
+
+def test_a_masked_lm_checkpoint_names_only_heads_modernbert_has(tmp_path, caplog):
+    """A ModernBERT masked-LM checkpoint lacks the pooler (a task head) but never "nsp" (it has
+    none); heads="all" adds the pooler only, by the model's own initialisers."""
+    import logging
+
+    _hf_model("ModernBertForMaskedLM", "plain", seed=5).save_pretrained(tmp_path / "hf")
+    with caplog.at_level(logging.INFO, logger="bertjax"):
+        loaded = pretrained_from_checkpoint(load_checkpoint(str(tmp_path / "hf")))
+    assert loaded.missing == ("pooler",)
+    assert "['pooler'] absent" in caplog.text and "nsp" not in caplog.text
+    full = pretrained_from_checkpoint(load_checkpoint(str(tmp_path / "hf")), heads="all")
+    assert full.heads == ("pooler", "mlm") and "seq_relationship" not in full.params
+    ids, mask = _batch(2)
+    assert np.isfinite(np.asarray(full(ids, attention_mask=mask).pooled_output)).all()

@@ -36,6 +36,44 @@ def _model_config(values: dict, flat: dict, source: str):
     return models.model_config_from(model, int(flat[table].shape[0]))
 
 
+def _steps_dir(path: str) -> str | None:
+    """The folder of a bertjax checkpoint's numbered steps (``path`` or ``path/checkpoints``)."""
+    for directory in (path, os.path.join(path, "checkpoints")):
+        if os.path.isdir(directory) and any(n.isdigit() for n in os.listdir(directory)):
+            return directory
+    return None
+
+
+def run_tokenizer(
+    values: dict, directory: str, depth: int = 0
+) -> tuple[str | None, bool | None]:
+    """(vocabulary file, do_lower_case) of the run whose checkpoint config is ``values``: a copy
+    beside the checkpoint or in the run's prepared data, else the tokenizer the run recorded
+    (``tokenizer``), else its config keys (``data.vocab``, the older top-level ``vocab``, the init
+    checkpoint's vocabulary); the casing the run recorded, else ``data.do_lower_case``, else the
+    top-level ``do_lower_case``."""
+    data = values.get("data") or {}
+    recorded = values.get("tokenizer") or {}
+    run_dir = os.path.dirname(directory)
+    vocab = find_vocab(directory, data.get("prepared_dir", ""), os.path.join(run_dir, "data"))
+    for candidate in (recorded.get("vocab_file"), data.get("vocab"), values.get("vocab")):
+        if vocab is None and candidate and os.path.isfile(candidate):
+            vocab = candidate
+    lower = recorded.get("do_lower_case")
+    for candidate in (data.get("do_lower_case"), values.get("do_lower_case")):
+        lower = candidate if lower is None else lower
+    init = values.get("init_checkpoint") or ""
+    if vocab is None and init and os.path.isdir(init):  # tokenized with the init checkpoint's
+        steps = _steps_dir(init) if depth < 4 else None
+        if steps is None:
+            vocab = find_vocab(init)
+        else:  # another bertjax run: its own tokenizer, found the same way
+            _, init_values, _ = restore_params(steps)
+            vocab, init_lower = run_tokenizer(init_values, steps, depth + 1)
+            lower = init_lower if lower is None else lower
+    return vocab, lower
+
+
 def load_bertjax(path: str) -> Checkpoint:
     """Reads the newest step of a bertjax checkpoint directory (or a run's WORKDIR)."""
     directory = os.path.abspath(path)
@@ -50,12 +88,7 @@ def load_bertjax(path: str) -> Checkpoint:
     num_labels = int(flat["classifier/kernel"].shape[-1]) if "classifier/kernel" in flat else 0
     entries = {e.path: e for e in param_layout(config, num_labels)}
     tensors = match_tensors(flat, entries, source, shape_of=lambda e: e.shape)
-    data = values.get("data") or {}
-    run_dir = os.path.dirname(directory)
-    vocab = find_vocab(directory, data.get("prepared_dir", ""), os.path.join(run_dir, "data"))
-    if vocab is None and data.get("vocab") and os.path.isfile(data["vocab"]):
-        vocab = data["vocab"]
-    lower = values.get("do_lower_case", data.get("do_lower_case"))
+    vocab, lower = run_tokenizer(values, directory)
     if vocab is not None and vocab.endswith(".json"):
         lower = None  # a tokenizer.json's normalizer decides (a run's data.do_lower_case does not)
     config = with_param_dtype(config, tensors)
