@@ -285,7 +285,12 @@ class BestCheckpoint:
         if self.metric and fs.isdir(self.directory):
             ckpt = Checkpointer(self.directory, keep=1, async_save=False)
             if ckpt.latest_step() is not None:
-                self.value = ckpt.read_data().get("value")
+                kept = ckpt.read_data()
+                self.value = kept.get("value")
+                if kept.get("scale") != "fraction" and self.metric[1] == "max" and (
+                    self.value is not None and self.value > 1.0
+                ):  # kept by a bertjax whose SQuAD/NER metrics were percentages
+                    self.value /= 100.0
             ckpt.close()
 
     def better(self, value: float) -> bool:
@@ -308,7 +313,8 @@ class BestCheckpoint:
         ckpt.save(
             step,
             {"params": params},
-            {"metric": self.metric[0], "value": value, "step": step, "eval": metrics},
+            {"metric": self.metric[0], "value": value, "scale": "fraction", "step": step,
+             "eval": metrics},  # fmt: skip
             config_json,
             force=True,
         )

@@ -54,6 +54,20 @@ def test_best_checkpoint_and_best_seed_never_pick_nan(tmp_path):
         assert summary["nan_seeds"] == [1, 3]
 
 
+def test_a_best_checkpoint_kept_in_percent_is_read_as_a_fraction(tmp_path):
+    """SQuAD/NER metrics were percentages before they became fractions: a run resumed across the
+    change compares its new fractions with the kept value read as a fraction (else 0.8 would
+    never beat a kept 75.0)."""
+    params = {"w": np.zeros(2, np.float32)}
+    old = checkpointing.Checkpointer(str(tmp_path / "best"), keep=1, async_save=False)
+    old.save(3, {"params": params}, {"metric": "f1", "value": 75.0, "step": 3}, "{}", True)
+    old.close()
+    best = checkpointing.BestCheckpoint(("f1", "max"), str(tmp_path))
+    assert best.value == 0.75 and best.better(0.8) and not best.better(0.7)
+    best.update(4, {"f1": 0.8}, params, "{}")
+    assert checkpointing.BestCheckpoint(("f1", "max"), str(tmp_path)).value == 0.8  # kept as is
+
+
 def _newest_data_file(checkpoints: pathlib.Path, step: int) -> pathlib.Path:
     files = [p for p in (checkpoints / str(step) / "state").rglob("d/*") if p.is_file()]
     return max(files, key=lambda p: p.stat().st_size)
