@@ -1,10 +1,13 @@
 """`python tests/fault_inject.py COMMAND ...`: the `bertjax` command with a fault injected into
-Orbax's checkpoint writes, for tests/test_fault_injection.py.
+Orbax's checkpoint writes or a hold in training, for the tests that kill or signal a run.
 
 BERTJAX_FAULT_DISK_FULL_STEP=N: writing checkpoint step N fails with ENOSPC (a full disk).
 BERTJAX_FAULT_SLOW_SAVE_STEP=N: writing checkpoint step N stalls for 600 s (to be killed mid-save).
 BERTJAX_FAULT_SLOW_WRITE=NAME: the first atomic write of a file named NAME (eval_results.json, a dev
 predictions file, ...) stalls for 600 s with half its text in the temporary file.
+BERTJAX_FAULT_HOLD_STEP=N: after step N is logged (before its checkpoint), training waits until a stop
+is requested (SIGTERM, Ctrl-C) or for 600 s: a signal sent once an earlier step is logged lands
+before the run can end, however busy the machine.
 """
 
 import errno
@@ -14,7 +17,7 @@ import time
 
 from etils import epath
 
-from bertjax import atomic, cli
+from bertjax import atomic, cli, preemption
 
 _write_text = epath.Path.write_text
 
@@ -41,8 +44,20 @@ def _slow_atomic_write_text(path, text):
     return _atomic_write_text(path, text)
 
 
+_should_stop = preemption.StopFlag.should_stop
+
+
+def _held_should_stop(self, step):
+    if str(step) == os.environ.get("BERTJAX_FAULT_HOLD_STEP"):
+        deadline = time.monotonic() + 600
+        while not self.requested and time.monotonic() < deadline:
+            time.sleep(0.05)
+    return _should_stop(self, step)
+
+
 epath.Path.write_text = _faulty_write_text
 atomic.write_text = _slow_atomic_write_text
+preemption.StopFlag.should_stop = _held_should_stop
 
 if __name__ == "__main__":
     sys.argv[0] = "bertjax"

@@ -6,7 +6,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 
 import jax
 import numpy as np
@@ -247,7 +246,7 @@ def run_roll_call(coordinator, num_processes, process_ids, timeout_s, expected_n
     for t in threads:
         t.start()
     for t in threads:
-        t.join(timeout_s + 15)
+        t.join(timeout_s + 120)  # bounds a hang only: a process that never returns has no result
     return results
 
 
@@ -260,9 +259,7 @@ def test_roll_call_succeeds_and_frees_the_port():
 
 def test_roll_call_names_missing_processes_on_every_running_process():
     coordinator = f"127.0.0.1:{free_port()}"
-    start = time.monotonic()
-    results = run_roll_call(coordinator, 4, [0, 2], timeout_s=1.5)
-    assert time.monotonic() - start < 6
+    results = run_roll_call(coordinator, 4, [0, 2], timeout_s=1.5)  # both give up after 1.5 s
     expected = "process ids [1, 3] of 4 did not join coordinator"
     assert expected in str(results[0]) and expected in str(results[2])
     assert "(joined: [0, 2])" in str(results[0])
@@ -280,10 +277,9 @@ def test_roll_call_rejects_duplicate_ids_and_count_mismatch():
 
 
 def test_roll_call_reports_unreachable_coordinator():
-    start = time.monotonic()
-    with pytest.raises(distributed.DistributedStartupError, match="unreachable from process 1"):
+    message = "unreachable from process 1 for 1 s"  # its own timeout, not the OS's
+    with pytest.raises(distributed.DistributedStartupError, match=message):
         distributed.roll_call(f"127.0.0.1:{free_port()}", 2, 1, timeout_s=1)
-    assert time.monotonic() - start < 4
 
 
 def test_roll_call_reports_busy_port():
@@ -315,14 +311,13 @@ def test_helpers_in_a_single_process():
 
 
 def test_watchdog_ends_a_hung_process_with_one_line():
-    code = "import time\nfrom bertjax import distributed\nwith distributed._Watchdog(0.5, 'stuck'):\n    time.sleep(30)\n"
-    start = time.monotonic()
+    # The hang (an hour) outlasts the subprocess timeout: only the watchdog can end it with status 1.
+    code = "import time\nfrom bertjax import distributed\nwith distributed._Watchdog(0.5, 'stuck'):\n    time.sleep(3600)\n"
     proc = subprocess.run(
-        [sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60
+        [sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=600
     )
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines()[-1] == "bertjax.distributed: error: stuck"
-    assert time.monotonic() - start < 30
 
 
 # ----------------------------------------------------------------------------- fail fast
@@ -341,18 +336,16 @@ def run_probe_alone(process_id: int, timeout_s: int) -> subprocess.CompletedProc
         env=env,
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=600,  # bounds a hang only (JAX's own start-up would wait for process 1 for ever)
     )
 
 
 def test_process_zero_alone_fails_fast_naming_the_missing_process():
-    start = time.monotonic()
     proc = run_probe_alone(0, timeout_s=4)
-    elapsed = time.monotonic() - start
     assert proc.returncode != 0
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("multihost_probe: error: process ids [1] of 2 did not join coordinator")
-    assert elapsed < 20, elapsed
+    assert "within 4 s (joined: [0])" in last, last  # its own timeout, not JAX's
 
 
 def test_other_process_alone_reports_unreachable_coordinator():

@@ -1,6 +1,6 @@
-"""Issue 15, item 9: any prepared data set serves any number of hosts. With fewer shards than hosts
-every host reads all shards in one order and keeps every process_count-th record: the hosts' epochs
-partition the records, the order is deterministic, resume is exact, and streams work the same way;
+"""Any prepared data set serves any number of hosts. With fewer shards than hosts every host reads
+all shards in one order and keeps every process_count-th record: the hosts' epochs partition the
+records, the order is deterministic, resume is exact, and streams work the same way;
 a corrupted shard is named in streamed reading too."""
 
 import json

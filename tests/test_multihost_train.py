@@ -59,9 +59,15 @@ def _reference(tmp_path, name="reference", **overrides):
     return _losses(tmp_path / name)
 
 
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """(step, loss) of the 6-step run of 1 process of 4 devices (2 streams), shared by the tests
+    that compare other process counts with it (the same data in any folder)."""
+    return _reference(tmp_path_factory.mktemp("reference"))
+
+
 @pytest.mark.slow
-def test_two_processes_of_two_devices_match_one_process_of_four(tmp_path):
-    reference = _reference(tmp_path)
+def test_two_processes_of_two_devices_match_one_process_of_four(tmp_path, reference):
     _local(tmp_path, 2, 2, tmp_path / "two")
     got = _losses(tmp_path / "two")
     assert [s for s, _ in got] == [s for s, _ in reference] == list(range(1, 7))
@@ -87,8 +93,7 @@ def test_default_input_is_the_same_run_on_any_host_count_with_dropout(tmp_path):
 
 
 @pytest.mark.slow
-def test_checkpoint_of_two_processes_resumes_on_one(tmp_path):
-    reference = _reference(tmp_path)
+def test_checkpoint_of_two_processes_resumes_on_one(tmp_path, reference):
     workdir = tmp_path / "moved"
     _local(tmp_path, 2, 2, workdir, "--config.train.stop_at_step=3")
     assert max(s for s, _ in _losses(workdir)) == 3

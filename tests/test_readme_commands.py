@@ -1,4 +1,4 @@
-"""Issue 15, item 9: the commands the README and the launch scripts' help texts show run as written.
+"""The commands the README and the launch scripts' help texts show run as written.
 
 Every ``--config.KEY=`` they mention exists; the README's ``launch/tpu_vm.sh`` block runs (with
 ``--dry-run``, its ``export`` line as the environment); the README's multi-process example runs

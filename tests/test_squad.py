@@ -1,4 +1,5 @@
-"""SQuAD: run_squad.py features, post-processing, output files and the perfect-logits round trip."""
+"""SQuAD: run_squad.py features, post-processing, output files, the perfect-logits round trip, and
+`evaluate squad` counting unanswered questions."""
 
 import copy
 import json
@@ -293,3 +294,19 @@ def test_evaluate_squad_cli_errors(tmp_path, capsys):
     preds.write_text('{"q": "the iota kappa"}')
     assert evaluate.main(["squad", "--dataset", str(dataset), "--predictions", str(preds)]) == 0
     assert json.loads(capsys.readouterr().out) == {"exact_match": 100.0, "f1": 100.0}
+
+
+def test_evaluate_squad_warns_with_the_count_of_unanswered_questions(tmp_path, capsys):
+    qas = [{"id": f"q{i}", "question": "?", "answers": [{"text": "a", "answer_start": 0}]}
+           for i in range(10)]  # fmt: skip
+    data = {"version": "1.1", "data": [{"paragraphs": [{"context": "a b", "qas": qas}]}]}
+    (tmp_path / "dev.json").write_text(json.dumps(data))
+    (tmp_path / "pred.json").write_text(json.dumps({"q0": "a", "q1": "a", "zz": "a"}))
+    result = evaluate.evaluate_squad_files(str(tmp_path / "dev.json"), str(tmp_path / "pred.json"))
+    assert result["exact_match"] == pytest.approx(20.0)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "8 of 10 questions (80%) have no prediction" in err[0]
+    assert "pred.json" in err[0]
+    (tmp_path / "pred.json").write_text(json.dumps({f"q{i}": "a" for i in range(10)}))
+    evaluate.evaluate_squad_files(str(tmp_path / "dev.json"), str(tmp_path / "pred.json"))
+    assert capsys.readouterr().err == ""

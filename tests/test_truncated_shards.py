@@ -1,6 +1,6 @@
 """A prepared shard cut short (in the middle of a record, or at a record boundary so that fewer
 records remain) is one line naming the shard, never a score over part of the data: the reader
-checks every shard's record count against metadata.json (issue: nothing lost, nothing silent)."""
+checks every shard's record count against metadata.json: nothing lost, nothing silent."""
 
 import struct
 

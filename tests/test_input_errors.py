@@ -212,7 +212,7 @@ def test_a_corrupted_bertjax_checkpoint_is_one_line_naming_the_step(hf_dir, tmp_
     assert 'does not restore (KeyError: Item "config" was not found' in message
 
 
-def _bertjax(*args, cwd=REPO, timeout=120):
+def _bertjax(*args, cwd=REPO, timeout=300):
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     proc = subprocess.run([sys.executable, "-m", "bertjax.cli", *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=timeout)  # fmt: skip
@@ -244,7 +244,7 @@ def test_a_config_file_that_does_not_load_is_one_line(tmp_path, body, expected):
 def test_local_sh_without_a_command_stops_before_starting_processes(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "BERTJAX_CMD"}
     proc = subprocess.run([str(REPO / "launch" / "local.sh"), "2", "--"], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=60)  # fmt: skip
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
     assert proc.returncode == 2
     assert proc.stderr.strip() == (
         "local.sh: error: no bertjax command after '--' (e.g. -- pretrain --config=... --workdir=...)"

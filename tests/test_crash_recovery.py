@@ -1,8 +1,8 @@
-"""Fault injection (issue 15): kill -9 at seeded random points of prepare and of training (mid
-checkpoint write included), corrupt the newest checkpoint, fill the disk while checkpointing; then
-run again and check that nothing is lost or half-written and that the losses equal those of an
-uninterrupted run. Faults in checkpoint writes come from tests/fault_inject.py (a `bertjax` with
-Orbax's writes patched)."""
+"""Crash recovery: kill -9 at seeded random points of prepare, pretraining (mid checkpoint write
+included) and fine-tuning (mid write of a result file included), a corrupted newest checkpoint, a
+disk that fills while checkpointing; then the same command again loses nothing, leaves nothing
+half-written, and gives the losses of an uninterrupted run. Faults in writes come from
+tests/fault_inject.py (a `bertjax` with Orbax's and bertjax's writes patched)."""
 
 import errno
 import json
