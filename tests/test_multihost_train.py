@@ -12,6 +12,7 @@ from train_fixtures import read_metrics, tiny_config
 
 from bertjax import compile as aot
 from bertjax import train
+from bertjax.tasks.registry import get_task
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
@@ -143,7 +144,7 @@ def test_compile_reports_fsdp_memory_an_eighth_of_data_parallel(tmp_path):
     reports = {}
     for name, mesh in (("data", {"mesh.data": 8}), ("fsdp", {"mesh.data": 1, "mesh.fsdp": 8})):
         config = tiny_config(tmp_path, steps=2, **mesh)
-        task = train.get_task("pretrain", config, str(tmp_path))
+        task = get_task("pretrain", config, str(tmp_path))
         task.after_prepare()
         reports[name] = aot.compile_train_step(config, str(tmp_path), task=task)
     ratio = reports["fsdp"]["state_bytes_per_device"] / reports["data"]["state_bytes_per_device"]

@@ -13,6 +13,7 @@ from train_fixtures import read_metrics, tiny_config, write_prepared
 
 from bertjax import train
 from bertjax.data import prepare
+from bertjax.tasks.registry import get_task
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
@@ -92,7 +93,7 @@ def test_streams_that_do_not_split_the_batch_are_one_line_before_any_data_work(t
     config = tiny_config(tmp_path, steps=1, **{"train.global_batch_size": 12})  # streams 8
     config.data.prepared_dir = str(tmp_path / "never")  # nothing is prepared or read first
     with pytest.raises(ValueError) as err:
-        train.get_task("pretrain", config, str(tmp_path / "run"))
+        get_task("pretrain", config, str(tmp_path / "run"))
     assert str(err.value) == (
         "config key train.global_batch_size=12 is not divisible by data.streams=8 (set "
         "data.streams to a divisor of it)"
