@@ -49,6 +49,7 @@ def multiple_negatives_ranking_loss(
     directions: Sequence[str] = ("query_to_doc",),
     partition_mode: str = "joint",
     document_mask: Array | None = None,
+    positive_key: Array | None = None,
 ) -> tuple[Array, dict[str, Array]]:
     """InfoNCE of ``queries`` [b, d] against ``documents`` [b, m, d] (column 0: each query's
     positive; columns 1..m-1: its hard negatives) and every other row's documents.
@@ -57,6 +58,8 @@ def multiple_negatives_ranking_loss(
     positive against every query; ``query_to_query``; ``doc_to_doc``); ``partition_mode`` "joint"
     takes one softmax over all of them, "per_direction" averages one log-partition per direction.
     ``document_mask`` [b, m] (1 = real) drops padded hard negatives from every softmax.
+    ``positive_key`` [b] (equal for equal positives): another row's positive that is this row's
+    own is not its negative (dropped from its softmax, in every direction that scores positives).
 
     Returns (mean loss over the queries, metrics): ``accuracy`` (the positive ranked first among
     query_to_doc scores) and ``positive_similarity`` (mean, unscaled).
@@ -81,19 +84,25 @@ def multiple_negatives_ranking_loss(
     doc_ok = None
     if document_mask is not None:
         doc_ok = document_mask.astype(bool).swapaxes(0, 1).reshape(b * m)  # [b * m]
+    same = jnp.zeros((b, b), bool)  # [row, other row]: other's positive is row's own, not row
+    if positive_key is not None:
+        same = (positive_key[:, None] == positive_key[None, :]) & ~jnp.eye(b, dtype=bool)
     sims = {}
     q2d = similarity(queries, docs_all, similarity_fn)  # [b, b * m]
     if doc_ok is not None:
         q2d = jnp.where(doc_ok[None, :], q2d, neg_inf)
+    q2d = q2d.at[:, :b].set(jnp.where(same, neg_inf, q2d[:, :b]))
     sims["query_to_doc"] = q2d
     if "query_to_query" in directions:
         q2q = similarity(queries, queries, similarity_fn)
         sims["query_to_query"] = q2q.at[rows, rows].set(neg_inf)
     if "doc_to_query" in directions:
-        sims["doc_to_query"] = similarity(queries, documents[:, 0], similarity_fn).T
+        d2q = similarity(queries, documents[:, 0], similarity_fn).T
+        sims["doc_to_query"] = jnp.where(same, neg_inf, d2q)
     if "doc_to_doc" in directions:
         d2d = similarity(docs_all, documents[:, 0], similarity_fn).T  # [b, b * m]
         own = jnp.tile(jnp.eye(b, dtype=bool), (1, m))
+        own = own.at[:, :b].set(own[:, :b] | same)
         if doc_ok is not None:
             own = own | ~doc_ok[None, :]
         sims["doc_to_doc"] = jnp.where(own, neg_inf, d2d)
