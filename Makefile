@@ -9,6 +9,8 @@ TASK ?= glue/sst2
 INIT ?=
 FT_CONFIG ?= configs/glue.py
 PYTEST_ARGS ?=
+# Test processes (pytest-xdist; each file's tests stay in one process): 2 on the 2-core CI.
+PYTEST_WORKERS ?= 2
 # Accelerator-specific JAX build: tpu on TPU VMs, cuda on NVIDIA boxes, cpu elsewhere.
 JAX_EXTRA ?= $(shell if ls /dev/accel* /dev/vfio/* >/dev/null 2>&1; then echo tpu; \
 	elif command -v nvidia-smi >/dev/null 2>&1; then echo cuda; else echo cpu; fi)
@@ -48,7 +50,7 @@ finetune: install
 
 test: install-test
 	$(BIN)/ruff check bertjax tests configs
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS) tests
+	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS) tests
 	$(MAKE) test-beam
 
 # The Beam DirectRunner writes the local path's shards byte for byte (skipped in .venv: no Beam there).

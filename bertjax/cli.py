@@ -35,7 +35,10 @@ COMMANDS = {
     "prepare": ("bertjax.data.prepare:main", "turn a corpus into pretraining TFRecords"),
     "vocab": ("bertjax.text.vocab:main", "train a WordPiece or SentencePiece vocabulary"),
     "plot": ("bertjax.tools.plot:main", "write a PNG of a run's metric curves"),
-    "evaluate": ("bertjax.tools.score:main", "official SQuAD / GLUE metrics of a predictions file"),
+    "evaluate": (
+        "bertjax.tools.score:main",
+        "official SQuAD / GLUE metrics of predictions; retrieval metrics of a run or a model",
+    ),
     "evaluate-mlm": (
         "bertjax.tools.mlm_eval:main",
         "held-out MLM loss of any checkpoint on records",

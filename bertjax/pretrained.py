@@ -7,6 +7,11 @@ params, the model config and the tokenizer, and is callable on token ids::
     model = load_pretrained("bert-base-uncased/")
     batch = model.encode_batch(["a sentence", ("first", "second")], max_length=128)
     out = model(**batch)  # out.sequence_output [b, seq, hidden], out.mlm_logits [b, seq, vocab]
+
+A sentence-transformers directory (``modules.json``) loads the same way and keeps its pooling,
+Dense, Normalize, prompts and ``max_seq_length`` in ``embedding``; ``model.embed(texts)`` gives
+the vectors ``SentenceTransformer(path).encode(texts)`` gives. Any other checkpoint embeds as
+sentence-transformers wraps a plain HF model: mean pooling, no Normalize, its position table.
 """
 
 from __future__ import annotations
@@ -26,8 +31,10 @@ from flax import traverse_util
 import bertjax.models as models
 from bertjax.convert import Checkpoint, load_checkpoint, unflatten_params
 from bertjax.convert.checkpoint import head_of
+from bertjax.convert.sentence_transformers import EmbeddingSettings
 from bertjax.head_init import checkpoint_kinds
-from bertjax.models.heads import InferenceModel
+from bertjax.models.heads import InferenceModel, SentenceEmbedder
+from bertjax.sentence_embedding import embed_texts, max_length_of
 from bertjax.text import load_tokenizer
 
 log = logging.getLogger("bertjax")
@@ -113,6 +120,7 @@ class Pretrained:
     task_tensors: dict = dataclasses.field(default_factory=dict)
     task_kinds: frozenset = frozenset()
     hf_class: str | None = None
+    embedding: EmbeddingSettings | None = None  # a sentence-transformers directory's settings
 
     def __post_init__(self):
         self._apply = _jitted_apply(self.module)
@@ -155,6 +163,36 @@ class Pretrained:
                 f"sequence length {length} exceeds the position table of {self.source} "
                 f"(max_position_embeddings={self.config.max_position_embeddings})"
             )
+
+    def embed(
+        self,
+        texts: Sequence[str],
+        batch_size: int = 32,
+        prompt: str | None = None,
+        prompt_name: str | None = None,
+    ) -> np.ndarray:
+        """Sentence embeddings [len(texts), dim] float32, as ``SentenceTransformer.encode``.
+
+        ``prompt`` (text) or ``prompt_name`` (one of ``embedding.prompts``) goes before every
+        text; neither: the model's default prompt, if any. Texts are truncated to
+        ``embedding.max_seq_length`` tokens with [CLS] and [SEP] (see
+        :mod:`bertjax.sentence_embedding`). Needs a tokenizer.
+        """
+        if self.tokenizer is None:
+            raise ValueError(f"{self.source}: no vocabulary file found beside the checkpoint")
+        settings = self.embedding or EmbeddingSettings()
+        name = models.architecture(self.config).encoder_name
+        params = {name: self.encoder_params, **unflatten_params(settings.tensors)}
+        return embed_texts(
+            SentenceEmbedder(self.config, settings.head),  # jitted once per (config, head)
+            params,
+            self.tokenizer,
+            settings,
+            texts,
+            max_length=max_length_of(settings, self.config.max_position_embeddings),
+            batch_size=batch_size,
+            prompt=settings.resolve_prompt(prompt, prompt_name, self.source),
+        )
 
     def __call__(
         self,
@@ -273,6 +311,7 @@ def pretrained_from_checkpoint(
         task_tensors,
         task_kinds,
         ckpt.hf_class,
+        ckpt.embedding,
     )
 
 
@@ -286,12 +325,14 @@ def load_pretrained(
     fmt: str | None = None,
     quiet: bool = False,
 ) -> Pretrained:
-    """Loads a HF, original Google or bertjax checkpoint directory as a runnable model.
+    """Loads a HF, sentence-transformers, original Google or bertjax checkpoint directory as a
+    runnable model (``embed`` for sentence embeddings).
 
     heads="available" keeps the heads the checkpoint has; "all" adds freshly initialised pooler,
     MLM and NSP heads (seeded by ``seed``) where absent. ``dtype`` is the compute dtype (params
     stay float32). ``vocab`` overrides the vocabulary file found beside the checkpoint and ``fmt``
-    (hf, tf, bertjax) the detected format. ``quiet``: no log lines about the heads.
+    (hf, tf, bertjax, sentence-transformers) the detected format. ``quiet``: no log lines about
+    the heads.
     """
     ckpt = load_checkpoint(path, fmt, vocab)
     return pretrained_from_checkpoint(ckpt, heads=heads, dtype=dtype, seed=seed, quiet=quiet)

@@ -203,6 +203,7 @@ _RUNS = [  # in order: later commands use what earlier ones wrote
     ".venv/bin/bertjax evaluate squad --dataset=dev-v1.1.json "
     "--predictions=/tmp/squad/squad/predictions.json",
     ".venv/bin/bertjax convert --from=bertjax workdirs/demo --to=hf /tmp/demo-hf",
+    ".venv/bin/bertjax convert workdirs/demo --to=sentence-transformers --pooling=cls /tmp/demo-st",
     ".venv/bin/bertjax convert --from=hf path/to/hf-bert --to=bertjax /tmp/bert-bertjax",
     ".venv/bin/bertjax extract-features --checkpoint=/tmp/bert-hf --input=sentences.txt "
     "--output=feats.jsonl",
@@ -298,4 +299,5 @@ def test_readme_make_and_bertjax_commands_run_as_written(tmp_path):
     assert (here / "tmp" / "squad2" / "eval_results.json").exists()
     assert (here / "vocab.txt").exists() and (here / "data/seq128/metadata.json").exists()
     assert (here / "tmp" / "demo-hf" / "config.json").exists()
+    assert (here / "tmp" / "demo-st" / "modules.json").exists()
     assert len((here / "feats.jsonl").read_text().splitlines()) == 2

@@ -4,9 +4,11 @@ Every format is read into one in-memory :class:`~bertjax.convert.checkpoint.Chec
 config + flat bertjax tensors). Layouts: ``bert_layout`` (BERT's table: bertjax path, original
 Google name, role; HF names derive from it), ``layouts.param_layout`` for any architecture.
 
-``bertjax convert --from=hf|tf|bertjax SRC --to=hf|tf|bertjax DST`` reads everything, validates
-it (missing/unexpected tensors, shapes, vocabulary size) and only then writes DST through a
-temporary directory that is renamed at the end: a failed conversion leaves nothing behind.
+``bertjax convert --from=FMT SRC --to=FMT DST`` (hf, tf, bertjax, sentence-transformers) reads
+everything, validates it (missing/unexpected tensors, shapes, vocabulary size) and only then writes
+DST through a temporary directory that is renamed at the end: a failed conversion leaves nothing
+behind. ``--to=sentence-transformers`` keeps a sentence-transformers source's pooling, Dense,
+Normalize and prompts, and pools by ``--pooling`` (default mean) otherwise.
 """
 
 from __future__ import annotations
@@ -28,13 +30,26 @@ from bertjax.convert.checkpoint import (
 )
 from bertjax.convert.hf import load_hf, write_hf
 from bertjax.convert.orbax_format import load_bertjax, write_bertjax
+from bertjax.convert.sentence_transformers import (
+    is_sentence_transformers_dir,
+    load_sentence_transformers,
+    with_pooling,
+    write_sentence_transformers,
+)
 from bertjax.convert.tf import load_tf, write_tf
+from bertjax.models.pooling import POOLING_MODES
 
 log = logging.getLogger("bertjax")
 
-FORMATS = ("hf", "tf", "bertjax")
-LOADERS = {"hf": load_hf, "tf": load_tf, "bertjax": load_bertjax}
-WRITERS = {"hf": write_hf, "tf": write_tf, "bertjax": write_bertjax}
+ST = "sentence-transformers"
+FORMATS = ("hf", "tf", "bertjax", ST)
+LOADERS = {"hf": load_hf, "tf": load_tf, "bertjax": load_bertjax, ST: load_sentence_transformers}
+WRITERS = {
+    "hf": write_hf,
+    "tf": write_tf,
+    "bertjax": write_bertjax,
+    ST: write_sentence_transformers,
+}
 
 __all__ = [
     "FORMATS",
@@ -49,8 +64,11 @@ __all__ = [
 
 
 def detect_format(path: str) -> str:
-    """hf (config.json + weights), tf (bert_config.json / *.ckpt.index) or bertjax (Orbax steps)."""
+    """sentence-transformers (modules.json), hf (config.json + weights), tf (bert_config.json /
+    *.ckpt.index) or bertjax (Orbax steps)."""
     if os.path.isdir(path):
+        if is_sentence_transformers_dir(path):
+            return ST
         names = set(os.listdir(path))
         weights = {
             "model.safetensors",
@@ -113,10 +131,19 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--to", dest="dst_format", choices=FORMATS, required=True)
     parser.add_argument("--vocab", help="vocabulary file (default: the one beside SRC)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing DST")
+    parser.add_argument(
+        "--pooling",
+        choices=POOLING_MODES,
+        help=f"--to={ST} only: pool token embeddings this way (default: the source's, else mean)",
+    )
     parser.add_argument("src")
     parser.add_argument("dst")
     args = parser.parse_args(argv)
+    if args.pooling and args.dst_format != ST:
+        parser.error(f"--pooling applies to --to={ST} only")
     ckpt = load_checkpoint(args.src, args.src_format, args.vocab)
+    if args.pooling:
+        ckpt.embedding = with_pooling(ckpt.embedding, args.pooling)
     save_checkpoint(ckpt, args.dst, args.dst_format, args.overwrite)
     log.info(
         "converted %s (%d tensors, heads: %s) -> %s (%s)",

@@ -67,6 +67,9 @@ class Checkpoint:
     # The Hugging Face class it was read as, where the heads alone do not tell it (a multiple-choice
     # classifier has the tensors of a one-label sequence classifier); written back by ``--to=hf``.
     hf_class: str | None = None
+    # A sentence-transformers directory's pooling, Dense, Normalize, prompts and max_seq_length
+    # (``bertjax.convert.sentence_transformers.EmbeddingSettings``); None: not one.
+    embedding: Any = None
 
     @property
     def heads(self) -> tuple[str, ...]:

@@ -15,6 +15,7 @@ tensor is rebuilt from a NumPy view of its storage file: no code from the file r
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 import os
 import pickle
@@ -37,6 +38,7 @@ from bertjax.convert.checkpoint import (
     Checkpoint,
     Entry,
     find_vocab,
+    head_of,
     match_tensors,
     read_json_object,
     with_param_dtype,
@@ -384,6 +386,14 @@ def _write_tokenizer_files(ckpt: Checkpoint, directory: str, tokenizer, tokens) 
     for name, value in (("tokenizer_config.json", config), ("special_tokens_map.json", special)):
         with open(os.path.join(directory, name), "w") as f:
             json.dump(value, f, indent=2, sort_keys=True)
+
+
+def bare_encoder(ckpt: Checkpoint) -> Checkpoint:
+    """``ckpt`` with only the tensors of the bare transformers encoder class (``BertModel`` keeps
+    the pooler, ``ModernBertModel`` has none): what a sentence-transformers directory stores."""
+    keep = ("encoder",) if ckpt.config.architecture == "modernbert" else ("encoder", "pooler")
+    tensors = {k: v for k, v in ckpt.tensors.items() if head_of(k) in keep}
+    return dataclasses.replace(ckpt, tensors=tensors, hf_class=None)
 
 
 def write_hf(ckpt: Checkpoint, directory: str) -> None:

