@@ -12,6 +12,7 @@ import shutil
 import jax
 import numpy as np
 import pytest
+from train_fixtures import set_keys
 
 from bertjax import multiseed as finetune
 from bertjax import train
@@ -169,13 +170,7 @@ def small_config(c, files, data_dir, **overrides):
     c.optimizer.learning_rate = 1e-3
     c.mesh.num_devices = 1
     c.tensorboard = False
-    for key, value in overrides.items():
-        node = c
-        *path, last = key.split(".")
-        for part in path:
-            node = node[part]
-        node[last] = value
-    return c
+    return set_keys(c, overrides)
 
 
 def _results(workdir):

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from train_fixtures import set_keys
 
 from bertjax import train
 from bertjax.retrieval import losses
@@ -66,13 +67,7 @@ def _config(beir_dir, **overrides):
     c.optimizer.learning_rate = 1e-3
     c.tensorboard = False
     c.mesh.num_devices = 1
-    for key, value in overrides.items():
-        node = c
-        *path, last = key.split(".")
-        for part in path:
-            node = node[part]
-        node[last] = value
-    return c
+    return set_keys(c, overrides)
 
 
 @pytest.mark.slow

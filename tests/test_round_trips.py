@@ -107,16 +107,6 @@ class Run:
     phase: int = 0  # the phase whose model the checkpoint holds
 
 
-def _set(c, overrides: dict):
-    for key, value in overrides.items():
-        node = c
-        *path, last = key.split(".")
-        for part in path:
-            node = node[part]
-        node[last] = value
-    return c
-
-
 def _vocab_size(path) -> int:
     return len(pathlib.Path(path).read_text().split())
 

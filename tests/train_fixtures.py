@@ -101,13 +101,18 @@ def tiny_config(tmp: pathlib.Path, steps=4, **overrides):
     c.optimizer.warmup_steps = 1
     c.optimizer.learning_rate = 1e-3
     c.tensorboard = False
+    return set_keys(c, overrides)
+
+
+def set_keys(config, overrides: dict):
+    """``config`` with each dotted key of ``overrides`` (``"train.steps"``) set; returns it."""
     for key, value in overrides.items():
-        node = c
+        node = config
         *path, last = key.split(".")
         for part in path:
             node = node[part]
         node[last] = value
-    return c
+    return config
 
 
 def read_metrics(workdir, split="train"):

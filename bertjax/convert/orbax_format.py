@@ -36,12 +36,16 @@ def _model_config(values: dict, flat: dict, source: str):
     return models.model_config_from(model, int(flat[table].shape[0]))
 
 
-def _steps_dir(path: str) -> str | None:
-    """The folder of a bertjax checkpoint's numbered steps (``path`` or ``path/checkpoints``)."""
-    for directory in (path, os.path.join(path, "checkpoints")):
-        if os.path.isdir(directory) and any(n.isdigit() for n in os.listdir(directory)):
-            return directory
-    return None
+def _has_steps(directory: str) -> bool:
+    return os.path.isdir(directory) and any(n.isdigit() for n in os.listdir(directory))
+
+
+def _steps_dir(path: str) -> str:
+    """Where a bertjax checkpoint's numbered steps are: ``path`` itself, else its
+    ``checkpoints`` folder (a run's WORKDIR)."""
+    directory = os.path.abspath(path)
+    checkpoints = os.path.join(directory, "checkpoints")
+    return checkpoints if not _has_steps(directory) and os.path.isdir(checkpoints) else directory
 
 
 def run_tokenizer(
@@ -65,7 +69,7 @@ def run_tokenizer(
     init = values.get("init_checkpoint") or ""
     if vocab is None and init and os.path.isdir(init):  # tokenized with the init checkpoint's
         steps = _steps_dir(init) if depth < 4 else None
-        if steps is None:
+        if steps is None or not _has_steps(steps):
             vocab = find_vocab(init)
         else:  # another bertjax run: its own tokenizer, found the same way
             _, init_values, _ = restore_params(steps)
@@ -76,10 +80,7 @@ def run_tokenizer(
 
 def load_bertjax(path: str) -> Checkpoint:
     """Reads the newest step of a bertjax checkpoint directory (or a run's WORKDIR)."""
-    directory = os.path.abspath(path)
-    steps = [n for n in os.listdir(directory) if n.isdigit()]
-    if not steps and os.path.isdir(os.path.join(directory, "checkpoints")):
-        directory = os.path.join(directory, "checkpoints")
+    directory = _steps_dir(path)
     params, values, step = restore_params(directory)
     flat = unstack_layers(flatten_params(params))
     source = f"{directory} (step {step})"

@@ -20,15 +20,16 @@ from collections.abc import Callable, Sequence
 import jax
 import jax.numpy as jnp
 
+from bertjax.models.pooling import l2_normalize
+
 Array = jax.Array
 
 DIRECTIONS = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")
 
 
-def normalize(x: Array, eps: float = 1e-12) -> Array:
-    """Rows scaled to unit L2 norm (as ``torch.nn.functional.normalize``: norms clamped at eps)."""
-    x = x.astype(jnp.float32)
-    return x / jnp.maximum(jnp.linalg.norm(x, axis=-1, keepdims=True), eps)
+def normalize(x: Array) -> Array:
+    """Rows in float32 scaled to unit L2 norm (``bertjax.models.pooling.l2_normalize``)."""
+    return l2_normalize(x.astype(jnp.float32))
 
 
 def similarity(a: Array, b: Array, kind: str = "cosine") -> Array:
