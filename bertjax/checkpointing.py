@@ -35,15 +35,21 @@ log = logging.getLogger(__name__)
 
 
 def run_config_json(
-    config_json: str, model_config: Any, config: Any, tokenizer: Any = None
+    config_json: str,
+    model_config: Any,
+    config: Any,
+    tokenizer: Any = None,
+    record: dict[str, Any] | None = None,
 ) -> str:
     """The run's config JSON plus ``model_config``: the model this phase trains, as built (from
     the init checkpoint, with the phase's options such as its RoPE base), which ``convert``,
     ``load_pretrained`` and runs started from the checkpoint rebuild. The kernels chosen for this
     run's devices go back to the run's own setting (``auto`` picks again where it is loaded) or,
     unset, the architecture's default. ``tokenizer``: the run's, recorded as ``tokenizer``
-    (vocabulary file and casing)."""
+    (vocabulary file and casing). ``record``: the task's own entries
+    (``Task.checkpoint_record``)."""
     values = json.loads(config_json)
+    values.update(record or {})
     model = model_config.to_dict()
     for key in ("attention_impl", "dropout_impl"):
         if key in model:
@@ -51,7 +57,9 @@ def run_config_json(
     values["model_config"] = model
     if tokenizer is not None:  # what the run tokenized with, whichever key or checkpoint named it
         values["tokenizer"] = {
-            "vocab_file": tokenizer.vocab_file if "://" in tokenizer.vocab_file else os.path.abspath(tokenizer.vocab_file),
+            "vocab_file": tokenizer.vocab_file
+            if "://" in tokenizer.vocab_file
+            else os.path.abspath(tokenizer.vocab_file),
             "do_lower_case": bool(tokenizer.do_lower_case),
         }
     return json.dumps(values, sort_keys=True)
@@ -287,8 +295,10 @@ class BestCheckpoint:
             if ckpt.latest_step() is not None:
                 kept = ckpt.read_data()
                 self.value = kept.get("value")
-                if kept.get("scale") != "fraction" and self.metric[1] == "max" and (
-                    self.value is not None and self.value > 1.0
+                if (
+                    kept.get("scale") != "fraction"
+                    and self.metric[1] == "max"
+                    and (self.value is not None and self.value > 1.0)
                 ):  # kept by a bertjax whose SQuAD/NER metrics were percentages
                     self.value /= 100.0
             ckpt.close()
@@ -313,8 +323,13 @@ class BestCheckpoint:
         ckpt.save(
             step,
             {"params": params},
-            {"metric": self.metric[0], "value": value, "scale": "fraction", "step": step,
-             "eval": metrics},  # fmt: skip
+            {
+                "metric": self.metric[0],
+                "value": value,
+                "scale": "fraction",
+                "step": step,
+                "eval": metrics,
+            },  # fmt: skip
             config_json,
             force=True,
         )

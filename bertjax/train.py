@@ -179,7 +179,11 @@ def _run_phase(run: _Run, phase, phase_index, state, step, data_state) -> PhaseR
     setup, config, writer, ckpt, stop = run.setup, run.config, run.writer, run.ckpt, run.stop
     setup = phase_setup(setup, phase)
     config_json = checkpointing.run_config_json(
-        run.config_json, setup.model.config, config, getattr(setup.task, "tokenizer", None)
+        run.config_json,
+        setup.model.config,
+        config,
+        getattr(setup.task, "tokenizer", None),
+        setup.task.checkpoint_record(),
     )
     peak, best = run.peak, run.best
     task, tcfg = setup.task, config.train

@@ -176,9 +176,7 @@ def phase_setup(setup: Setup, phase: Phase) -> Setup:
 
     def shapes(m):  # under the run's mesh: the kernels are chosen for its devices (splash on TPU)
         with jax.set_mesh(setup.mesh), nn.logical_axis_rules(setup.rules):
-            return jax.eval_shape(
-                lambda: setup.task.fresh_params(m, jax.random.key(0), init_batch)
-            )
+            return jax.eval_shape(lambda: setup.task.fresh_params(m, jax.random.key(0), init_batch))
 
     want, got = nn.meta.unbox(shapes(setup.model)), nn.meta.unbox(shapes(model))
     if jax.tree.structure(want) != jax.tree.structure(got) or any(

@@ -23,8 +23,10 @@ def get_config():
     c.train.global_batch_size = 64
     c.optimizer.learning_rate = 2e-5
     c.retrieval = ml_collections.ConfigDict()
-    c.retrieval.pooling = "mean"  # cls | mean | max | lasttoken | weightedmean (joined with +)
-    c.retrieval.normalize = False  # L2-normalise the embeddings the model outputs
+    # cls | mean | max | lasttoken | weightedmean (joined with +); empty: the init checkpoint's
+    # (a sentence-transformers model's pooling, Dense layers and Normalize), else mean
+    c.retrieval.pooling = ""
+    c.retrieval.normalize = False  # also L2-normalise the embeddings the model outputs
     c.retrieval.similarity = "cosine"  # cosine | dot
     c.retrieval.scale = 20.0  # 1 / temperature
     c.retrieval.directions = ("query_to_doc",)  # + "doc_to_query": the symmetric loss

@@ -55,9 +55,7 @@ def _newest_data_file(checkpoints: pathlib.Path, step: int) -> pathlib.Path:
 
 
 @pytest.mark.parametrize("fault", ["truncate", "flip"])
-def test_resume_skips_a_corrupted_newest_checkpoint(
-    tmp_path, caplog, monkeypatch, request, fault
-):
+def test_resume_skips_a_corrupted_newest_checkpoint(tmp_path, caplog, monkeypatch, request, fault):
     """The `bertjax` command's run (its process hooks installed, as cli.main does): the bad step
     is logged once and nothing else is printed, however late its abandoned reads complete (a
     library caller gets the same quiet while the restore runs; see process_hooks.quieted)."""

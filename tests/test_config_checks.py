@@ -44,9 +44,7 @@ def test_a_sequence_beyond_the_position_table_fails_before_preparing_data(tmp_pa
 
 
 @pytest.mark.parametrize("words", [30, 40])  # another size; the same size, other tokens
-def test_another_vocabulary_than_the_init_checkpoints_fails_before_preparing_data(
-    tmp_path, words
-):
+def test_another_vocabulary_than_the_init_checkpoints_fails_before_preparing_data(tmp_path, words):
     ckpt = tmp_path / "ckpt"
     random_bert_for_pretraining(ckpt, vocab_size=40)
     (ckpt / "vocab.txt").write_text("\n".join(WORDS) + "\n")

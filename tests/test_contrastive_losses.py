@@ -33,7 +33,9 @@ def _ours(queries, documents, **kwargs):
     def f(q, d):
         return losses.multiple_negatives_ranking_loss(q, d, **kwargs)[0]
 
-    loss, (gq, gd) = jax.value_and_grad(f, argnums=(0, 1))(jnp.asarray(queries), jnp.asarray(documents))
+    loss, (gq, gd) = jax.value_and_grad(f, argnums=(0, 1))(
+        jnp.asarray(queries), jnp.asarray(documents)
+    )
     return float(loss), np.asarray(gq), np.asarray(gd)
 
 

@@ -103,6 +103,7 @@ def test_every_architecture_honours_the_contract(name):
     out = model.apply({"params": params}, ids, ids, ids)
     assert out["mlm_logits"].shape == (2, 8, 100)
     assert ("nsp_logits" in out) == arch.nsp
+
     def count(tree):
         return sum(np.size(v) for v in traverse_util.flatten_dict(tree).values())
 

@@ -351,7 +351,9 @@ def test_num_params_is_the_real_count(biases):
     cfg = _small(**flags, decoder_bias=not biases)
     ids = jnp.ones((1, 4), jnp.int32)
     assert _count(_shapes(PreTrainingModel(cfg, nsp=False), ids)) == cfg.num_params()
-    assert _count(_shapes(modernbert.ModernBertModel(cfg, add_pooler=False), ids)) == cfg.num_params(False)
+    assert _count(
+        _shapes(modernbert.ModernBertModel(cfg, add_pooler=False), ids)
+    ) == cfg.num_params(False)
     with_pooler = _count(_shapes(modernbert.ModernBertModel(cfg), ids))
     assert with_pooler == cfg.num_params(False, include_pooler=True)
     torch = pytest.importorskip("torch")
@@ -420,7 +422,9 @@ def test_config_presets_and_validation():
         128,
         50368,
     )
-    assert base.head_dim == 64 and modernbert.ARCHITECTURE.config_class is modernbert.ModernBertConfig
+    assert (
+        base.head_dim == 64 and modernbert.ARCHITECTURE.config_class is modernbert.ModernBertConfig
+    )
     assert base.to_dict()["architecture"] == "modernbert"
     assert modernbert.ModernBertConfig.from_dict(base.to_dict()) == base
     assert bertjax.models.config_from_dict(large.to_dict()) == large
@@ -553,7 +557,9 @@ def test_splash_sliding_window_in_interpreter(monkeypatch):
     enc = modernbert.ModernBertModel(cfg, add_pooler=False)
     params = jax.jit(enc.init)(jax.random.key(0), ids, None, mask)["params"]
     outs = [
-        jax.jit(modernbert.ModernBertModel(c, add_pooler=False).apply)({"params": params}, ids, None, mask)
+        jax.jit(modernbert.ModernBertModel(c, add_pooler=False).apply)(
+            {"params": params}, ids, None, mask
+        )
         for c in (cfg, cfg.replace(attention_impl="splash"))
     ]
     real = mask > 0

@@ -387,9 +387,10 @@ def test_a_fine_tuned_runs_checkpoint_keeps_its_tokenizer(trained, tmp_path, set
     run = trained("glue")
     _, values, _ = checkpointing.restore_params(os.path.join(run.workdir, "checkpoints"))
     assert values["tokenizer"]["do_lower_case"] is True  # recorded by the run
-    assert bertjax.load_pretrained(run.workdir).tokenizer.vocab_file == values["tokenizer"][
-        "vocab_file"
-    ]
+    assert (
+        bertjax.load_pretrained(run.workdir).tokenizer.vocab_file
+        == values["tokenizer"]["vocab_file"]
+    )
     edit = {
         "legacy_vocab_key": _legacy_vocab_key,
         "init_checkpoints_vocab": _init_checkpoints_vocab(run.workdir),

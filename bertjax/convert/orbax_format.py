@@ -20,6 +20,7 @@ from bertjax.convert.checkpoint import (
     with_param_dtype,
 )
 from bertjax.convert.layouts import param_layout
+from bertjax.convert.sentence_transformers import settings_from_record, settings_record
 
 
 def _model_config(values: dict, flat: dict, source: str):
@@ -48,9 +49,7 @@ def _steps_dir(path: str) -> str:
     return checkpoints if not _has_steps(directory) and os.path.isdir(checkpoints) else directory
 
 
-def run_tokenizer(
-    values: dict, directory: str, depth: int = 0
-) -> tuple[str | None, bool | None]:
+def run_tokenizer(values: dict, directory: str, depth: int = 0) -> tuple[str | None, bool | None]:
     """(vocabulary file, do_lower_case) of the run whose checkpoint config is ``values``: a copy
     beside the checkpoint or in the run's prepared data, else the tokenizer the run recorded
     (``tokenizer``), else its config keys (``data.vocab``, the older top-level ``vocab``, the init
@@ -84,6 +83,10 @@ def load_bertjax(path: str) -> Checkpoint:
     params, values, step = restore_params(directory)
     flat = unstack_layers(flatten_params(params))
     source = f"{directory} (step {step})"
+    embedding = None
+    if values.get("embedding") is not None:  # a run that trained sentence embeddings
+        dense = {k: flat.pop(k) for k in list(flat) if k.split("/")[0].startswith("dense_")}
+        embedding = settings_from_record(values["embedding"], dense, source)
     config = _model_config(values, flat, source)
     config = config.replace(scan_layers=False, remat="none")
     num_labels = int(flat["classifier/kernel"].shape[-1]) if "classifier/kernel" in flat else 0
@@ -93,7 +96,9 @@ def load_bertjax(path: str) -> Checkpoint:
     if vocab is not None and vocab.endswith(".json"):
         lower = None  # a tokenizer.json's normalizer decides (a run's data.do_lower_case does not)
     config = with_param_dtype(config, tensors)
-    return Checkpoint(config, tensors, vocab, lower, source, values.get("hf_class"))
+    ckpt = Checkpoint(config, tensors, vocab, lower, source, values.get("hf_class"))
+    ckpt.embedding = embedding
+    return ckpt
 
 
 def write_bertjax(ckpt: Checkpoint, directory: str) -> None:
@@ -109,8 +114,12 @@ def write_bertjax(ckpt: Checkpoint, directory: str) -> None:
         "source": ckpt.source,
         "hf_class": ckpt.hf_class,
     }
+    tensors = dict(ckpt.tensors)
+    if ckpt.embedding is not None:  # a sentence-embedding model: its head and Dense layers
+        meta["embedding"] = settings_record(ckpt.embedding)
+        tensors.update(ckpt.embedding.tensors)
     manager = Checkpointer(directory, keep=1, async_save=False)
     try:
-        manager.save(0, {"params": unflatten_params(ckpt.tensors)}, {}, json.dumps(meta), True)
+        manager.save(0, {"params": unflatten_params(tensors)}, {}, json.dumps(meta), True)
     finally:
         manager.close()

@@ -97,6 +97,56 @@ class EmbeddingSettings:
         return self.prompts[name]
 
 
+def settings_record(settings: EmbeddingSettings) -> dict[str, Any]:
+    """``settings`` without its tensors, as JSON values: what a bertjax run that trains
+    embeddings records in its checkpoint config (``embedding``)."""
+    head = settings.head
+    return {
+        "pooling": list(head.pooling),
+        "include_prompt": head.include_prompt,
+        "dense": [dataclasses.asdict(layer) for layer in head.dense],
+        "normalize": head.normalize,
+        "max_seq_length": settings.max_seq_length,
+        "do_lower_case": settings.do_lower_case,
+        "prompts": dict(settings.prompts),
+        "default_prompt_name": settings.default_prompt_name,
+        "similarity_fn_name": settings.similarity_fn_name,
+    }
+
+
+def settings_from_record(
+    record: dict[str, Any], tensors: dict[str, np.ndarray], source: str
+) -> EmbeddingSettings:
+    """The :class:`EmbeddingSettings` a run recorded (:func:`settings_record`), with the Dense
+    layers' tensors (``dense_{i}/...``) taken from the checkpoint's."""
+    try:
+        head = EmbeddingHead(
+            pooling=tuple(record["pooling"]),
+            include_prompt=bool(record.get("include_prompt", True)),
+            dense=tuple(DenseLayer(**layer) for layer in record.get("dense") or ()),
+            normalize=bool(record.get("normalize", False)),
+        )
+    except (KeyError, TypeError, ValueError) as err:
+        raise ValueError(f"{source}: the recorded embedding head is not readable ({err})") from None
+    want = {f"dense_{i}" for i in range(len(head.dense))}
+    want |= {f"dense_{i}_residual" for i, layer in enumerate(head.dense) if layer.residual}
+    got = {path.split("/")[0] for path in tensors}
+    if not got <= want or not {f"dense_{i}" for i in range(len(head.dense))} <= got:
+        raise ValueError(
+            f"{source}: the recorded embedding head has {len(head.dense)} Dense layers but the "
+            f"checkpoint holds {sorted(got) or 'none'}"
+        )
+    return EmbeddingSettings(
+        head=head,
+        tensors=dict(tensors),
+        max_seq_length=record.get("max_seq_length"),
+        do_lower_case=bool(record.get("do_lower_case", False)),
+        prompts=dict(record.get("prompts") or {}),
+        default_prompt_name=record.get("default_prompt_name"),
+        similarity_fn_name=record.get("similarity_fn_name"),
+    )
+
+
 def is_sentence_transformers_dir(path: str) -> bool:
     """Whether ``path`` is a sentence-transformers model directory (has modules.json)."""
     return os.path.isfile(os.path.join(path, MODULES))

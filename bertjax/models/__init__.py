@@ -82,8 +82,7 @@ def model_overrides(model: Any, vocab_size: int) -> tuple[Architecture, dict[str
             continue
         if key not in fields:
             raise ValueError(
-                f"config key model.{key}={value!r} does not apply to architecture "
-                f"{arch.name!r}"
+                f"config key model.{key}={value!r} does not apply to architecture {arch.name!r}"
             )
         if key == "vocab_size":
             if value != vocab_size:

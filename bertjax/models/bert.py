@@ -420,7 +420,6 @@ def forward_flops_per_sequence(cfg: BertConfig, seq_len: int, num_masked: int) -
     return float(encoder + heads + mlm)
 
 
-
 ARCHITECTURE = Architecture(
     name="bert",
     config_class=BertConfig,

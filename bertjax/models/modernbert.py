@@ -509,7 +509,6 @@ def forward_flops_per_sequence(cfg: ModernBertConfig, seq_len: int, num_masked: 
     return float(seq_len * per_token + num_masked * 2 * (h * h + h * v))
 
 
-
 ARCHITECTURE = Architecture(
     name="modernbert",
     config_class=ModernBertConfig,

@@ -216,6 +216,11 @@ class Task:
         """After training, with the best (or last) params: final metrics / prediction files."""
         return {}
 
+    def checkpoint_record(self) -> dict[str, Any]:
+        """What the checkpoint config records besides the run's config, so that the saved
+        params load as the model trained (e.g. ``embedding``: the pooling a retriever used)."""
+        return {}
+
     def describe(self) -> str:
         return self.name
 

@@ -17,6 +17,7 @@ does; nDCG@10 picks the best checkpoint.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -27,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from bertjax import flops, fs
+from bertjax.convert.sentence_transformers import EmbeddingSettings, settings_record
 from bertjax.models.heads import SentenceEmbedder
 from bertjax.models.pooling import EmbeddingHead
 from bertjax.pretrained import encode_batch
@@ -130,9 +132,40 @@ class RetrievalTask(FinetuneTask):
         )  # fmt: skip
 
     # ---- model -----------------------------------------------------------------------------------
+    def init_embedding(self) -> EmbeddingSettings | None:
+        """The init checkpoint's sentence-embedding settings (a sentence-transformers directory
+        or a bertjax retrieval run), None when it has none."""
+        if self.source is None or not self.source.init_checkpoint:
+            return None
+        return self.source.pretrained.embedding
+
     def embedding_head(self) -> EmbeddingHead:
-        r = self.config.retrieval
-        return EmbeddingHead(pooling=tuple(r.pooling.split("+")), normalize=bool(r.normalize))
+        """``retrieval.pooling`` (empty: the init checkpoint's head with its Dense layers and
+        Normalize, else mean pooling), L2-normalised when ``retrieval.normalize`` is set."""
+        r, init = self.config.retrieval, self.init_embedding()
+        head = init.head if init is not None else EmbeddingHead()
+        if r.pooling:
+            try:
+                head = dataclasses.replace(head, pooling=tuple(r.pooling.split("+")))
+                head.dimension(self.model_config().hidden_size)
+            except ValueError as err:
+                raise ValueError(f"config key retrieval.pooling={r.pooling!r}: {err}") from None
+        return dataclasses.replace(head, normalize=True) if r.normalize else head
+
+    def embedding_settings(self) -> EmbeddingSettings:
+        """What the trained model embeds with (recorded in its checkpoints, so that
+        ``load_pretrained(WORKDIR).embed`` and ``convert --to=sentence-transformers`` use it)."""
+        init = self.init_embedding() or EmbeddingSettings()
+        return dataclasses.replace(
+            init,
+            head=self.embedding_head(),
+            tensors={},
+            max_seq_length=int(self.config.data.max_seq_length),
+            similarity_fn_name=self.config.retrieval.similarity,
+        )
+
+    def checkpoint_record(self) -> dict:
+        return {"embedding": settings_record(self.embedding_settings())}
 
     def build_model(self, model_config):
         return SentenceEmbedder(model_config, head=self.embedding_head())

@@ -135,7 +135,9 @@ def bench_config(args: argparse.Namespace):
     model["max_position_embeddings"] = max(positions, args.seq)
     attention_dropout = args.dropout if args.attention_dropout is None else args.attention_dropout
     model.update(hidden_dropout=args.dropout, attention_dropout=attention_dropout)
-    data = dict(max_seq_length=args.seq, max_predictions_per_seq=args.masked, nsp=arch.nsp, phases=())
+    data = dict(
+        max_seq_length=args.seq, max_predictions_per_seq=args.masked, nsp=arch.nsp, phases=()
+    )
     optimizer = dict(name="adamw", learning_rate=1e-4, warmup_steps=10_000, grad_clip_norm=1.0)
     optimizer.update(b1=0.9, b2=0.999, eps=1e-6, weight_decay=0.01, end_lr_factor=0.0)
     mesh = dict(data=-1, fsdp=1, tensor=1, num_devices=args.devices)
