@@ -18,6 +18,7 @@ def get_config():
     c.data.train_split = "train"
     c.data.eval_split = "test"  # "" or a missing qrels file: no evaluation
     c.data.num_negatives = 0  # hard negatives per row (from train_file's "negatives")
+    c.data.no_duplicates = True  # no text twice in a batch (it would be its own negative)
     c.data.batch_packing = False
     c.data.eval_packing = False
     c.train.global_batch_size = 64

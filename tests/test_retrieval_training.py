@@ -121,7 +121,7 @@ def test_json_lines_with_hard_negatives(beir_dir, tmp_path):
     result = train.train_and_evaluate(c, str(tmp_path / "run"))
     assert np.isfinite(result["train"]["loss"])
     path.write_text('{"query": "a"}\n')
-    with pytest.raises(ValueError, match=r"train.jsonl:1: KeyError"):
+    with pytest.raises(ValueError, match=r"train.jsonl:1: no .positive. field"):
         train.prepared_task(c, str(tmp_path / "bad"))
 
 

@@ -4,7 +4,7 @@ Same iterator/state/restore interface as ``bertjax.data.pipeline.PretrainingData
 """
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -30,7 +30,8 @@ class ArrayData:
     in global examples) are independent of the host count: `restore` is exact even when
     process_count or the per-host batch size changed. Training (`repeat=True`) reads an endless
     stream of epochs, each a permutation seeded by (seed, epoch) when `shuffle`; batches may span
-    epoch boundaries. `repeat=False` is a single pass in which the last global batch is padded with
+    epoch boundaries; `arrange` (a function of the epoch's permutation returning another) reorders
+    each epoch, e.g. so that no batch holds the same text twice. `repeat=False` is a single pass in which the last global batch is padded with
     copies of example 0. Every batch carries a float32 `mask` [b]: 1 for real examples, 0 for
     padding, so an evaluation weighted by `mask` sees every example exactly once.
     """
@@ -45,6 +46,7 @@ class ArrayData:
         process_count: int = 1,
         shuffle: bool = True,
         repeat: bool = True,
+        arrange: Callable[[np.ndarray], np.ndarray] | None = None,
     ):
         if not features:
             raise ValueError("ArrayData: no features")
@@ -67,7 +69,7 @@ class ArrayData:
             )
         self._per_host, self._seed = per_host_batch_size, seed
         self._index, self._count = process_index, process_count
-        self._shuffle, self._repeat = shuffle, repeat
+        self._shuffle, self._repeat, self._arrange = shuffle, repeat, arrange
         self._examples_consumed = 0  # global stream position
         self._batches_consumed = 0
         self._perm_cache: dict[int, np.ndarray] = {}
@@ -90,7 +92,8 @@ class ArrayData:
             if len(self._perm_cache) > 2:
                 self._perm_cache.pop(min(self._perm_cache))
             rng = np.random.default_rng([self._seed, epoch])
-            self._perm_cache[epoch] = rng.permutation(self._num)
+            order = rng.permutation(self._num)
+            self._perm_cache[epoch] = self._arrange(order) if self._arrange else order
         return self._perm_cache[epoch]
 
     def __iter__(self) -> "ArrayData":

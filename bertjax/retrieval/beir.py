@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 
 from bertjax import fs
 from bertjax.retrieval import trec_format
+
+log = logging.getLogger("bertjax")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,7 +34,8 @@ def document_text(title: str | None, text: str) -> str:
 
 
 def read_jsonl(path: str, fields: tuple[str, ...]) -> list[tuple[str, dict]]:
-    """(id, record) per line of a JSON-lines file; each record needs ``_id`` and ``fields``."""
+    """(id, record) per line of a JSON-lines file; each record needs ``_id`` and ``fields`` and
+    gains ``__line__``, its line number."""
     if not fs.exists(path):
         raise FileNotFoundError(f"{path}: no such file")
     records, first_line = [], {}
@@ -57,7 +61,7 @@ def read_jsonl(path: str, fields: tuple[str, ...]) -> list[tuple[str, dict]]:
                         f"{path}:{number}: id {doc_id!r} again (first at line {first_line[doc_id]})"
                     )
                 first_line[doc_id] = number
-                records.append((doc_id, record))
+                records.append((doc_id, {**record, "__line__": number}))
     except UnicodeDecodeError as err:
         raise fs.utf8_error(path, err) from None
     return records
@@ -81,7 +85,9 @@ def load(folder: str | os.PathLike, split: str = "test") -> BeirSet:
     if not qrels:
         raise ValueError(f"{qrels_path}: no judgements")
     queries_path = os.path.join(folder, "queries.jsonl")
-    queries = dict(read_jsonl(queries_path, ("text",)))
+    records = read_jsonl(queries_path, ("text",))
+    queries = dict(records)
+    query_lines = {qid: record["__line__"] for qid, record in records}
     missing = [qid for qid in qrels if qid not in queries]
     if missing:
         raise ValueError(
@@ -89,7 +95,18 @@ def load(folder: str | os.PathLike, split: str = "test") -> BeirSet:
             f"(first: {missing[0]!r})"
         )
     query_ids = [qid for qid in queries if qid in qrels]
+    for qid in query_ids:
+        if not queries[qid]["text"].strip():
+            raise ValueError(f"{queries_path}:{query_lines[qid]}: query {qid!r} is empty")
     corpus = read_jsonl(os.path.join(folder, "corpus.jsonl"), ("text",))
+    known = {doc_id for doc_id, _ in corpus}
+    absent = [(q, d) for q in query_ids for d in qrels[q] if d not in known]
+    if absent:  # BEIR's ArguAna has five; trec_eval counts them as relevant all the same
+        log.warning(
+            "%s: %d judgements name documents that %s lacks (first: query %r, document %r); "
+            "they still count as relevant, as in pytrec_eval",
+            qrels_path, len(absent), os.path.join(folder, "corpus.jsonl"), *absent[0],
+        )  # fmt: skip
     return BeirSet(
         doc_ids=[doc_id for doc_id, _ in corpus],
         doc_texts=[document_text(doc.get("title"), doc["text"]) for _, doc in corpus],

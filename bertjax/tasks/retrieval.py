@@ -18,6 +18,7 @@ does; nDCG@10 picks the best checkpoint.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -29,6 +30,7 @@ import numpy as np
 
 from bertjax import flops, fs
 from bertjax.convert.sentence_transformers import EmbeddingSettings, settings_record
+from bertjax.data.array_data import ArrayData
 from bertjax.models.heads import SentenceEmbedder
 from bertjax.models.pooling import EmbeddingHead
 from bertjax.pretrained import encode_batch
@@ -40,30 +42,84 @@ from bertjax.tasks.finetuning import FinetuneTask
 log = logging.getLogger("bertjax")
 
 
-def read_training_rows(path: str) -> list[tuple[str, str, list[str]]]:
-    """(query, positive, negatives) per line of a JSON-lines file; one-line errors name the line."""
+Row = tuple[str, str, list[str]]  # (query, positive, hard negatives)
+
+
+def _row(record: dict, where: str) -> Row:
+    """A row of a JSON line or a Parquet row: ``query`` (or ``anchor``), ``positive``, and
+    ``negatives`` (a list) or ``negative`` / ``negative_1``, ``negative_2``, ... columns."""
+    query = record.get("query", record.get("anchor"))
+    positive = record.get("positive")
+    if query is None or positive is None:
+        missing = "query (or anchor)" if query is None else "positive"
+        raise ValueError(f"{where}: no {missing!r} field (has {sorted(record)})")
+    negatives = record.get("negatives")
+    if negatives is None:
+        numbered = sorted(
+            (int(k.rsplit("_", 1)[1]), k)
+            for k in record
+            if k.startswith("negative_") and k.rsplit("_", 1)[1].isdigit()
+        )
+        negatives = [record[k] for _, k in numbered] or (
+            [record["negative"]] if record.get("negative") is not None else []
+        )
+    negatives = [n for n in negatives if n is not None]
+    if not all(isinstance(t, str) for t in (query, positive, *negatives)):
+        raise ValueError(f"{where}: query, positive and negatives must be strings")
+    if not query.strip() or not positive.strip():
+        raise ValueError(f"{where}: empty {'query' if not query.strip() else 'positive'}")
+    return query, positive, list(negatives)
+
+
+def read_training_rows(path: str) -> list[Row]:
+    """(query, positive, negatives) rows of JSON lines, Parquet (``.parquet``) or TSV (``.tsv``:
+    query, positive, negatives..., a first line ``query<TAB>positive...`` is a header); one-line
+    errors name the file and line (row)."""
     if not fs.exists(path):
         raise FileNotFoundError(f"config key data.train_file={path}: no such file")
     rows = []
-    with fs.open_file(path, "rb") as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-                query, positive = record["query"], record["positive"]
-                negatives = record.get("negatives") or []
-                if not all(isinstance(t, str) for t in (query, positive, *negatives)):
-                    raise TypeError("query, positive and negatives must be strings")
-            except (ValueError, KeyError, TypeError) as err:
-                raise ValueError(f"{path}:{number}: {type(err).__name__}: {err}") from None
-            rows.append((query, positive, list(negatives)))
+    if path.endswith(".parquet"):
+        import pyarrow.parquet as pq
+
+        with fs.open_file(path, "rb") as f:
+            table = pq.read_table(f)
+        for number, record in enumerate(table.to_pylist(), 1):
+            rows.append(_row(record, f"{path}: row {number}"))
+    elif path.endswith(".tsv"):
+        with fs.open_file(path, "rb") as f:
+            for number, line in enumerate(f, 1):
+                fields = line.decode("utf-8").rstrip("\r\n").split("\t")
+                if number == 1 and [x.lower() for x in fields[:2]] in (
+                    ["query", "positive"], ["anchor", "positive"]
+                ):  # fmt: skip
+                    continue
+                if not line.strip():
+                    continue
+                if len(fields) < 2:
+                    raise ValueError(
+                        f"{path}:{number}: {len(fields)} field; a row is query<TAB>positive"
+                        "[<TAB>negative...]"
+                    )
+                record = {"query": fields[0], "positive": fields[1], "negatives": fields[2:]}
+                rows.append(_row(record, f"{path}:{number}"))
+    else:
+        with fs.open_file(path, "rb") as f:
+            for number, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except ValueError as err:
+                    raise ValueError(f"{path}:{number}: invalid JSON: {err}") from None
+                if not isinstance(record, dict):
+                    raise ValueError(f"{path}:{number}: expected a JSON object")
+                rows.append(_row(record, f"{path}:{number}"))
     if not rows:
         raise ValueError(f"{path}: no training rows")
     return rows
 
 
-def beir_training_rows(data: beir.BeirSet) -> list[tuple[str, str, list[str]]]:
+def beir_training_rows(data: beir.BeirSet) -> list[Row]:
     """One (query, relevant document) row per judged pair (relevance >= 1), in qrels order."""
     texts = dict(zip(data.doc_ids, data.doc_texts))
     queries = dict(zip(data.query_ids, data.query_texts))
@@ -73,6 +129,38 @@ def beir_training_rows(data: beir.BeirSet) -> list[tuple[str, str, list[str]]]:
         for doc, rel in docs.items()
         if rel >= 1 and doc in texts and qid in queries
     ]
+
+
+def text_key(text: str) -> int:
+    """A 31-bit key of a text (crc32): equal texts, equal keys."""
+    return zlib.crc32(text.encode("utf-8")) & 0x7FFFFFFF
+
+
+def no_duplicate_batches(order: np.ndarray, row_texts: list[frozenset], batch_size: int):
+    """``order`` rearranged as sentence-transformers' ``NoDuplicatesBatchSampler`` batches it:
+    each batch takes, in order, the remaining rows none of whose texts it holds yet, until it is
+    full; a batch that cannot be filled takes what it can, and the next one starts over. The
+    batches are returned one after the other (a flat order: the trainer's global batches are its
+    consecutive windows, so only the rows after the last full batch may share a text)."""
+    order = [int(i) for i in order]
+    following = list(range(1, len(order))) + [-1]  # a linked list over the positions left
+    head, out = (0 if order else -1), []
+    while head != -1:
+        seen, taken, position, previous = set(), 0, head, -1
+        while position != -1 and taken < batch_size:
+            index, after = order[position], following[position]
+            if seen.isdisjoint(row_texts[index]):  # take it: unlink its position
+                out.append(index)
+                taken += 1
+                seen |= row_texts[index]
+                if previous == -1:
+                    head = after
+                else:
+                    following[previous] = after
+            else:  # deferred to a later batch, in order
+                previous = position
+            position = after
+    return np.asarray(out, np.int64)
 
 
 @register("retrieval")
@@ -116,10 +204,9 @@ class RetrievalTask(FinetuneTask):
             "doc_ids": encoded["input_ids"].reshape(len(rows), m, -1),  # [n, m, L]
             "doc_mask": encoded["attention_mask"].reshape(len(rows), m, -1),
             "doc_valid": valid,  # [n, m]
-            "positive_key": np.array(  # equal for equal positives (crc32 of the text)
-                [zlib.crc32(p.encode("utf-8")) & 0x7FFFFFFF for _, p, _ in rows], np.int32
-            ),
-        }
+            "positive_key": np.array([text_key(p) for _, p, _ in rows], np.int32),
+        }  # positive_key: equal for equal positives
+        self._row_texts = [frozenset((q, p, *negatives[: m - 1])) for q, p, negatives in rows]
         if r.get("eval", True) and self.config.data_dir and d.eval_split:
             qrels = os.path.join(self.config.data_dir, "qrels", f"{d.eval_split}.tsv")
             if fs.exists(qrels):
@@ -190,6 +277,24 @@ class RetrievalTask(FinetuneTask):
         return flops.train_flops_per_step(
             model_config, b, f["input_ids"].shape[1], 0
         ) + flops.train_flops_per_step(model_config, b * m, length, 0)
+
+    def train_data(self, phase, process_index, process_count):
+        """Shuffled rows, each epoch arranged so that no global batch holds a text twice
+        (``data.no_duplicates``): a repeated text would be scored as its own negative."""
+        b = phase.global_batch_size
+        arrange = None
+        if self.config.data.no_duplicates:
+            arrange = functools.partial(
+                no_duplicate_batches, row_texts=self._row_texts, batch_size=b
+            )
+        return ArrayData(
+            self.train_features,
+            b // process_count,
+            seed=self.config.train.seed,
+            process_index=process_index,
+            process_count=process_count,
+            arrange=arrange,
+        )
 
     # ---- training: the cached (two-pass) contract ---------------------------------------------------
     def embed(self, model, params, batch, rng):
