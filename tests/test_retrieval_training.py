@@ -80,9 +80,10 @@ def test_a_beir_folder_trains_and_reports_the_retrieval_measures(beir_dir, tmp_p
     assert 0.0 < dev["ndcg@10"] <= 1.0
 
 
-def _one_step_params(beir_dir, tmp_path, accum, batch=8):
+def _one_step_params(beir_dir, tmp_path, accum, batch=8, **mesh):
     c = _config(beir_dir, **{"train.steps": 1, "train.grad_accum_steps": accum,
-                             "train.global_batch_size": batch, "retrieval.eval": False})  # fmt: skip
+                             "train.global_batch_size": batch, "retrieval.eval": False,
+                             **{f"mesh.{k}": v for k, v in mesh.items()}})  # fmt: skip
     task = train.prepared_task(c, str(tmp_path))
     setup = train.build(c, str(tmp_path), task)
     state = setup.init_state(jax.random.key_data(jax.random.key(0)))
@@ -101,6 +102,18 @@ def test_the_cached_step_over_micro_batches_is_the_whole_batch_step(beir_dir, tm
     assert loss4 == pytest.approx(loss1, rel=1e-5)
     for a, b in zip(jax.tree.leaves(whole), jax.tree.leaves(cached)):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_every_devices_documents_are_negatives_for_every_query(beir_dir, tmp_path):
+    """The batch split over 4 data-parallel devices (and 2 x 2 data x fsdp) updates the params as
+    on one device: the loss scores each query against the documents of the whole global batch."""
+    one, loss1 = _one_step_params(beir_dir, tmp_path / "a", 1)
+    for name, mesh in (("b", {"num_devices": 4}), ("c", {"num_devices": 4, "fsdp": 2})):
+        four, loss4 = _one_step_params(beir_dir, tmp_path / name, 1, **mesh)
+        assert loss4 == pytest.approx(loss1, rel=1e-5)
+        for a, b in zip(jax.tree.leaves(one), jax.tree.leaves(four)):
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
 
 
 @pytest.mark.slow
