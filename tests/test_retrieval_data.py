@@ -137,3 +137,18 @@ def test_beir_an_empty_query_names_its_line_and_absent_documents_are_counted(tmp
     # still relevant, as pytrec_eval counts them: each query finds 1 of its 2 relevant documents
     run = {"q1": {"d1": 2.0, "d2": 1.0}, "q2": {"d2": 2.0, "d1": 1.0}}
     assert metrics.evaluate(data.qrels, run)["recall@10"] == 0.5
+
+
+def test_evaluate_searches_with_the_models_own_similarity():
+    from types import SimpleNamespace
+
+    from bertjax.tools.score import _model_similarity
+
+    def model(name):
+        return SimpleNamespace(embedding=SimpleNamespace(similarity_fn_name=name))
+
+    assert _model_similarity(SimpleNamespace(embedding=None)) == "cosine"
+    assert _model_similarity(model("dot")) == "dot"
+    assert _model_similarity(model("cosine")) == "cosine"
+    with pytest.raises(ValueError, match="'euclidean'.*--similarity"):
+        _model_similarity(model("euclidean"))

@@ -140,7 +140,8 @@ def main(argv=None) -> int:
     parser.add_argument("--query_seq", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--peers", action="store_true", help="also sentence-transformers")
-    parser.add_argument("--skip_zero_shot", action="store_true")
+    parser.add_argument("--skip_zero_shot", action="store_true", help="do not score --model")
+    parser.add_argument("--timing_only", action="store_true", help="score no model")
     args = parser.parse_args(argv)
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     sys.path.insert(0, root)  # configs/
@@ -151,15 +152,17 @@ def main(argv=None) -> int:
     args.steps = args.steps or len(rows) // args.batch
     eval_data = beir.load(args.data, args.eval_split)
     result = {"rows": len(rows), "steps": args.steps, "batch": args.batch, "lr": args.lr}
-    if not args.skip_zero_shot:
+    if not (args.skip_zero_shot or args.timing_only):
         result["zero_shot"] = _score(args.model, eval_data, 64)
     result["bertjax"] = _bertjax(args, args.workdir)
-    result["bertjax"].update(_score(os.path.join(args.workdir, "bertjax"), eval_data, 64))
+    if not args.timing_only:
+        result["bertjax"].update(_score(os.path.join(args.workdir, "bertjax"), eval_data, 64))
     if args.peers:
         order = _order(args, rows)
         result["sentence_transformers"] = _peer(args, args.workdir, order, rows)
-        scores = _score(os.path.join(args.workdir, "torch"), eval_data, 64)
-        result["sentence_transformers"].update(scores)
+        if not args.timing_only:
+            scores = _score(os.path.join(args.workdir, "torch"), eval_data, 64)
+            result["sentence_transformers"].update(scores)
         result["speedup"] = (
             result["bertjax"]["examples_per_s"] / result["sentence_transformers"]["examples_per_s"]
         )

@@ -112,6 +112,19 @@ def evaluate_glue_files(
     return metrics.glue_metrics(spec.name, gold, [label_to_id[p] for p in preds])
 
 
+def _model_similarity(model) -> str:
+    """The similarity a loaded model was trained for (its ``similarity_fn_name``): cosine unless
+    it names the inner product."""
+    settings = getattr(model, "embedding", None)
+    name = getattr(settings, "similarity_fn_name", None) or "cosine"
+    if name not in ("cosine", "dot", "dot_product"):
+        raise ValueError(
+            f"the model's similarity_fn_name is {name!r}; exact search ranks by cosine or dot: "
+            "pass --similarity to choose one"
+        )
+    return "dot" if name.startswith("dot") else "cosine"
+
+
 def evaluate_retrieval(args: argparse.Namespace) -> dict:
     """`bertjax evaluate retrieval`: a run file against qrels, or a model on a BEIR folder."""
     from bertjax.retrieval import beir, metrics, trec_format
@@ -154,7 +167,7 @@ def evaluate_retrieval(args: argparse.Namespace) -> dict:
         model.embed,
         data,
         top_k=args.top_k,
-        similarity=args.similarity,
+        similarity=args.similarity or _model_similarity(model),
         batch_size=args.batch_size,
     )
     if args.output_run:
@@ -195,7 +208,10 @@ def _parser() -> argparse.ArgumentParser:
     retrieval.add_argument("--split", default="test", help="qrels/SPLIT.tsv (default test)")
     retrieval.add_argument("--output_run", default=None, help="also write the run to this file")
     retrieval.add_argument("--top_k", type=int, default=100, help="documents per query (>= 100)")
-    retrieval.add_argument("--similarity", choices=("cosine", "dot"), default="cosine")
+    retrieval.add_argument(
+        "--similarity", choices=("cosine", "dot"), default=None,
+        help="default: the model's (a sentence-transformers or bertjax retrieval model), else cosine",
+    )  # fmt: skip
     retrieval.add_argument("--batch_size", type=int, default=32, help="texts per embedding batch")
     return parser
 
