@@ -91,14 +91,29 @@ class RetrievalTask(FinetuneTask):
         out = encode_batch(self.tokenizer, texts, length, pad_to_max_length=True)
         return {k: v.astype(np.int32) for k, v in out.items()}
 
-    def load_data(self) -> None:
-        d, r = self.config.data, self.config.retrieval
+    def training_rows(self) -> list[tuple[str, str, list[str]]]:
+        """(query, positive, negatives) rows of data.train_file or of the BEIR folder's
+        data.train_split, the first data.max_train_examples (when > 0)."""
+        d = self.config.data
         if d.get("train_file"):
             rows = read_training_rows(d.train_file)
         else:
             folder = self.require_data_dir("a BEIR folder (corpus.jsonl, queries.jsonl, qrels/)")
             rows = beir_training_rows(beir.load(folder, d.train_split))
-        rows = rows[: d.max_train_examples] if d.max_train_examples > 0 else rows
+        return rows[: d.max_train_examples] if d.max_train_examples > 0 else rows
+
+    def load_eval_split(self) -> None:
+        """``eval_data``: the BEIR folder's data.eval_split, when it has qrels (and
+        ``retrieval.eval`` is on)."""
+        d, r = self.config.data, self.config.retrieval
+        if r.get("eval", True) and self.config.data_dir and d.eval_split:
+            qrels = os.path.join(self.config.data_dir, "qrels", f"{d.eval_split}.tsv")
+            if fs.exists(qrels):
+                self.eval_data = beir.load(self.config.data_dir, d.eval_split)
+
+    def load_data(self) -> None:
+        d = self.config.data
+        rows = self.training_rows()
         m = 1 + int(d.num_negatives)
         queries = self._encode([q for q, _, _ in rows], d.max_query_length)
         docs, valid = [], np.zeros((len(rows), m), np.float32)
@@ -118,10 +133,7 @@ class RetrievalTask(FinetuneTask):
                 [zlib.crc32(p.encode("utf-8")) & 0x7FFFFFFF for _, p, _ in rows], np.int32
             ),
         }
-        if r.get("eval", True) and self.config.data_dir and d.eval_split:
-            qrels = os.path.join(self.config.data_dir, "qrels", f"{d.eval_split}.tsv")
-            if fs.exists(qrels):
-                self.eval_data = beir.load(self.config.data_dir, d.eval_split)
+        self.load_eval_split()
         log.info(
             "task retrieval: %d training rows (%d hard negatives at most), eval %s",
             len(rows), m - 1,
