@@ -219,6 +219,7 @@ class Pretrained:
         settings = self.embedding
         if not isinstance(settings, LateInteractionSettings):
             raise ValueError(f"{self.source}: not a late-interaction (ColBERT) model; use embed")
+        settings = settings.capped(self.config.max_position_embeddings)
         if self.tokenizer is None:
             raise ValueError(f"{self.source}: no vocabulary file found beside the checkpoint")
         name = models.architecture(self.config).encoder_name

@@ -127,3 +127,18 @@ def test_distillation_reads_teacher_scores_and_keeps_the_whole_batch_step(beir_d
     path.write_text('{"query": "w1", "positive": "w2", "negatives": ["w3"], "scores": [1.0]}\n')
     with pytest.raises(ValueError, match=r"train.jsonl:1: \"scores\" has 1 values for 2"):
         train.prepared_task(_config(beir_dir, **keys), str(tmp_path / "bad"))
+
+
+def test_bad_colbert_settings_are_one_line_errors(beir_dir, tmp_path):  # noqa: F811
+    with pytest.raises(ValueError, match=r"colbert.loss='mse': choose one of"):
+        train.prepared_task(_config(beir_dir, **{"colbert.loss": "mse"}), str(tmp_path / "a"))
+    with pytest.raises(ValueError, match=r"max_position_embeddings=32"):
+        train.prepared_task(
+            _config(beir_dir, **{"colbert.document_length": 40}), str(tmp_path / "b")
+        )
+    with pytest.raises(ValueError, match=r"teacher scores from data.train_file"):
+        train.prepared_task(
+            _config(beir_dir, **{"colbert.loss": "distillation"}), str(tmp_path / "c")
+        )
+    with pytest.raises(ValueError, match=r"query_prefix='\[Q\] ' is not a token"):
+        train.prepared_task(_config(beir_dir, **{"colbert.query_prefix": "[Q] "}), str(tmp_path))

@@ -175,7 +175,9 @@ def load_pylate(directory: str) -> Checkpoint:
     head = LateInteractionHead(tuple(dense))
     head.dimension(ckpt.config.hidden_size)  # widths chain
     st_path = os.path.join(directory, ST_CONFIG)
-    st = read_json_object(st_path, "sentence-transformers config") if os.path.isfile(st_path) else {}
+    st = (
+        read_json_object(st_path, "sentence-transformers config") if os.path.isfile(st_path) else {}
+    )
     sbert_path = os.path.join(folders[0], SBERT_CONFIG)
     sbert = read_json_object(sbert_path, "Transformer config") if os.path.isfile(sbert_path) else {}
     prompts = st.get("prompts") or {}
@@ -194,7 +196,7 @@ def load_pylate(directory: str) -> Checkpoint:
     name = ckpt.embedding.default_prompt_name
     if name is not None and name not in prompts:
         raise ValueError(f"{st_path}: default_prompt_name {name!r} is not one of {sorted(prompts)}")
-    ckpt.embedding.check(ckpt.config.max_position_embeddings, st_path)
+    ckpt.embedding.check(st_path)
     return ckpt
 
 
@@ -258,4 +260,3 @@ def write_pylate(ckpt: Checkpoint, directory: str) -> None:
     )
     config["skiplist_words"] = list(settings.skiplist_words)
     _write_json(os.path.join(directory, ST_CONFIG), config)
-

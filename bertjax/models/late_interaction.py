@@ -87,15 +87,21 @@ class LateInteractionSettings:
     default_prompt_name: str | None = None
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)
 
-    def check(self, position_table: int, source: str) -> None:
-        """ValueError naming ``source`` when a length cannot be run."""
+    def check(self, source: str) -> None:
+        """ValueError naming ``source`` when a length leaves no room for text."""
         for key in ("query_length", "document_length"):
             value = getattr(self, key)
-            if not 3 <= value <= position_table:
-                raise ValueError(
-                    f"{source}: {key}={value} must lie in [3, {position_table}] (the position "
-                    "table)"
-                )
+            if value < 3:
+                raise ValueError(f"{source}: {key}={value} must be at least 3")
+
+    def capped(self, position_table: int) -> LateInteractionSettings:
+        """These settings with the lengths cut to the position table (PyLate would fail on a
+        longer input; the default document_length 180 exceeds a small model's table)."""
+        return dataclasses.replace(
+            self,
+            query_length=min(self.query_length, position_table),
+            document_length=min(self.document_length, position_table),
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,7 +142,9 @@ class TokenLayout:
             expansion_id=tokenizer.mask_id,
             query_prefix_id=prefix_id(settings.query_prefix, "query_prefix"),
             document_prefix_id=prefix_id(settings.document_prefix, "document_prefix"),
-            skiplist=tuple(int(i) for i in tokenizer.convert_tokens_to_ids(settings.skiplist_words)),
+            skiplist=tuple(
+                int(i) for i in tokenizer.convert_tokens_to_ids(settings.skiplist_words)
+            ),
             query_length=int(settings.query_length),
             document_length=int(settings.document_length),
             do_query_expansion=bool(settings.do_query_expansion),
@@ -279,4 +287,3 @@ def embed_tokens(
         for row, i in enumerate(chosen):
             out[i] = vectors[row][keep[row]]
     return out  # type: ignore[return-value]
-

@@ -254,8 +254,9 @@ def colbert_distillation(
     loss = jnp.sum(jnp.where(valid, terms, 0.0)) / b
     metrics = {
         "accuracy": jnp.mean(
-            (jnp.argmax(jnp.where(valid, scores, -jnp.inf), 1) == jnp.argmax(log_teacher, 1))
-            .astype(jnp.float32)
+            (
+                jnp.argmax(jnp.where(valid, scores, -jnp.inf), 1) == jnp.argmax(log_teacher, 1)
+            ).astype(jnp.float32)
         ),
     }
     return loss, metrics

@@ -81,12 +81,12 @@ def read_teacher_scores(path: str, rows: list, m: int) -> tuple[np.ndarray, np.n
                 isinstance(s, (int, float)) and not isinstance(s, bool) for s in scores
             ):
                 raise ValueError(
-                    f"{path}:{number}: colbert.loss=distillation needs \"scores\": a list of "
+                    f'{path}:{number}: colbert.loss=distillation needs "scores": a list of '
                     "teacher scores (positive first, then the negatives)"
                 )
             if len(scores) != documents:
                 raise ValueError(
-                    f"{path}:{number}: \"scores\" has {len(scores)} values for {documents} "
+                    f'{path}:{number}: "scores" has {len(scores)} values for {documents} '
                     "documents (positive + negatives)"
                 )
             kept = min(m, documents)
@@ -119,9 +119,7 @@ class ColbertTask(RetrievalTask):
             if c[key] < 3:
                 raise ValueError(f"config key colbert.{key}={c[key]} leaves no room for text")
         self._load_tokenizer()
-        self.source.model_config(
-            self.tokenizer.vocab_size, max(c.query_length, c.document_length)
-        )
+        self.source.model_config(self.tokenizer.vocab_size, max(c.query_length, c.document_length))
 
     def _init_settings(self) -> LateInteractionSettings | None:
         pretrained = self.source.pretrained
@@ -133,12 +131,15 @@ class ColbertTask(RetrievalTask):
         tokenizer has them (a PyLate model's), else "[unused0]" / "[unused1]", else none."""
         if self._settings is None:
             c = self.config.colbert
-            vocab = set(self.tokenizer.vocab) if hasattr(self.tokenizer, "vocab") else set()
+            tok = self.tokenizer
             prefixes = {}
             for key, candidates in AUTO_PREFIXES.items():
                 value = c[key]
                 if value == "auto":
-                    value = next((p for p in candidates if p in vocab), "")
+                    found = [
+                        p for p in candidates if tok.convert_tokens_to_ids([p])[0] != tok.unk_id
+                    ]
+                    value = found[0] if found else ""
                     if not value:
                         log.warning(
                             "task colbert: the tokenizer has none of %s: colbert.%s is empty (no "
@@ -198,7 +199,7 @@ class ColbertTask(RetrievalTask):
             if not d.get("train_file"):
                 raise ValueError(
                     "config key colbert.loss=distillation reads teacher scores from "
-                    "data.train_file (JSON lines with \"scores\"); a BEIR folder has none"
+                    'data.train_file (JSON lines with "scores"); a BEIR folder has none'
                 )
             scores, scored = read_teacher_scores(d.train_file, rows, m)
             self.train_features["teacher_scores"] = scores
@@ -320,9 +321,7 @@ class ColbertTask(RetrievalTask):
         are not all on this host)."""
         if jax.process_index() != 0:
             return False
-        if not all(
-            getattr(x, "is_fully_addressable", True) for x in jax.tree.leaves(params)
-        ):
+        if not all(getattr(x, "is_fully_addressable", True) for x in jax.tree.leaves(params)):
             log.warning("task colbert: params span several hosts; no %s written", directory)
             return False
         model_config = self.model_config()
