@@ -4,6 +4,7 @@ micro-batches gives the whole batch's update; evaluation scores exact MaxSim sea
 PyLate export loads back with the vectors the run's model computes."""
 
 import json
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -142,3 +143,26 @@ def test_bad_colbert_settings_are_one_line_errors(beir_dir, tmp_path):  # noqa: 
         )
     with pytest.raises(ValueError, match=r"query_prefix='\[Q\] ' is not a token"):
         train.prepared_task(_config(beir_dir, **{"colbert.query_prefix": "[Q] "}), str(tmp_path))
+
+
+@pytest.mark.slow
+def test_training_starts_from_a_pylate_model(beir_dir, tmp_path):  # noqa: F811
+    """init_checkpoint=a PyLate directory: its tokenizer ("[Q] ", "[D] " found by "auto"), its
+    encoder and its projection are where training starts."""
+    source = pathlib.Path(__file__).resolve().parent / "data" / "pylate" / "bert"
+    c = colbert_config.get_config()
+    c.data_dir = str(beir_dir)
+    c.init_checkpoint = str(source)
+    c = set_keys(
+        c,
+        {"colbert.dim": 16, "colbert.query_length": 12, "colbert.document_length": 20,
+         "train.global_batch_size": 4, "train.steps": 1, "retrieval.eval": False,
+         "mesh.num_devices": 1, "tensorboard": False},
+    )  # fmt: skip
+    task = train.prepared_task(c, str(tmp_path))
+    s = task.settings()
+    assert (s.query_prefix, s.document_prefix) == ("[Q] ", "[D] ")
+    setup = train.build(c, str(tmp_path), task)
+    params = jax.device_get(setup.init_state(jax.random.key_data(jax.random.key(0))).params)
+    want = bertjax.load_pretrained(str(source)).embedding.tensors["dense_0/kernel"]
+    np.testing.assert_array_equal(params["dense_0"]["kernel"], want)
