@@ -9,6 +9,11 @@ the project's environment), from the repository root::
 
     PYTHONPATH=.:tests:PYLATE_ENV python tests/pylate_reference.py
 
+The files here were written with PYLATE_ENV = ``pip install --no-deps --target`` of pylate 1.6.0,
+sentence-transformers 5.3.0, transformers 5.3.0, tokenizers 0.22.2, huggingface-hub 1.3.0 and
+httpx/httpcore/h11/anyio, beside the project's torch 2.13, plus an empty ``datasets`` package
+(PyLate's package import needs the name; nothing here uses it).
+
 The tests read the files only; they never import PyLate.
 """
 
