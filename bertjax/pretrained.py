@@ -34,6 +34,7 @@ from bertjax.convert.checkpoint import head_of
 from bertjax.convert.sentence_transformers import EmbeddingSettings
 from bertjax.head_init import checkpoint_kinds
 from bertjax.models.heads import InferenceModel, SentenceEmbedder
+from bertjax.models.late_interaction import LateInteraction, LateInteractionSettings, embed_tokens
 from bertjax.sentence_embedding import embed_texts, max_length_of
 from bertjax.text import load_tokenizer
 
@@ -180,6 +181,11 @@ class Pretrained:
         """
         if self.tokenizer is None:
             raise ValueError(f"{self.source}: no vocabulary file found beside the checkpoint")
+        if isinstance(self.embedding, LateInteractionSettings):
+            raise ValueError(
+                f"{self.source}: a late-interaction (ColBERT) model: use embed_queries / "
+                "embed_documents"
+            )
         settings = self.embedding or EmbeddingSettings()
         name = models.architecture(self.config).encoder_name
         params = {name: self.encoder_params, **unflatten_params(settings.tensors)}
@@ -192,6 +198,42 @@ class Pretrained:
             max_length=max_length_of(settings, self.config.max_position_embeddings),
             batch_size=batch_size,
             prompt=settings.resolve_prompt(prompt, prompt_name, self.source),
+        )
+
+    @property
+    def late_interaction(self) -> bool:
+        """Whether this is a late-interaction (ColBERT) model: per-token vectors, MaxSim."""
+        return isinstance(self.embedding, LateInteractionSettings)
+
+    def embed_queries(self, texts: Sequence[str], batch_size: int = 32) -> list[np.ndarray]:
+        """Per-token vectors [tokens, dim] of each query, as PyLate's ``ColBERT.encode(texts,
+        is_query=True)`` (a late-interaction model: see :mod:`bertjax.models.late_interaction`)."""
+        return self._token_vectors(texts, True, batch_size)
+
+    def embed_documents(self, texts: Sequence[str], batch_size: int = 32) -> list[np.ndarray]:
+        """Per-token vectors [tokens, dim] of each document (skiplist tokens dropped), as
+        PyLate's ``ColBERT.encode(texts, is_query=False)``."""
+        return self._token_vectors(texts, False, batch_size)
+
+    def _token_vectors(self, texts, is_query: bool, batch_size: int) -> list[np.ndarray]:
+        settings = self.embedding
+        if not isinstance(settings, LateInteractionSettings):
+            raise ValueError(f"{self.source}: not a late-interaction (ColBERT) model; use embed")
+        settings = settings.capped(self.config.max_position_embeddings)
+        if self.tokenizer is None:
+            raise ValueError(f"{self.source}: no vocabulary file found beside the checkpoint")
+        name = models.architecture(self.config).encoder_name
+        params = {name: self.encoder_params, **unflatten_params(settings.tensors)}
+        prompt = settings.prompts.get(settings.default_prompt_name or "", "")
+        return embed_tokens(
+            LateInteraction(self.config, settings.head),  # jitted once per (config, head)
+            params,
+            self.tokenizer,
+            settings,
+            texts,
+            is_query=is_query,
+            batch_size=batch_size,
+            prompt=prompt,
         )
 
     def __call__(

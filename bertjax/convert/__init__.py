@@ -4,7 +4,7 @@ Every format is read into one in-memory :class:`~bertjax.convert.checkpoint.Chec
 config + flat bertjax tensors). Layouts: ``bert_layout`` (BERT's table: bertjax path, original
 Google name, role; HF names derive from it), ``layouts.param_layout`` for any architecture.
 
-``bertjax convert --from=FMT SRC --to=FMT DST`` (hf, tf, bertjax, sentence-transformers) reads
+``bertjax convert --from=FMT SRC --to=FMT DST`` (hf, tf, bertjax, sentence-transformers, pylate) reads
 everything, validates it (missing/unexpected tensors, shapes, vocabulary size) and only then writes
 DST through a temporary directory that is renamed at the end: a failed conversion leaves nothing
 behind. ``--to=sentence-transformers`` keeps a sentence-transformers source's pooling, Dense,
@@ -30,6 +30,7 @@ from bertjax.convert.checkpoint import (
 )
 from bertjax.convert.hf import load_hf, write_hf
 from bertjax.convert.orbax_format import load_bertjax, write_bertjax
+from bertjax.convert.pylate import is_pylate_dir, load_pylate, write_pylate
 from bertjax.convert.sentence_transformers import (
     is_sentence_transformers_dir,
     load_sentence_transformers,
@@ -42,13 +43,20 @@ from bertjax.models.pooling import POOLING_MODES
 log = logging.getLogger("bertjax")
 
 ST = "sentence-transformers"
-FORMATS = ("hf", "tf", "bertjax", ST)
-LOADERS = {"hf": load_hf, "tf": load_tf, "bertjax": load_bertjax, ST: load_sentence_transformers}
+FORMATS = ("hf", "tf", "bertjax", ST, "pylate")
+LOADERS = {
+    "hf": load_hf,
+    "tf": load_tf,
+    "bertjax": load_bertjax,
+    ST: load_sentence_transformers,
+    "pylate": load_pylate,
+}
 WRITERS = {
     "hf": write_hf,
     "tf": write_tf,
     "bertjax": write_bertjax,
     ST: write_sentence_transformers,
+    "pylate": write_pylate,
 }
 
 __all__ = [
@@ -64,9 +72,11 @@ __all__ = [
 
 
 def detect_format(path: str) -> str:
-    """sentence-transformers (modules.json), hf (config.json + weights), tf (bert_config.json /
-    *.ckpt.index) or bertjax (Orbax steps)."""
+    """pylate (modules.json with a PyLate Dense), sentence-transformers (modules.json), hf
+    (config.json + weights), tf (bert_config.json / *.ckpt.index) or bertjax (Orbax steps)."""
     if os.path.isdir(path):
+        if is_pylate_dir(path):
+            return "pylate"
         if is_sentence_transformers_dir(path):
             return ST
         names = set(os.listdir(path))

@@ -5,7 +5,9 @@ runs.
 [n, dim]`` (the corpus longest first, to cut padding), searches exactly on device
 (``search.dense_search``) with ties ranked as trec_eval ranks them, and drops a document whose id
 is the query's (BEIR's ``ignore_identical_ids``: ArguAna-style sets need it) before keeping the
-top ``top_k``. ``metrics.evaluate`` then scores the run as pytrec_eval would.
+top ``top_k``. ``retrieve_maxsim`` does the same for a late-interaction (ColBERT) model, with
+per-token vectors and exact MaxSim (``search.maxsim_search``). ``metrics.evaluate`` then scores the
+run as pytrec_eval would.
 """
 
 from __future__ import annotations
@@ -64,6 +66,12 @@ def retrieve(
         queries, corpus[order], k, similarity=similarity, devices=devices
     )
     seconds["search"] = time.perf_counter() - start
+    run = _run(data, order, scores, rows, top_k, exclude_identical_ids)
+    return Retrieved(run=run, seconds=seconds)
+
+
+def _run(data, order, scores, rows, top_k: int, exclude_identical_ids: bool) -> trec_format.Run:
+    """The top ``top_k`` documents per query from searched rows of the corpus in ``order``."""
     run: trec_format.Run = {}
     for qid, query_scores, query_rows in zip(data.query_ids, scores, rows):
         docs = {}
@@ -75,7 +83,59 @@ def retrieve(
             if len(docs) == top_k:
                 break
         run[qid] = docs
+    return run
+
+
+TokenEmbed = Callable[..., Sequence[np.ndarray]]  # (texts, batch_size) -> [tokens, dim] each
+
+
+def retrieve_maxsim(
+    embed_queries: TokenEmbed,
+    embed_documents: TokenEmbed,
+    data: beir.BeirSet,
+    *,
+    top_k: int = 100,
+    batch_size: int = 32,
+    exclude_identical_ids: bool = True,
+    devices=None,
+) -> Retrieved:
+    """``retrieve`` for late interaction (ColBERT): per-token vectors of the queries and of the
+    corpus (longest first), ranked by exact MaxSim (``search.maxsim_search``, dot products of
+    the normalised token vectors)."""
+    seconds = {}
+    start = time.perf_counter()
+    q_tokens, q_mask = _padded(embed_queries(list(data.query_texts), batch_size=batch_size))
+    seconds["embed_queries"] = time.perf_counter() - start
+    start = time.perf_counter()
+    texts = data.doc_texts
+    by_length = sorted(range(len(texts)), key=lambda i: -len(texts[i]))
+    vectors = embed_documents([texts[i] for i in by_length], batch_size=batch_size)
+    if len(vectors) != len(texts):
+        raise ValueError(f"embed_documents returned {len(vectors)} rows for {len(texts)} texts")
+    in_order: list = [None] * len(texts)
+    for i, v in zip(by_length, vectors):
+        in_order[i] = v
+    seconds["embed_corpus"] = time.perf_counter() - start
+    start = time.perf_counter()
+    order = trec_format.tie_order(data.doc_ids)  # equal scores: the larger id first
+    d_tokens, d_mask = _padded([in_order[i] for i in order])
+    k = top_k + 1 if exclude_identical_ids else top_k
+    scores, rows = search.maxsim_search(q_tokens, q_mask, d_tokens, d_mask, k, devices=devices)
+    seconds["search"] = time.perf_counter() - start
+    run = _run(data, order, scores, rows, top_k, exclude_identical_ids)
     return Retrieved(run=run, seconds=seconds)
+
+
+def _padded(vectors: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """Per-text [tokens, dim] arrays -> zero-padded [n, longest, dim] float32 and mask [n, longest]."""
+    longest = max([len(v) for v in vectors] + [1])
+    dim = int(np.shape(vectors[0])[-1]) if len(vectors) else 1
+    out = np.zeros((len(vectors), longest, dim), np.float32)
+    mask = np.zeros((len(vectors), longest), bool)
+    for i, v in enumerate(vectors):
+        out[i, : len(v)] = v
+        mask[i, : len(v)] = True
+    return out, mask
 
 
 def score_run_files(qrels_path: str, run_path: str) -> tuple[dict[str, float], list[str]]:

@@ -146,3 +146,117 @@ def matryoshka(
         total = total + weight * loss
         metrics = m  # the largest prefix's
     return total, metrics
+
+
+# ---- late interaction (ColBERT), as PyLate computes it ------------------------------------------
+
+
+def colbert_scores(
+    queries: Array,
+    documents: Array,
+    query_mask: Array | None = None,
+    document_mask: Array | None = None,
+) -> Array:
+    """PyLate's ``colbert_scores``: [a, tq, d] queries x [b, td, d] documents -> [a, b], the sum
+    over query tokens of the best document token's dot product. As in PyLate a masked token's
+    similarity is multiplied by 0 (so it scores 0, not -inf: it can still be a row's maximum)."""
+    sims = jnp.einsum("asd,btd->abst", queries.astype(jnp.float32), documents.astype(jnp.float32))
+    if query_mask is not None:
+        sims = sims * query_mask.astype(jnp.float32)[:, None, :, None]
+    if document_mask is not None:
+        sims = sims * document_mask.astype(jnp.float32)[None, :, None, :]
+    return sims.max(-1).sum(-1)
+
+
+def _grouped_scores(queries, documents, query_mask, document_mask) -> Array:
+    """[b, tq, d] x [g, m, td, d] -> [b, g, m]: every query against every group's documents."""
+    g, m, td, d = documents.shape
+    dm = None if document_mask is None else document_mask.reshape(g * m, td)
+    scores = colbert_scores(queries, documents.reshape(g * m, td, d), query_mask, dm)
+    return scores.reshape(-1, g, m)
+
+
+def colbert_contrastive(
+    queries: Array,
+    documents: Array,
+    *,
+    document_mask: Array | None = None,
+    query_mask: Array | None = None,
+    temperature: float = 1.0,
+    document_valid: Array | None = None,
+    positive_key: Array | None = None,
+) -> tuple[Array, dict[str, Array]]:
+    """PyLate's ``Contrastive`` loss: cross-entropy of each query's MaxSim scores (divided by
+    ``temperature``) over every document of the batch, its positive the target.
+
+    ``queries`` [b, tq, d] and ``documents`` [b, m, td, d] are token vectors (L2-normalised here,
+    as PyLate does; column 0 of ``documents`` is each query's positive, 1..m-1 its hard
+    negatives); ``document_mask`` [b, m, td] (1 = a real token outside the skiplist) and
+    ``query_mask`` [b, tq] (PyLate passes none with query expansion) drop tokens as PyLate's
+    ``colbert_scores`` does. Beyond PyLate: ``document_valid`` [b, m] drops padded hard negatives
+    from every softmax, and ``positive_key`` [b] (equal for equal positives) keeps another row's
+    copy of a query's positive out of that query's negatives. Returns (mean loss, metrics).
+    """
+    b, m = documents.shape[:2]
+    q, docs = normalize(queries), normalize(documents)
+    scores = _grouped_scores(q, docs, query_mask, document_mask) / temperature  # [b, b, m]
+    rows = jnp.arange(b)
+    drop = jnp.zeros((b, b, m), bool)
+    if document_valid is not None:
+        drop = drop | ~document_valid.astype(bool)[None, :, :]
+    if positive_key is not None:
+        same = (positive_key[:, None] == positive_key[None, :]) & ~jnp.eye(b, dtype=bool)
+        drop = drop.at[:, :, 0].set(drop[:, :, 0] | same)
+    logits = jnp.where(drop, -jnp.inf, scores).reshape(b, b * m)  # query-major, as PyLate
+    positive = logits[rows, rows * m]
+    loss = jnp.mean(jax.nn.logsumexp(logits, axis=1) - positive)
+    metrics = {
+        "accuracy": jnp.mean((jnp.argmax(logits, axis=1) == rows * m).astype(jnp.float32)),
+        "positive_score": jnp.mean(positive) * temperature,
+    }
+    return loss, metrics
+
+
+def colbert_distillation(
+    queries: Array,
+    documents: Array,
+    teacher_scores: Array,
+    *,
+    document_mask: Array | None = None,
+    query_mask: Array | None = None,
+    normalize_scores: bool = True,
+    document_valid: Array | None = None,
+) -> tuple[Array, dict[str, Array]]:
+    """PyLate's ``Distillation`` loss: KL(teacher || student) between the softmax of each
+    query's ``teacher_scores`` [b, m] and of its MaxSim scores against its own ``documents``
+    [b, m, td, d] (min-max normalised per query first with ``normalize_scores``, as PyLate:
+    (s - min) / (max - min + 1e-8)), summed over documents and averaged over queries
+    (``KLDivLoss(reduction="batchmean", log_target=True)``). Token vectors are L2-normalised
+    here; masks as :func:`colbert_contrastive`; ``document_valid`` [b, m] drops padded
+    documents from both softmaxes (beyond PyLate, which has none)."""
+    q, docs = normalize(queries), normalize(documents)
+    b, m = documents.shape[:2]
+    sims = jnp.einsum("bsd,bmtd->bmst", q, docs)
+    if query_mask is not None:
+        sims = sims * query_mask.astype(jnp.float32)[:, None, :, None]
+    if document_mask is not None:
+        sims = sims * document_mask.astype(jnp.float32)[:, :, None, :]
+    scores = sims.max(-1).sum(-1)  # [b, m]: PyLate's colbert_kd_scores
+    valid = jnp.ones((b, m), bool) if document_valid is None else document_valid.astype(bool)
+    if normalize_scores:
+        high = jnp.max(jnp.where(valid, scores, -jnp.inf), axis=1, keepdims=True)
+        low = jnp.min(jnp.where(valid, scores, jnp.inf), axis=1, keepdims=True)
+        scores = (scores - low) / (high - low + 1e-8)
+    log_student = jax.nn.log_softmax(jnp.where(valid, scores, -jnp.inf), axis=1)
+    teacher = teacher_scores.astype(jnp.float32)
+    log_teacher = jax.nn.log_softmax(jnp.where(valid, teacher, -jnp.inf), axis=1)
+    terms = jnp.exp(log_teacher) * (log_teacher - log_student)
+    loss = jnp.sum(jnp.where(valid, terms, 0.0)) / b
+    metrics = {
+        "accuracy": jnp.mean(
+            (
+                jnp.argmax(jnp.where(valid, scores, -jnp.inf), 1) == jnp.argmax(log_teacher, 1)
+            ).astype(jnp.float32)
+        ),
+    }
+    return loss, metrics

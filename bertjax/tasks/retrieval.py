@@ -181,14 +181,36 @@ class RetrievalTask(FinetuneTask):
         out = encode_batch(self.tokenizer, texts, length, pad_to_max_length=True)
         return {k: v.astype(np.int32) for k, v in out.items()}
 
-    def load_data(self) -> None:
-        d, r = self.config.data, self.config.retrieval
+    def training_rows(self) -> list[tuple[str, str, list[str]]]:
+        """(query, positive, negatives) rows of data.train_file or of the BEIR folder's
+        data.train_split, the first data.max_train_examples (when > 0)."""
+        d = self.config.data
         if d.get("train_file"):
             rows = read_training_rows(d.train_file)
         else:
             folder = self.require_data_dir("a BEIR folder (corpus.jsonl, queries.jsonl, qrels/)")
             rows = beir_training_rows(beir.load(folder, d.train_split))
-        rows = rows[: d.max_train_examples] if d.max_train_examples > 0 else rows
+        return rows[: d.max_train_examples] if d.max_train_examples > 0 else rows
+
+    def positive_keys(self, rows: list[Row], m: int) -> np.ndarray:
+        """[n] int32 keys, equal for equal positives (a row's positive is no other row's
+        negative); keeps each row's texts (its query and first ``m`` documents) for
+        ``data.no_duplicates``."""
+        self._row_texts = [frozenset((q, p, *negatives[: m - 1])) for q, p, negatives in rows]
+        return np.array([text_key(p) for _, p, _ in rows], np.int32)
+
+    def load_eval_split(self) -> None:
+        """``eval_data``: the BEIR folder's data.eval_split, when it has qrels (and
+        ``retrieval.eval`` is on)."""
+        d, r = self.config.data, self.config.retrieval
+        if r.get("eval", True) and self.config.data_dir and d.eval_split:
+            qrels = os.path.join(self.config.data_dir, "qrels", f"{d.eval_split}.tsv")
+            if fs.exists(qrels):
+                self.eval_data = beir.load(self.config.data_dir, d.eval_split)
+
+    def load_data(self) -> None:
+        d = self.config.data
+        rows = self.training_rows()
         m = 1 + int(d.num_negatives)
         queries = self._encode([q for q, _, _ in rows], d.max_query_length)
         docs, valid = [], np.zeros((len(rows), m), np.float32)
@@ -204,13 +226,9 @@ class RetrievalTask(FinetuneTask):
             "doc_ids": encoded["input_ids"].reshape(len(rows), m, -1),  # [n, m, L]
             "doc_mask": encoded["attention_mask"].reshape(len(rows), m, -1),
             "doc_valid": valid,  # [n, m]
-            "positive_key": np.array([text_key(p) for _, p, _ in rows], np.int32),
-        }  # positive_key: equal for equal positives
-        self._row_texts = [frozenset((q, p, *negatives[: m - 1])) for q, p, negatives in rows]
-        if r.get("eval", True) and self.config.data_dir and d.eval_split:
-            qrels = os.path.join(self.config.data_dir, "qrels", f"{d.eval_split}.tsv")
-            if fs.exists(qrels):
-                self.eval_data = beir.load(self.config.data_dir, d.eval_split)
+            "positive_key": self.positive_keys(rows, m),
+        }
+        self.load_eval_split()
         log.info(
             "task retrieval: %d training rows (%d hard negatives at most), eval %s",
             len(rows), m - 1,

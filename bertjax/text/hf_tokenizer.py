@@ -106,6 +106,8 @@ class HFTokenizer(TokenizerBase):
         self._added_ids = set(self._tok.get_added_tokens_decoder())
 
         config = _config_tokens(self.vocab_file)
+        if "pad_token" in config and config.get("pad_token") == config.get("mask_token"):
+            del config["pad_token"]  # PyLate saves pad_token=[MASK] (its query padding)
         model_unk = self._spec.get("model", {}).get("unk_token")
         for (attr, key, names), role in zip(_ROLES, SPECIAL_TOKENS):
             tried = [config[key]] if key in config else []

@@ -163,13 +163,22 @@ def evaluate_retrieval(args: argparse.Namespace) -> dict:
         f"{len(data.doc_ids)} documents",
         file=sys.stderr,
     )
-    found = retrieval.retrieve(
-        model.embed,
-        data,
-        top_k=args.top_k,
-        similarity=args.similarity or _model_similarity(model),
-        batch_size=args.batch_size,
-    )
+    if getattr(model, "late_interaction", False):  # ColBERT: per-token vectors, MaxSim
+        found = retrieval.retrieve_maxsim(
+            model.embed_queries,
+            model.embed_documents,
+            data,
+            top_k=args.top_k,
+            batch_size=args.batch_size,
+        )
+    else:
+        found = retrieval.retrieve(
+            model.embed,
+            data,
+            top_k=args.top_k,
+            similarity=args.similarity or _model_similarity(model),
+            batch_size=args.batch_size,
+        )
     if args.output_run:
         trec_format.write_run(args.output_run, found.run)
     took = ", ".join(f"{name} {secs:.1f} s" for name, secs in found.seconds.items())
