@@ -244,3 +244,28 @@ def test_evaluate_rerank_refuses_bad_combinations(hf_dirs, beir_dir, tmp_path, c
         err = capsys.readouterr().err.strip().splitlines()[-1]
         assert err.startswith("bertjax evaluate: error:")
         assert any(m in err for m in message.split("|")), err
+
+
+def test_packed_batches_give_the_unpacked_losses_and_dev_metrics(hf_dirs, tmp_path):  # noqa: F811
+    """data.batch_packing and data.eval_packing (the config's defaults) train and evaluate the
+    same examples in fewer rows: the same losses and dev metrics to float rounding."""
+    source = cross_encoder_dir(tmp_path / "ce", hf_dirs["bert"])
+    runs = []
+    for packed in (False, True):
+        c = _config(**{
+            "init_checkpoint": str(source),
+            "data.train_file": _write_jsonl(tmp_path / "train.jsonl", _pairs(0, 12)),
+            "data.dev_file": _write_jsonl(tmp_path / "dev.jsonl", _pairs(1, 10)),
+            "data.batch_packing": packed,
+            "data.eval_packing": packed,
+            "train.steps": 2,
+            "train.eval_every": 2,
+        })  # fmt: skip
+        workdir = tmp_path / f"run_{packed}"
+        train.train_and_evaluate(c, str(workdir))
+        dev = json.loads((workdir / "eval_results.json").read_text())["dev"]
+        runs.append(([r["loss"] for r in read_metrics(workdir)], dev))
+    (plain, plain_dev), (packed, packed_dev) = runs
+    np.testing.assert_allclose(packed, plain, rtol=1e-5)
+    assert packed_dev["bce"] == pytest.approx(plain_dev["bce"], rel=1e-5)
+    assert packed_dev["accuracy"] == plain_dev["accuracy"]
