@@ -125,9 +125,7 @@ def test_reranker_steps_equal_torch_and_export_to_cross_encoder(hf_dirs, tmp_pat
 
     # the final weights, through bertjax convert --to=hf
     convert_main([workdir, "--to=hf", str(tmp_path / "export")])
-    exported = transformers.AutoModelForSequenceClassification.from_pretrained(
-        tmp_path / "export"
-    )
+    exported = transformers.AutoModelForSequenceClassification.from_pretrained(tmp_path / "export")
     want = model.state_dict()
     got = exported.state_dict()
     assert set(got) == set(want)
