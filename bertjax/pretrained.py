@@ -35,6 +35,7 @@ from bertjax.convert.sentence_transformers import EmbeddingSettings
 from bertjax.head_init import checkpoint_kinds
 from bertjax.models.heads import InferenceModel, SentenceEmbedder
 from bertjax.models.late_interaction import LateInteraction, LateInteractionSettings, embed_tokens
+from bertjax.retrieval import rerank
 from bertjax.sentence_embedding import embed_texts, max_length_of
 from bertjax.text import load_tokenizer
 
@@ -122,6 +123,7 @@ class Pretrained:
     task_kinds: frozenset = frozenset()
     hf_class: str | None = None
     embedding: EmbeddingSettings | None = None  # a sentence-transformers directory's settings
+    directory: str | None = None  # the directory load_pretrained read (cross-encoder settings)
 
     def __post_init__(self):
         self._apply = _jitted_apply(self.module)
@@ -235,6 +237,50 @@ class Pretrained:
             batch_size=batch_size,
             prompt=prompt,
         )
+
+    @functools.cached_property
+    def cross_encoder(self) -> rerank.CrossEncoderSettings:
+        """What ``CrossEncoder(source)`` reads beside the weights: tokens per pair, activation."""
+        return rerank.read_settings(
+            self.directory, self.module.num_labels, self.config.max_position_embeddings
+        )
+
+    def rerank_scores(
+        self, pairs: Sequence, batch_size: int = 32, max_length: int | None = None
+    ) -> np.ndarray:
+        """The classifier's raw logits of (query, passage) pairs: [n] float32 for one label (a
+        cross-encoder), else [n, num_labels]. Pairs are ``[CLS] query [SEP] passage [SEP]``
+        truncated longest-first to ``max_length`` tokens (default ``cross_encoder.max_length``),
+        as ``CrossEncoder.predict`` does (see :mod:`bertjax.retrieval.rerank`)."""
+        if not self.module.num_labels:
+            raise ValueError(f"{self.source}: no sequence-classification head to score pairs")
+        if self.tokenizer is None:
+            raise ValueError(f"{self.source}: no vocabulary file found beside the checkpoint")
+        max_length = max_length or self.cross_encoder.max_length
+        self.check_length(max_length)
+
+        def apply(ids, types, mask):
+            return self._apply({"params": self.params}, ids, types, mask)["logits"]
+
+        logits = rerank.score_pairs(
+            apply, self.tokenizer, pairs, max_length=max_length, batch_size=batch_size
+        )
+        return logits[:, 0] if self.module.num_labels == 1 else logits
+
+    def predict(
+        self,
+        pairs: Sequence,
+        batch_size: int = 32,
+        activation: str | None = None,
+        max_length: int | None = None,
+    ) -> np.ndarray:
+        """``CrossEncoder(source).predict(pairs)``: :meth:`rerank_scores` through ``activation``
+        (a torch.nn name of ``rerank.ACTIVATIONS``: Sigmoid, Identity, Tanh; default the
+        directory's ``activation_fn``, else Sigmoid for one label)."""
+        name = activation or self.cross_encoder.activation
+        if name not in rerank.ACTIVATIONS:
+            raise ValueError(f"activation={name!r} is not one of {sorted(rerank.ACTIVATIONS)}")
+        return rerank.ACTIVATIONS[name](self.rerank_scores(pairs, batch_size, max_length))
 
     def __call__(
         self,
@@ -377,7 +423,9 @@ def load_pretrained(
     the heads.
     """
     ckpt = load_checkpoint(path, fmt, vocab)
-    return pretrained_from_checkpoint(ckpt, heads=heads, dtype=dtype, seed=seed, quiet=quiet)
+    model = pretrained_from_checkpoint(ckpt, heads=heads, dtype=dtype, seed=seed, quiet=quiet)
+    model.directory = str(path)
+    return model
 
 
 def merge_encoder(fresh: Any, source: Any, source_name: str, arch: Any) -> Any:

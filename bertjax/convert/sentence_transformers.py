@@ -267,10 +267,35 @@ def _max_seq_length(folder: str, sbert: dict, config: Any) -> int:
     return min(int(limit), table) if isinstance(limit, (int, float)) else table
 
 
+def cross_encoder_folder(directory: str) -> str | None:
+    """The Transformer folder of a ``CrossEncoder(...).save()`` directory (sentence-transformers
+    6: modules.json lists one Transformer whose ``transformer_task`` is sequence-classification);
+    None for any other directory."""
+    try:
+        with open(os.path.join(directory, MODULES), encoding="utf-8") as f:
+            entries = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(entries, list) or len(entries) != 1 or not isinstance(entries[0], dict):
+        return None
+    if str(entries[0].get("type", "")).rsplit(".", 1)[-1] != "Transformer":
+        return None
+    folder = os.path.join(directory, entries[0].get("path") or "")
+    sbert = _optional_json(os.path.join(folder, SBERT_CONFIG), "sentence-transformers config")
+    return folder if sbert.get("transformer_task") == "sequence-classification" else None
+
+
 def load_sentence_transformers(directory: str) -> Checkpoint:
     """Reads a sentence-transformers directory: the HF checkpoint of its Transformer module with
     :class:`EmbeddingSettings` in ``embedding``; the tokenizer is its tokenizer.json when there
     is one (what sentence-transformers runs), else the vocabulary file beside it."""
+    cross_encoder = cross_encoder_folder(directory)
+    if cross_encoder is not None:  # the HF sequence classifier it wraps (bertjax.retrieval.rerank)
+        ckpt = load_hf(cross_encoder)
+        if os.path.isfile(os.path.join(cross_encoder, TOKENIZER_JSON)):
+            ckpt.vocab_file = os.path.join(cross_encoder, TOKENIZER_JSON)
+            ckpt.do_lower_case = None
+        return ckpt
     modules = _modules(directory)
     folder = modules[0][1]
     ckpt = load_hf(folder)

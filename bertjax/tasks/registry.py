@@ -2,7 +2,7 @@
 
 import ml_collections
 
-from bertjax.tasks import colbert, glue, ner, pretraining, retrieval, squad, swag  # noqa: F401  (each registers itself)
+from bertjax.tasks import colbert, glue, ner, pretraining, reranker, retrieval, squad, swag  # noqa: F401  (each registers itself)
 from bertjax.tasks.base import REGISTRY, Task
 
 

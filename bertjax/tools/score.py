@@ -7,6 +7,8 @@
     bertjax evaluate retrieval --qrels=QRELS.tsv --run=RUN.trec
     bertjax evaluate retrieval --checkpoint=MODEL --data=BEIR_DIR [--split=test] \
         [--output_run=FILE] [--top_k=100] [--similarity=cosine|dot] [--batch_size=32]
+    bertjax evaluate retrieval --rerank=CROSS_ENCODER --data=BEIR_DIR \
+        (--run=RUN.trec | --checkpoint=MODEL) [--top_k=100] [--output_run=FILE]
 
 Prints the official JSON (SQuAD: evaluate-v1.1.py / evaluate-v2.0.py keys; GLUE: the task's metrics
 as fractions; retrieval: ndcg@10, recall@10, recall@100, mrr@10 and map@100 as fractions, computed
@@ -130,6 +132,8 @@ def evaluate_retrieval(args: argparse.Namespace) -> dict:
     from bertjax.retrieval import beir, metrics, trec_format
     from bertjax.retrieval import evaluate as retrieval
 
+    if getattr(args, "rerank", None):
+        return rerank_retrieval(args)
     score_mode = args.qrels is not None or args.run is not None
     model_mode = args.checkpoint is not None or args.data is not None
     if score_mode == model_mode or (score_mode and not (args.qrels and args.run)):
@@ -186,6 +190,61 @@ def evaluate_retrieval(args: argparse.Namespace) -> dict:
     return metrics.evaluate(data.qrels, found.run)
 
 
+def rerank_retrieval(args: argparse.Namespace) -> dict:
+    """`bertjax evaluate retrieval --rerank=CROSS_ENCODER --data=BEIR_DIR` with `--run=FILE` (a
+    first-stage run) or `--checkpoint=MODEL` (a bi-encoder searched first): the top `--top_k`
+    documents of each judged query reranked by the cross-encoder (pairs truncated longest-first
+    as CrossEncoder does, see bertjax.retrieval.rerank) and scored; the reranked run holds those
+    `--top_k` documents (BEIR's Rerank)."""
+    import bertjax
+    from bertjax.retrieval import beir, metrics, rerank, trec_format
+    from bertjax.retrieval import evaluate as retrieval
+
+    if not args.data or args.qrels or (args.run is None) == (args.checkpoint is None):
+        raise ValueError(
+            "--rerank=MODEL takes --data=BEIR_DIR and one first stage: --run=FILE (a TREC run) "
+            "or --checkpoint=MODEL (a bi-encoder searched first)"
+        )
+    if args.top_k < 1:
+        raise ValueError(f"--top_k must be at least 1, not {args.top_k}")
+    data = beir.load(args.data, args.split)
+    reranker = bertjax.load_pretrained(args.rerank, quiet=True)
+    if reranker.module.num_labels != 1:
+        raise ValueError(
+            f"{args.rerank}: not a cross-encoder (a sequence classifier with one label; it has "
+            f"{reranker.module.num_labels})"
+        )
+    if args.run:
+        first = trec_format.read_run(args.run)
+        if not any(qid in data.qrels for qid in first):
+            raise ValueError(f"{args.run}: no query of the run is judged in {args.data}")
+    else:
+        model = bertjax.load_pretrained(args.checkpoint, quiet=True)
+        first = retrieval.retrieve(
+            model.embed,
+            data,
+            top_k=max(args.top_k, 100),
+            similarity=args.similarity,
+            batch_size=args.batch_size,
+        ).run
+    before = metrics.evaluate(data.qrels, first)
+    print(
+        f"bertjax evaluate: first stage ndcg@10 {before['ndcg@10']:.4f}; reranking the top "
+        f"{args.top_k} of {len(data.query_ids)} judged queries",
+        file=sys.stderr,
+    )
+    reranked = rerank.rerank_run(
+        lambda pairs: reranker.rerank_scores(pairs, args.batch_size, args.max_seq_length),
+        dict(zip(data.query_ids, data.query_texts)),
+        dict(zip(data.doc_ids, data.doc_texts)),
+        first,
+        args.top_k,
+    )
+    if args.output_run:
+        trec_format.write_run(args.output_run, reranked)
+    return metrics.evaluate(data.qrels, reranked)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="bertjax evaluate", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="benchmark", required=True)
@@ -222,6 +281,15 @@ def _parser() -> argparse.ArgumentParser:
         help="default: the model's (a sentence-transformers or bertjax retrieval model), else cosine",
     )  # fmt: skip
     retrieval.add_argument("--batch_size", type=int, default=32, help="texts per embedding batch")
+    retrieval.add_argument(
+        "--rerank",
+        default=None,
+        help="cross-encoder that reranks the top --top_k (load_pretrained)",
+    )
+    retrieval.add_argument(
+        "--max_seq_length", type=int, default=None,
+        help="--rerank: tokens per query/passage pair (default: the cross-encoder's)",
+    )  # fmt: skip
     return parser
 
 

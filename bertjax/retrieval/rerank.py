@@ -1,0 +1,227 @@
+"""Cross-encoder reranking: (query, passage) pairs scored by a sequence classifier with one logit,
+as sentence-transformers' ``CrossEncoder``.
+
+A pair becomes ``[CLS] query [SEP] passage [SEP]`` (token types 0 then 1) cut to ``max_length``
+tokens by ``truncate_longest_first``, the "longest_first" truncation of Hugging Face's tokenizers
+(what ``CrossEncoder.predict`` runs): the shorter side is kept whole when the longer one can give
+up the tokens, else both are cut to half of the budget each (the initially longer one keeps the odd
+token). ``score_pairs`` runs any jitted ``apply(ids, types, mask) -> logits`` over pairs sorted by
+length, in batches padded to a few bucketed lengths, and returns the raw logits in input order.
+
+``CrossEncoderSettings`` says what ``CrossEncoder(DIR)`` would do with a directory: its
+``max_length`` (``sentence_bert_config.json``'s ``max_seq_length``, else the tokenizer's
+``model_max_length`` capped at the position table) and the activation ``predict`` applies
+(``config_sentence_transformers.json``'s ``activation_fn``, else config.json's
+``sentence_transformers.activation_fn`` or ``sbert_ce_default_activation_function``, else
+Sigmoid for one label and Identity for more).
+
+``rerank_run`` reorders the top ``top_k`` documents of each query of a first-stage run by the
+cross-encoder's scores (BEIR's ``Rerank``: the reranked run holds those ``top_k`` documents).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Callable, Mapping, Sequence
+
+import numpy as np
+
+from bertjax.retrieval import trec_format
+from bertjax.sentence_embedding import bucket_length
+
+Pair = tuple[str, str]
+# torch.nn activation class (the last part of its dotted name) -> NumPy function on logits
+ACTIVATIONS: dict[str, Callable[[np.ndarray], np.ndarray]] = {
+    "Sigmoid": lambda x: 1.0 / (1.0 + np.exp(-x)),
+    "Identity": lambda x: x,
+    "Tanh": np.tanh,
+}
+SETTINGS_FILES = ("config_sentence_transformers.json", "config.json")
+
+
+def truncate_longest_first(a: list[int], b: list[int], budget: int) -> tuple[list[int], list[int]]:
+    """``a`` and ``b`` cut to at most ``budget`` tokens together, as Hugging Face tokenizers'
+    ``longest_first`` truncation of a pair (``truncate_encodings`` in tokenizers' Rust code)."""
+    if len(a) + len(b) <= budget:
+        return list(a), list(b)
+    n1, n2 = len(a), len(b)
+    swap = n1 > n2
+    if swap:
+        n1, n2 = n2, n1
+    n2 = n1 if n1 > budget else max(n1, budget - n1)
+    if n1 + n2 > budget:
+        n1 = budget // 2
+        n2 = n1 + budget % 2
+    if swap:
+        n1, n2 = n2, n1
+    return list(a[:n1]), list(b[:n2])
+
+
+def pair_rows(tokenizer, pairs: Sequence[Pair], max_length: int) -> list[tuple[list, list]]:
+    """(ids, token types) of ``[CLS] query [SEP] passage [SEP]`` per pair, at most ``max_length``
+    tokens (longest-first truncation)."""
+    if max_length < 4:
+        raise ValueError(f"max_length={max_length} leaves no room for [CLS] a [SEP] b [SEP]")
+    pairs = [tuple(p) for p in pairs]
+    if any(len(p) != 2 or not all(isinstance(t, str) for t in p) for p in pairs):
+        raise TypeError("pairs must be (query, passage) pairs of strings")
+    texts = [t for pair in pairs for t in pair]
+    encode = getattr(tokenizer, "encode_batch", None)
+    tokens = encode(texts) if encode else [tokenizer.encode(t) for t in texts]
+    rows = []
+    for a, b in zip(tokens[::2], tokens[1::2]):
+        a, b = truncate_longest_first(a, b, max_length - 3)
+        ids = [tokenizer.cls_id, *a, tokenizer.sep_id, *b, tokenizer.sep_id]
+        rows.append((ids, [0] * (len(a) + 2) + [1] * (len(b) + 1)))
+    return rows
+
+
+def pair_features(tokenizer, pairs: Sequence[Pair], max_length: int) -> dict[str, np.ndarray]:
+    """Pairs as [n, max_length] int32 ``input_ids``, ``segment_ids`` and ``input_mask``."""
+    rows = pair_rows(tokenizer, pairs, max_length)
+    ids = np.full((len(rows), max_length), tokenizer.pad_id, np.int32)
+    types = np.zeros((len(rows), max_length), np.int32)
+    mask = np.zeros((len(rows), max_length), np.int32)
+    for i, (row, row_types) in enumerate(rows):
+        ids[i, : len(row)] = row
+        types[i, : len(row)] = row_types
+        mask[i, : len(row)] = 1
+    return {"input_ids": ids, "segment_ids": types, "input_mask": mask}
+
+
+def score_pairs(
+    apply: Callable, tokenizer, pairs: Sequence[Pair], *, max_length: int, batch_size: int = 32
+) -> np.ndarray:
+    """Raw logits [len(pairs), num_labels] float32 of ``apply(ids, types, mask)`` (each [batch,
+    seq] int32) on the pairs: sorted by length, ``batch_size`` rows padded to a bucketed length."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size={batch_size} must be at least 1")
+    rows = pair_rows(tokenizer, pairs, max_length)
+    if not rows:
+        return np.zeros((0, 1), np.float32)
+    order = np.argsort([-len(r[0]) for r in rows], kind="stable")
+    height = min(batch_size, 1 << max(len(rows) - 1, 0).bit_length())
+    out = None
+    for start in range(0, len(rows), height):
+        chosen = order[start : start + height]
+        width = bucket_length(len(rows[chosen[0]][0]), max_length)
+        ids = np.full((height, width), tokenizer.pad_id, np.int32)  # [batch, seq]
+        types = np.zeros((height, width), np.int32)
+        mask = np.zeros((height, width), np.int32)
+        filler = ([tokenizer.cls_id, tokenizer.sep_id, tokenizer.sep_id], [0, 0, 1])
+        for i in range(height):
+            row, row_types = rows[chosen[i]] if i < len(chosen) else filler
+            ids[i, : len(row)] = row
+            types[i, : len(row)] = row_types
+            mask[i, : len(row)] = 1
+        logits = np.asarray(apply(ids, types, mask), np.float32)  # [batch, labels]
+        if out is None:
+            out = np.zeros((len(rows), logits.shape[-1]), np.float32)
+        out[chosen] = logits[: len(chosen)]
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class CrossEncoderSettings:
+    """What ``CrossEncoder(DIR)`` reads beside the weights: tokens per pair and the activation
+    ``predict`` applies (a torch.nn class name of ``ACTIVATIONS``)."""
+
+    max_length: int
+    activation: str = "Sigmoid"
+
+
+def _json(path: str) -> dict:
+    if not os.path.isfile(path):
+        return {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path}: cannot read it ({e})") from None
+    return value if isinstance(value, dict) else {}
+
+
+def transformer_folder(directory: str) -> str:
+    """The folder of a sentence-transformers directory's Transformer module (the directory itself
+    for a plain Hugging Face one)."""
+    modules = os.path.join(directory, "modules.json")
+    if os.path.isfile(modules):
+        with open(modules, encoding="utf-8") as f:
+            entries = json.load(f)
+        if isinstance(entries, list) and entries and isinstance(entries[0], dict):
+            return os.path.join(directory, entries[0].get("path") or "")
+    return directory
+
+
+def activation_name(path: str | None, where: str) -> str:
+    """``ACTIVATIONS``' key of a torch.nn activation's dotted name (``where`` names the file)."""
+    name = str(path).rsplit(".", 1)[-1]
+    if not str(path).startswith("torch.") or name not in ACTIVATIONS:
+        raise ValueError(
+            f"{where}: activation_fn={path!r} is not one of torch.nn's {sorted(ACTIVATIONS)}"
+        )
+    return name
+
+
+def read_settings(directory: str | None, num_labels: int, position_table: int):
+    """The :class:`CrossEncoderSettings` of a checkpoint directory (defaults where it has no
+    sentence-transformers or tokenizer files: a bertjax checkpoint)."""
+    activation = "Sigmoid" if num_labels == 1 else "Identity"
+    if not directory or not os.path.isdir(directory):
+        return CrossEncoderSettings(position_table, activation)
+    folder = transformer_folder(directory)
+    st_path, hf_path = (os.path.join(directory, name) for name in SETTINGS_FILES)
+    hf = _json(os.path.join(folder, "config.json"))
+    candidates = (
+        (_json(st_path).get("activation_fn"), st_path),
+        ((hf.get("sentence_transformers") or {}).get("activation_fn"), hf_path),
+        (hf.get("sbert_ce_default_activation_function"), hf_path),
+    )
+    for path, where in candidates:
+        if path is not None:
+            activation = activation_name(path, where)
+            break
+    sbert = _json(os.path.join(folder, "sentence_bert_config.json"))
+    if sbert.get("max_seq_length") is not None:
+        return CrossEncoderSettings(int(sbert["max_seq_length"]), activation)
+    limit = _json(os.path.join(folder, "tokenizer_config.json")).get("model_max_length")
+    length = min(int(limit), position_table) if isinstance(limit, (int, float)) else position_table
+    return CrossEncoderSettings(length, activation)
+
+
+def rerank_run(
+    score: Callable[[list[Pair]], np.ndarray],
+    queries: Mapping[str, str],
+    documents: Mapping[str, str],
+    run: Mapping[str, Mapping[str, float]],
+    top_k: int = 100,
+    exclude_identical_ids: bool = True,
+) -> trec_format.Run:
+    """The top ``top_k`` documents of each query of ``run`` (trec_eval's order) with the scores
+    ``score(pairs) -> [n]`` gives their (query text, document text) pairs, all pairs in one call.
+
+    Queries absent from ``queries`` are left out; a document absent from ``documents`` is a
+    ValueError; a document whose id is the query's is dropped first (BEIR's
+    ``ignore_identical_ids``).
+    """
+    if top_k < 1:
+        raise ValueError(f"top_k={top_k} must be at least 1")
+    keys, pairs = [], []
+    for qid, docs in run.items():
+        if qid not in queries:
+            continue
+        kept = [d for d, _ in trec_format.ranked(docs) if not (exclude_identical_ids and d == qid)]
+        for doc in kept[:top_k]:
+            if doc not in documents:
+                raise ValueError(f"run document {doc!r} (query {qid!r}) is not in the corpus")
+            keys.append((qid, doc))
+            pairs.append((queries[qid], documents[doc]))
+    scores = np.asarray(score(pairs), np.float64).reshape(-1)
+    if len(scores) != len(pairs):
+        raise ValueError(f"score returned {len(scores)} scores for {len(pairs)} pairs")
+    out: trec_format.Run = {qid: {} for qid in run if qid in queries}
+    for (qid, doc), value in zip(keys, scores.tolist()):
+        out[qid][doc] = value
+    return out

@@ -1,0 +1,269 @@
+"""The reranker task through the one trainer, against PyTorch and sentence-transformers.
+
+* Training steps: from the same ``CrossEncoder(...).save()`` directory (BERT and ModernBERT), the
+  trainer's per-step losses and final weights equal transformers' ``*ForSequenceClassification``
+  trained by ``BCEWithLogitsLoss`` and ``torch.optim.AdamW`` on the same batches (bertjax's
+  learning rate each step, weight decay on the same tensors, the gradient clipped to norm 1,
+  dropout off); the dev binary cross-entropy the task reports equals torch's on the final model.
+* Export: the trained checkpoint converted with ``bertjax convert --to=hf`` loads in
+  ``CrossEncoder`` with the scores bertjax gives.
+* Evaluation: a BEIR folder's qrels plus mined negatives train it, a first-stage run is reranked
+  every epoch, and ``bertjax evaluate retrieval --rerank`` gives the same measures from a run file,
+  or after searching with a bi-encoder.
+"""
+
+import io
+import json
+import pathlib
+from contextlib import redirect_stdout
+
+import jax
+import numpy as np
+import pytest
+from test_reranker import MAX_LEN, PAIRS, cross_encoder_dir, hf_dirs  # noqa: F401
+from test_sentence_transformers import WORDS, _st_dir
+from test_training_parity import _param_groups, _torch_run
+from train_fixtures import read_metrics, set_keys
+
+import bertjax
+from bertjax import optim, train
+from bertjax.convert import main as convert_main
+from bertjax.retrieval import metrics
+from bertjax.tools import score
+from configs import reranker as reranker_config
+
+transformers = pytest.importorskip("transformers")
+torch = pytest.importorskip("torch")
+from sentence_transformers import CrossEncoder  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+STEPS = 4
+LOSS_RTOL = 1e-5
+PARAM_ATOL = 1e-5
+
+
+def _pairs(seed: int, n: int) -> list[dict]:
+    rng = np.random.default_rng(seed)
+    rows = []
+    for i in range(n):
+        query = " ".join(rng.choice(WORDS, 3))
+        passage = " ".join(rng.choice(WORDS, int(rng.integers(3, 14))))
+        rows.append({"query": query, "passage": passage, "label": [0.0, 1.0, 0.3][i % 3]})
+    return rows
+
+
+def _write_jsonl(path: pathlib.Path, rows) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def _config(**overrides):
+    c = reranker_config.get_config()
+    c.data.max_seq_length = MAX_LEN
+    c.data.batch_packing = False
+    c.data.eval_packing = False
+    c.data.eval_batch_size = 8
+    c.model.hidden_dropout = 0.0
+    c.model.attention_dropout = 0.0
+    c.train.global_batch_size = 4
+    c.train.steps = STEPS
+    c.train.log_every = 1
+    c.train.checkpoint_every = 100
+    c.train.async_checkpoints = False
+    c.optimizer.learning_rate = 1e-3
+    c.optimizer.warmup_proportion = 0.0
+    c.optimizer.warmup_steps = 1
+    c.tensorboard = False
+    c.mesh.num_devices = 1
+    return set_keys(c, overrides)
+
+
+def _bce(model, batch, modern):
+    inputs = dict(
+        input_ids=torch.tensor(np.asarray(batch["input_ids"])).long(),
+        attention_mask=torch.tensor(np.asarray(batch["input_mask"])).long(),
+    )
+    if not modern:
+        inputs["token_type_ids"] = torch.tensor(np.asarray(batch["segment_ids"])).long()
+    logits = model(**inputs).logits[:, 0]
+    labels = torch.tensor(np.asarray(batch["label"])).float()
+    return torch.nn.functional.binary_cross_entropy_with_logits(logits, labels)
+
+
+@pytest.mark.parametrize("kind", ["bert", "modernbert"])
+def test_reranker_steps_equal_torch_and_export_to_cross_encoder(hf_dirs, tmp_path, kind):  # noqa: F811
+    source = cross_encoder_dir(tmp_path / "ce", hf_dirs[kind])
+    dev = _pairs(1, 10)
+    c = _config(**{
+        "init_checkpoint": str(source),
+        "data.train_file": _write_jsonl(tmp_path / "train.jsonl", _pairs(0, 12)),
+        "data.dev_file": _write_jsonl(tmp_path / "dev.jsonl", dev),
+        "train.eval_every": STEPS,  # one evaluation, of the final weights
+    })  # fmt: skip
+    workdir = str(tmp_path / "run")
+    train.train_and_evaluate(c, workdir)
+    ours = [r["loss"] for r in read_metrics(workdir)]
+    task = train.prepared_task(c, workdir)
+    setup = train.build(c, workdir, task)
+    data = task.train_data(setup.phases[0], 0, 1)
+    batches = [next(data) for _ in range(STEPS)]
+    lrs = [float(setup.schedule(step)) for step in range(STEPS)]
+    mask = jax.tree.leaves(optim.weight_decay_mask(setup.abstract_state.params))
+    sizes = [int(np.prod(x.shape)) for x in jax.tree.leaves(setup.abstract_state.params)]
+    tensors = (sorted(n for n, m in zip(sizes, mask) if m),
+               sorted(n for n, m in zip(sizes, mask) if not m))  # fmt: skip
+
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(source).eval()
+    groups = _param_groups(model, c.optimizer.weight_decay, tensors)
+    opt = torch.optim.AdamW(groups, lr=lrs[0], betas=(0.9, 0.999), eps=1e-6, foreach=False)
+    modern = kind == "modernbert"
+    theirs, _ = _torch_run(model, lambda m, b: _bce(m, b, modern), opt, batches, lrs, 1.0)
+    rel = np.abs(np.subtract(ours, theirs)) / np.abs(theirs)
+    print(f"{kind}: losses bertjax {ours} torch {theirs}, max relative difference {rel.max():.2e}")
+    assert rel.max() < LOSS_RTOL and ours[-1] != ours[0]
+
+    # the final weights, through bertjax convert --to=hf
+    convert_main([workdir, "--to=hf", str(tmp_path / "export")])
+    exported = transformers.AutoModelForSequenceClassification.from_pretrained(tmp_path / "export")
+    want = model.state_dict()
+    got = exported.state_dict()
+    assert set(got) == set(want)
+    diff = max(float((got[k] - want[k]).abs().max()) for k in want)
+    moved = max(float((want[k] - v).abs().max()) for k, v in
+                transformers.AutoModelForSequenceClassification.from_pretrained(source)
+                .state_dict().items())  # fmt: skip
+    print(f"{kind}: max |param difference| {diff:.2e} (the steps moved them by {moved:.2e})")
+    assert diff < PARAM_ATOL and moved > 1e-3
+
+    # CrossEncoder loads the export with bertjax's scores
+    reference = CrossEncoder(str(tmp_path / "export"), device="cpu")
+    ce_scores = reference.predict(PAIRS)
+    bj = bertjax.load_pretrained(workdir).predict(PAIRS, max_length=reference.max_seq_length)
+    print(f"{kind}: max |predict - CrossEncoder.predict| {np.abs(bj - ce_scores).max():.2e}")
+    assert np.abs(bj - ce_scores).max() < 1e-5
+
+    # the dev binary cross-entropy equals torch's on the trained model
+    dev_pairs = [(r["query"], r["passage"]) for r in dev]
+    logits = torch.tensor(reference.predict(dev_pairs, activation_fn=torch.nn.Identity()))
+    labels = torch.tensor([r["label"] for r in dev])
+    bce = float(torch.nn.functional.binary_cross_entropy_with_logits(logits, labels.float()))
+    reported = json.loads((tmp_path / "run" / "eval_results.json").read_text())["dev"]
+    accuracy = float(np.mean((logits.numpy() > 0) == (labels.numpy() >= 0.5)))
+    assert reported["bce"] == pytest.approx(bce, rel=1e-5)
+    assert reported["accuracy"] == pytest.approx(accuracy)
+
+
+# ---- a BEIR folder: mined negatives, reranking a run every epoch, evaluate retrieval --rerank ----
+@pytest.fixture(scope="module")
+def beir_dir(tmp_path_factory) -> pathlib.Path:
+    """12 documents of 6 words; query i is 3 words of document i (train: 0-7, test: 8-11); a
+    negatives run (train queries) and a first-stage run (test queries) of random scores."""
+    root = tmp_path_factory.mktemp("beir")
+    rng = np.random.default_rng(0)
+    docs = [list(rng.choice(WORDS, 6, replace=False)) for _ in range(12)]
+    with open(root / "corpus.jsonl", "w") as f:
+        for i, words in enumerate(docs):
+            f.write(json.dumps({"_id": f"d{i}", "title": words[0], "text": " ".join(words[1:])}))
+            f.write("\n")
+    with open(root / "queries.jsonl", "w") as f:
+        for i, words in enumerate(docs):
+            f.write(json.dumps({"_id": f"q{i}", "text": " ".join(words[:3])}) + "\n")
+    (root / "qrels").mkdir()
+    for split, ids in (("train", range(8)), ("test", range(8, 12))):
+        lines = ["query-id\tcorpus-id\tscore"] + [f"q{i}\td{i}\t1" for i in ids]
+        (root / "qrels" / f"{split}.tsv").write_text("\n".join(lines) + "\n")
+    for name, queries in (("negatives.trec", range(8)), ("first_stage.trec", range(8, 12))):
+        lines = [f"q{q} Q0 d{d} 0 {rng.random():.6f} bm25" for q in queries for d in range(12)]
+        (root / name).write_text("\n".join(lines) + "\n")
+    return root
+
+
+def _evaluate(*argv) -> dict:
+    out = io.StringIO()
+    with redirect_stdout(out):
+        assert score.main(["retrieval", *argv]) == 0
+    return json.loads(out.getvalue())
+
+
+def test_a_beir_folder_trains_reranks_and_evaluate_rerank_agrees(hf_dirs, beir_dir, tmp_path):  # noqa: F811
+    source = cross_encoder_dir(tmp_path / "ce", hf_dirs["modernbert"])
+    c = _config(**{
+        "init_checkpoint": str(source),
+        "data_dir": str(beir_dir),
+        "data.negatives_file": str(beir_dir / "negatives.trec"),
+        "data.num_negatives": 3,
+        "data.eval_run": str(beir_dir / "first_stage.trec"),
+        "train.steps": 2,
+        "train.eval_every": 1,
+    })  # fmt: skip
+    workdir = tmp_path / "run"
+    train.train_and_evaluate(c, str(workdir))
+    task = train.prepared_task(c, str(workdir))
+    assert len(task.train_features["label"]) == 8 * 4  # a positive and 3 mined negatives each
+    assert task.train_features["label"].sum() == 8
+    results = json.loads((workdir / "eval_results.json").read_text())
+    assert results["best_metric"] == "ndcg@10"
+    assert set(results["dev"]) == set(metrics.MEASURES)
+
+    base = ["--rerank", str(workdir / "best"), "--data", str(beir_dir), "--split", "test"]
+    from_run = _evaluate(*base, "--run", str(beir_dir / "first_stage.trec"))
+    for key, value in results["dev"].items():
+        assert from_run[key] == pytest.approx(value, abs=1e-9), key
+    first = _evaluate(*base, "--run", str(beir_dir / "first_stage.trec"), "--top_k", "3")
+    assert first["recall@100"] <= from_run["recall@100"]
+
+    # a bi-encoder searched first, then reranked: the same as reranking its written run
+    bi_encoder = _st_dir(tmp_path / "bi", hf_dirs["bert"], "mean")
+    run_file = tmp_path / "bi.trec"
+    _evaluate("--checkpoint", str(bi_encoder), "--data", str(beir_dir), "--output_run",
+              str(run_file))  # fmt: skip
+    searched = _evaluate(*base, "--checkpoint", str(bi_encoder), "--output_run",
+                         str(tmp_path / "reranked.trec"))  # fmt: skip
+    assert searched == pytest.approx(_evaluate(*base, "--run", str(run_file)), abs=1e-9)
+    assert len((tmp_path / "reranked.trec").read_text().splitlines()) == 4 * 12
+
+
+def test_evaluate_rerank_refuses_bad_combinations(hf_dirs, beir_dir, tmp_path, capsys):  # noqa: F811
+    source = cross_encoder_dir(tmp_path / "ce", hf_dirs["bert"])
+    run = str(beir_dir / "first_stage.trec")
+    cases = [
+        (["--rerank", str(source), "--run", run], "takes --data=BEIR_DIR and one first stage"),
+        (["--rerank", str(source), "--data", str(beir_dir), "--run", run, "--checkpoint", "x"],
+         "one first stage"),
+        (["--rerank", str(hf_dirs["bert"]), "--data", str(beir_dir), "--run", run],
+         "no sequence-classification head|not a cross-encoder"),
+        (["--rerank", str(source), "--data", str(beir_dir), "--run",
+          str(beir_dir / "negatives.trec")], "no query of the run is judged"),
+    ]  # fmt: skip
+    for argv, message in cases:
+        with pytest.raises(SystemExit):
+            score.main(["retrieval", *argv])
+        err = capsys.readouterr().err.strip().splitlines()[-1]
+        assert err.startswith("bertjax evaluate: error:")
+        assert any(m in err for m in message.split("|")), err
+
+
+def test_packed_batches_give_the_unpacked_losses_and_dev_metrics(hf_dirs, tmp_path):  # noqa: F811
+    """data.batch_packing and data.eval_packing (the config's defaults) train and evaluate the
+    same examples in fewer rows: the same losses and dev metrics to float rounding."""
+    source = cross_encoder_dir(tmp_path / "ce", hf_dirs["bert"])
+    runs = []
+    for packed in (False, True):
+        c = _config(**{
+            "init_checkpoint": str(source),
+            "data.train_file": _write_jsonl(tmp_path / "train.jsonl", _pairs(0, 12)),
+            "data.dev_file": _write_jsonl(tmp_path / "dev.jsonl", _pairs(1, 10)),
+            "data.batch_packing": packed,
+            "data.eval_packing": packed,
+            "train.steps": 2,
+            "train.eval_every": 2,
+        })  # fmt: skip
+        workdir = tmp_path / f"run_{packed}"
+        train.train_and_evaluate(c, str(workdir))
+        dev = json.loads((workdir / "eval_results.json").read_text())["dev"]
+        runs.append(([r["loss"] for r in read_metrics(workdir)], dev))
+    (plain, plain_dev), (packed, packed_dev) = runs
+    np.testing.assert_allclose(packed, plain, rtol=1e-5)
+    assert packed_dev["bce"] == pytest.approx(plain_dev["bce"], rel=1e-5)
+    assert packed_dev["accuracy"] == plain_dev["accuracy"]
