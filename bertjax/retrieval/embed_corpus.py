@@ -93,6 +93,7 @@ class Summary:
     shards_skipped: int  # found finished by this process
     texts_embedded: int  # by this process in this call
     seconds: float  # this process, reading the model and input excluded
+    cpu_seconds: float  # this process's CPU time (all threads) in those seconds
     manifest: bool  # whether this process wrote the manifest (process 0, at the end)
 
 
@@ -274,7 +275,7 @@ def embed_corpus(
     fs.makedirs(output)
     n = len(corpus.ids)
     num_shards = math.ceil(n / options.shard_size)
-    start_time = time.perf_counter()
+    start_time, start_cpu = time.perf_counter(), time.process_time()
     embedded = skipped = texts_embedded = 0
     for shard in range(index, num_shards, count):
         lo, hi = shard * options.shard_size, min((shard + 1) * options.shard_size, n)
@@ -305,6 +306,7 @@ def embed_corpus(
         shards_skipped=skipped,
         texts_embedded=texts_embedded,
         seconds=time.perf_counter() - start_time,
+        cpu_seconds=time.process_time() - start_cpu,
         manifest=wrote_manifest,
     )
 
