@@ -4,7 +4,8 @@ References: tiny random BERT and ModernBERT sentence-transformers directories th
 sentence-transformers writes itself (as in test_sentence_transformers.py); the vectors equal
 ``SentenceTransformer(DIR).encode(texts)`` within 1e-5 in fp32, ids in input order. A run killed
 after its first shard resumes without recomputing it and writes the same bytes as a run that was
-never interrupted; several processes and devices (simulated) give the same vectors.
+never interrupted; two JAX processes (launch/local.sh) and four simulated devices give the same
+vectors.
 """
 
 import json
@@ -258,3 +259,22 @@ def test_four_devices_and_two_processes_match_sentence_transformers(st_dirs, tmp
     ids, matrix = load_embeddings(tmp_path / "out")
     assert ids == [d for d, _, _ in DOCS]
     assert np.abs(matrix - _reference(st_dirs["bert"], _texts())).max() < TOL
+
+
+@pytest.mark.slow
+def test_two_processes_through_launch_local(st_dirs, tmp_path):
+    """Two real JAX processes (launch/local.sh, bertjax.distributed), two CPU devices each: each
+    embeds every other shard, process 0 writes the manifest once both are done."""
+    corpus = _write_jsonl(tmp_path / "corpus.jsonl")
+    environ = {**os.environ, "LOG_DIR": str(tmp_path / "logs"), "PYTHONPATH": ROOT,
+               "BERTJAX_CMD": f"{sys.executable} -m bertjax.cli"}  # fmt: skip
+    cmd = [os.path.join(ROOT, "launch", "local.sh"), "2", "--devices_per_process", "2", "--",
+           "embed", f"--checkpoint={st_dirs['modernbert']}", f"--input={corpus}",
+           f"--output={tmp_path / 'out'}", "--shard_size=2", "--batch_size=2"]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, env=environ, timeout=600)
+    logs = "".join(p.read_text() for p in sorted((tmp_path / "logs").glob("*.log")))
+    assert done.returncode == 0, done.stderr[-2000:] + logs[-2000:]
+    assert "shard 2/4: 2 texts" in logs and "shard 1/4: 2 texts" in logs, logs[-2000:]
+    ids, matrix = load_embeddings(tmp_path / "out")
+    assert ids == [d for d, _, _ in DOCS]
+    assert np.abs(matrix - _reference(st_dirs["modernbert"], _texts())).max() < TOL
