@@ -48,6 +48,7 @@ COMMANDS = {
         "bertjax.tools.extract_features:main",
         "per-token vectors of chosen layers",
     ),
+    "embed": ("bertjax.tools.embed:main", "embed a corpus into resumable shards of vectors"),
     "bench": ("bertjax.tools.bench:main", "measure step time, tokens/s, MFU, memory, input speed"),
 }
 
