@@ -373,7 +373,9 @@ def main(argv: list[str] | None = None) -> None:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TensorFlow's C++ start-up chatter
     if argv is None:  # the `bertjax` command (not a caller's in-process call)
         console.quiet_native_logs()  # CPU-only machine: TF/CUDA/TPU start-up noise off stderr
-        if os.environ.get("JAX_PLATFORMS", "").split(",")[0] == "cpu":
+        if sys.argv[1:2] == ["embed"]:  # on by default: a third less CPU per batch on a CPU
+            host_memory.apply_from_environment(default="1")
+        elif os.environ.get("JAX_PLATFORMS", "").split(",")[0] == "cpu":
             host_memory.apply_from_environment()  # opt-in: XLA's per-step blocks kept for reuse
     argv = list(sys.argv if argv is None else argv)
     if len(argv) < 2 or argv[1] in ("-h", "--help", "help"):

@@ -51,8 +51,9 @@ def retain_freed_memory() -> bool:
     return applied
 
 
-def apply_from_environment() -> bool:
-    """``retain_freed_memory()`` when ``BERTJAX_RETAIN_HOST_MEMORY=1``; returns whether applied."""
-    if os.environ.get("BERTJAX_RETAIN_HOST_MEMORY", "0") != "1":
+def apply_from_environment(default: str = "0") -> bool:
+    """``retain_freed_memory()`` when ``BERTJAX_RETAIN_HOST_MEMORY=1`` (unset: ``default``);
+    returns whether applied."""
+    if os.environ.get("BERTJAX_RETAIN_HOST_MEMORY", default) != "1":
         return False
     return retain_freed_memory()

@@ -21,7 +21,6 @@ import sys
 import time
 from collections.abc import Sequence
 
-from bertjax import host_memory
 from bertjax.retrieval import embedding_store as store
 
 FAULT_AFTER_SHARDS = "BERTJAX_EMBED_FAULT_AFTER_SHARDS"  # tests: die (os._exit) after N shards
@@ -114,10 +113,6 @@ def run(args: argparse.Namespace) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs `bertjax embed` with the arguments after "embed"; bad input: one line, exit 2."""
     args = _parser().parse_args(argv)
-    if os.environ.get("BERTJAX_RETAIN_HOST_MEMORY", "1") != "0":
-        # XLA's per-batch blocks reused, not faulted in again (a third less CPU time per batch
-        # on a CPU); before JAX starts its threads. BERTJAX_RETAIN_HOST_MEMORY=0: glibc's default
-        host_memory.retain_freed_memory()
     try:
         line = run(args)
     except (ValueError, FileNotFoundError) as err:
