@@ -48,6 +48,10 @@ COMMANDS = {
         "bertjax.tools.extract_features:main",
         "per-token vectors of chosen layers",
     ),
+    "mine-negatives": (
+        "bertjax.tools.mine:main",
+        "hard negatives from a model's top-ranked documents, as retrieval training rows",
+    ),
     "bench": ("bertjax.tools.bench:main", "measure step time, tokens/s, MFU, memory, input speed"),
 }
 
