@@ -50,7 +50,7 @@ COMMANDS = {
     ),
     "mine-negatives": (
         "bertjax.tools.mine:main",
-        "hard negatives from a model's top-ranked documents, as retrieval training rows",
+        "a model's top-ranked non-positive documents as retrieval training rows",
     ),
     "bench": ("bertjax.tools.bench:main", "measure step time, tokens/s, MFU, memory, input speed"),
 }

@@ -340,6 +340,10 @@ def test_bad_corpus_files_and_arguments(tmp_path):
             mining.mine_hard_negatives(pairs, embed, **kwargs)
     with pytest.raises(ValueError, match=r"no \(query, positive\) pairs"):
         mining.mine_hard_negatives([], embed)
+    one = _write(tmp_path / "one.jsonl", [{"query": "a", "positive": "b"}])
+    args = ["--checkpoint=/no/model", f"--pairs={one}", "--output=o.jsonl", "--range_min=4"]
+    with pytest.raises(ValueError, match="range_min=4 must be smaller than range_max=3"):
+        mine_tool.main([*args, "--range_max=3"])  # checked before the model loads
     with pytest.raises(ValueError, match="either --data=BEIR_DIR or --pairs"):
         mine_tool.main(["--checkpoint=x", "--output=o.jsonl"])
     with pytest.raises(ValueError, match="--corpus goes with --pairs"):

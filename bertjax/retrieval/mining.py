@@ -59,7 +59,25 @@ def default_range_max(range_min, num_negatives, max_positives, *, guarded: bool)
     return range_min + num_negatives * (10 if guarded else 1) + max_positives
 
 
-def _check(range_min, range_max, num_negatives, sampling, output_format) -> None:
+def check_settings(
+    pairs: Sequence[tuple[str, str]],
+    *,
+    range_min: int = 0,
+    range_max: int | None = None,
+    num_negatives: int = 3,
+    guarded: bool = False,
+    sampling: str = "top",
+    output_format: str = "n-tuple",
+) -> int:
+    """The range_max that mining ``pairs`` uses (``default_range_max`` when None; ``guarded``: a
+    margin or max_score is set); ValueError for settings sentence-transformers refuses."""
+    if not pairs:
+        raise ValueError("no (query, positive) pairs to mine negatives for")
+    if num_negatives < 1:
+        raise ValueError(f"num_negatives must be at least 1, not {num_negatives}")
+    if range_max is None:
+        max_positives = max(Counter(q for q, _ in pairs).values())  # rows, as s-t counts them
+        range_max = default_range_max(range_min, num_negatives, max_positives, guarded=guarded)
     if sampling not in SAMPLING:
         raise ValueError(f"sampling must be one of {SAMPLING}, not {sampling!r}")
     if output_format not in FORMATS:
@@ -73,6 +91,7 @@ def _check(range_min, range_max, num_negatives, sampling, output_format) -> None
             f"cannot mine {num_negatives} negatives per query: only {range_max - range_min} "
             f"candidates remain after skipping range_min={range_min} of range_max={range_max}"
         )
+    return int(range_max)
 
 
 def _embedders(model, batch_size, query_prompt, query_prompt_name, corpus_prompt, corpus_name):
@@ -134,15 +153,16 @@ def mine_hard_negatives(
     ``corpus``: more candidate texts (default: the positives only); ``devices`` share the
     search."""
     pairs = [(str(q), str(p)) for q, p in pairs]
-    if not pairs:
-        raise ValueError("no (query, positive) pairs to mine negatives for")
-    if num_negatives < 1:
-        raise ValueError(f"num_negatives must be at least 1, not {num_negatives}")
-    max_positives = max(Counter(q for q, _ in pairs).values())  # rows, as s-t counts them
-    if range_max is None:
-        guarded = (absolute_margin, relative_margin, max_score) != (None, None, None)
-        range_max = default_range_max(range_min, num_negatives, max_positives, guarded=guarded)
-    _check(range_min, range_max, num_negatives, sampling, output_format)
+    range_max = check_settings(
+        pairs,
+        range_min=range_min,
+        range_max=range_max,
+        num_negatives=num_negatives,
+        guarded=(absolute_margin, relative_margin, max_score) != (None, None, None),
+        sampling=sampling,
+        output_format=output_format,
+    )
+    max_positives = max(Counter(q for q, _ in pairs).values())
 
     positives_in_order = [p for _, p in pairs]
     docs = list(dict.fromkeys([*(corpus or []), *positives_in_order]))
@@ -174,8 +194,8 @@ def mine_hard_negatives(
     scores = scores.astype(np.float32)
     for q, own in enumerate(positives):
         scores[q, np.isin(rows[q], own) | (rows[q] < 0)] = -np.inf
-    lowest = np.array([positive_scores[pair_query == q].min() for q in range(len(queries))])
-    lowest = lowest.astype(np.float32)[:, None]  # [queries, 1]
+    starts = np.cumsum([0] + [len(own) for own in positives[:-1]])  # each query's first pair
+    lowest = np.minimum.reduceat(positive_scores, starts).astype(np.float32)[:, None]  # [q, 1]
     guards, margin = [], np.abs(lowest) * np.float32(relative_margin or 0.0)
     if absolute_margin is not None:
         guards.append(("absolute_margin", scores + np.float32(absolute_margin) > lowest))

@@ -95,6 +95,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         corpus = mining.read_corpus(args.corpus) if args.corpus else None
         pairs = mining.read_pairs(args.pairs, corpus, args.corpus)
+    mining.check_settings(  # before the model loads
+        pairs,
+        range_min=args.range_min,
+        range_max=args.range_max,
+        num_negatives=args.num_negatives,
+        guarded=(args.absolute_margin, args.relative_margin, args.max_score) != (None,) * 3,
+    )
     import bertjax
 
     model = bertjax.load_pretrained(args.checkpoint, quiet=True)
