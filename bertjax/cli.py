@@ -49,6 +49,10 @@ COMMANDS = {
         "per-token vectors of chosen layers",
     ),
     "embed": ("bertjax.tools.embed:main", "embed a corpus into resumable shards of vectors"),
+    "mine-negatives": (
+        "bertjax.tools.mine:main",
+        "a model's top-ranked non-positive documents as retrieval training rows",
+    ),
     "bench": ("bertjax.tools.bench:main", "measure step time, tokens/s, MFU, memory, input speed"),
 }
 
