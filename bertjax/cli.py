@@ -23,7 +23,10 @@ COMMANDS = {
         "bertjax.cli:train_command",
         "pretrain an encoder (masked LM, plus NSP where the config asks) from a config",
     ),
-    "finetune": ("bertjax.cli:train_command", "fine-tune on GLUE/SQuAD/NER/SWAG from a config"),
+    "finetune": (
+        "bertjax.cli:train_command",
+        "fine-tune from a config: GLUE/SQuAD/NER/SWAG, retrievers, ColBERT, rerankers",
+    ),
     "compile": (
         "bertjax.cli:train_command",
         "compile the train step (--topology: for a TPU slice); memory, est. step time, MFU",
@@ -37,13 +40,16 @@ COMMANDS = {
     "plot": ("bertjax.tools.plot:main", "write a PNG of a run's metric curves"),
     "evaluate": (
         "bertjax.tools.score:main",
-        "official SQuAD / GLUE metrics of predictions; retrieval metrics of a run or a model",
+        "official SQuAD / GLUE metrics; retrieval metrics of a run or a model (--rerank)",
     ),
     "evaluate-mlm": (
         "bertjax.tools.mlm_eval:main",
         "held-out MLM loss of any checkpoint on records",
     ),
-    "convert": ("bertjax.convert:main", "convert checkpoints between HF, TF and bertjax"),
+    "convert": (
+        "bertjax.convert:main",
+        "convert checkpoints: HF, TF, bertjax, sentence-transformers, PyLate",
+    ),
     "extract-features": (
         "bertjax.tools.extract_features:main",
         "per-token vectors of chosen layers",

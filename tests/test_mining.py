@@ -352,7 +352,7 @@ def test_bad_corpus_files_and_arguments(tmp_path):
 
 def test_a_beir_query_without_text_is_an_error(tmp_path):
     folder = _beir(tmp_path / "beir", [f"doc {i}" for i in range(12)], ["a"] * 3 + [" "] * 9)
-    with pytest.raises(ValueError, match=r"queries.jsonl: query 'q3' is empty"):
+    with pytest.raises(ValueError, match=r"queries.jsonl:4: query 'q3' is empty"):
         mining.beir_pairs(str(folder), "train")
 
 

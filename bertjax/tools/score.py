@@ -224,7 +224,7 @@ def rerank_retrieval(args: argparse.Namespace) -> dict:
             model.embed,
             data,
             top_k=max(args.top_k, 100),
-            similarity=args.similarity,
+            similarity=args.similarity or _model_similarity(model),
             batch_size=args.batch_size,
         ).run
     before = metrics.evaluate(data.qrels, first)
