@@ -17,13 +17,10 @@ from __future__ import annotations
 import json
 import os
 
-import numpy as np
-from safetensors.numpy import save_file
-
-from bertjax.convert.checkpoint import Checkpoint, fmt_shape, read_json_object
-from bertjax.convert.hf import bare_encoder, load_hf, read_safetensors, read_torch_file, write_hf
+from bertjax.convert.checkpoint import Checkpoint, read_json_object
+from bertjax.convert.hf import bare_encoder, load_hf, write_hf
+from bertjax.convert.sentence_transformers import read_dense, write_dense
 from bertjax.models.late_interaction import LateInteractionHead, LateInteractionSettings
-from bertjax.models.pooling import DenseLayer
 
 MODULES = "modules.json"
 ST_CONFIG = "config_sentence_transformers.json"
@@ -80,55 +77,6 @@ def is_pylate_dir(path: str) -> bool:
         return False
 
 
-def _dense(folder: str, index: int) -> tuple[DenseLayer, dict[str, np.ndarray]]:
-    """A PyLate Dense module: its layer and weights as bertjax tensors (``dense_{index}/...``)."""
-    path = os.path.join(folder, "config.json")
-    values = read_json_object(path, "Dense config")
-    torch_name = str(values.get("activation_function", "torch.nn.modules.linear.Identity"))
-    act = _ACTIVATIONS.get(torch_name.rsplit(".", 1)[-1])
-    if act is None or not torch_name.startswith("torch."):
-        raise ValueError(
-            f"{path}: activation_function={torch_name!r} is not one of torch.nn's "
-            f"{sorted(_ACTIVATIONS)}"
-        )
-    try:
-        layer = DenseLayer(
-            int(values["in_features"]),
-            int(values["out_features"]),
-            bool(values.get("bias", True)),
-            act[0],
-            bool(values.get("use_residual", False)),
-        )
-    except (KeyError, TypeError, ValueError) as e:
-        raise ValueError(f"{path}: bad Dense config ({type(e).__name__}: {e})") from None
-    weights = os.path.join(folder, "model.safetensors")
-    if os.path.isfile(weights):
-        state = read_safetensors(weights)
-    elif os.path.isfile(os.path.join(folder, "pytorch_model.bin")):
-        weights = os.path.join(folder, "pytorch_model.bin")
-        state = read_torch_file(weights)
-    else:
-        raise FileNotFoundError(f"{folder}: Dense module without model.safetensors")
-    shape = (layer.out_features, layer.in_features)
-    wanted = {"linear.weight": (f"dense_{index}/kernel", shape)}
-    if layer.bias:
-        wanted["linear.bias"] = (f"dense_{index}/bias", (layer.out_features,))
-    if layer.residual and layer.in_features != layer.out_features:
-        wanted["residual.weight"] = (f"dense_{index}_residual/kernel", shape)
-    if set(state) != set(wanted):
-        raise ValueError(f"{weights}: tensors {sorted(state)}, expected {sorted(wanted)}")
-    tensors = {}
-    for name, (target, want) in wanted.items():
-        if tuple(state[name].shape) != want:
-            raise ValueError(
-                f"{weights}: {name} has shape {fmt_shape(state[name].shape)}, the config implies "
-                f"{fmt_shape(want)}"
-            )
-        value = np.asarray(state[name], np.float32)
-        tensors[target] = np.ascontiguousarray(value.T) if value.ndim == 2 else value
-    return layer, tensors
-
-
 def _settings(path: str, values: dict) -> dict:
     """The ColBERT keys of config_sentence_transformers.json, type-checked (absent: PyLate's
     defaults)."""
@@ -169,7 +117,13 @@ def load_pylate(directory: str) -> Checkpoint:
         ckpt.vocab_file, ckpt.do_lower_case = tokenizer_json, None  # its normalizer decides
     dense, tensors = [], {}
     for folder in folders[1:]:
-        layer, weights = _dense(folder, len(dense))
+        layer, weights = read_dense(
+            folder,
+            len(dense),
+            default_activation="torch.nn.modules.linear.Identity",
+            activations=_ACTIVATIONS,
+            check_io_names=False,
+        )
         dense.append(layer)
         tensors.update(weights)
     head = LateInteractionHead(tuple(dense))
@@ -218,32 +172,18 @@ def write_pylate(ckpt: Checkpoint, directory: str) -> None:
     settings.head.dimension(ckpt.config.hidden_size)
     write_hf(bare_encoder(ckpt), directory)
     modules = [{"idx": 0, "name": "0", "path": "", "type": TRANSFORMER_TYPE}]
-    torch_names = {name: path for name, path in _ACTIVATIONS.values()}
     for i, layer in enumerate(settings.head.dense):
         folder = f"{i + 1}_Dense"
         modules.append({"idx": i + 1, "name": str(i + 1), "path": folder, "type": DENSE_TYPE})
-        if layer.activation not in torch_names:
-            raise ValueError(
-                f"{ckpt.source}: Dense activation {layer.activation!r} has no torch.nn module; "
-                f"choose from {sorted(torch_names)}"
-            )
-        _write_json(
-            os.path.join(directory, folder, "config.json"),
-            {
-                "in_features": layer.in_features,
-                "out_features": layer.out_features,
-                "bias": layer.bias,
-                "activation_function": torch_names[layer.activation],
-                "use_residual": layer.residual,
-            },
+        write_dense(
+            os.path.join(directory, folder),
+            layer,
+            settings.tensors,
+            i,
+            ckpt.source,
+            activations=_ACTIVATIONS,
+            residual_key_always=True,
         )
-        state = {"linear.weight": settings.tensors[f"dense_{i}/kernel"].T}
-        if layer.bias:
-            state["linear.bias"] = settings.tensors[f"dense_{i}/bias"]
-        if f"dense_{i}_residual/kernel" in settings.tensors:
-            state["residual.weight"] = settings.tensors[f"dense_{i}_residual/kernel"].T
-        state = {k: np.ascontiguousarray(v, np.float32) for k, v in state.items()}
-        save_file(state, os.path.join(directory, folder, "model.safetensors"))
     _write_json(os.path.join(directory, MODULES), modules)
     _write_json(
         os.path.join(directory, SBERT_CONFIG),

@@ -201,27 +201,40 @@ def _pooling(folder: str, hidden_size: int) -> tuple[tuple[str, ...], bool]:
     return modes, bool(values.get("include_prompt", True))
 
 
-def _dense(folder: str, index: int) -> tuple[DenseLayer, dict[str, np.ndarray]]:
-    """A Dense module: its layer and weights as bertjax tensors (``dense_{index}/...``)."""
+def read_dense(
+    folder: str,
+    index: int,
+    *,
+    default_activation: str = "torch.nn.modules.activation.Tanh",
+    activations: dict = _ACTIVATIONS,
+    check_io_names: bool = True,
+) -> tuple[DenseLayer, dict[str, np.ndarray]]:
+    """A Dense module (sentence-transformers' or PyLate's): its layer and weights as bertjax
+    tensors (``dense_{index}/...``). ``default_activation`` applies where the config names none;
+    ``activations``: the torch.nn classes accepted; ``check_io_names``: only a module reading and
+    writing ``sentence_embedding`` is read."""
     path = os.path.join(folder, "config.json")
     values = read_json_object(path, "Dense config")
-    for key in ("module_input_name", "module_output_name"):
+    for key in ("module_input_name", "module_output_name") if check_io_names else ():
         if values.get(key, "sentence_embedding") not in (None, "sentence_embedding"):
             raise ValueError(f"{path}: {key}={values[key]!r} (only sentence_embedding is read)")
-    torch_name = values.get("activation_function", "torch.nn.modules.activation.Tanh")
-    act = _ACTIVATIONS.get(str(torch_name).rsplit(".", 1)[-1])
-    if act is None or not str(torch_name).startswith("torch."):
+    torch_name = str(values.get("activation_function", default_activation))
+    act = activations.get(torch_name.rsplit(".", 1)[-1])
+    if act is None or not torch_name.startswith("torch."):
         raise ValueError(
             f"{path}: activation_function={torch_name!r} is not one of torch.nn's "
-            f"{sorted(_ACTIVATIONS)}"
+            f"{sorted(activations)}"
         )
-    layer = DenseLayer(
-        int(values["in_features"]),
-        int(values["out_features"]),
-        bool(values.get("bias", True)),
-        act[0],
-        bool(values.get("use_residual", False)),
-    )
+    try:
+        layer = DenseLayer(
+            int(values["in_features"]),
+            int(values["out_features"]),
+            bool(values.get("bias", True)),
+            act[0],
+            bool(values.get("use_residual", False)),
+        )
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"{path}: bad Dense config ({type(e).__name__}: {e})") from None
     weights = os.path.join(folder, "model.safetensors")
     if os.path.isfile(weights):
         state = read_safetensors(weights)
@@ -230,24 +243,61 @@ def _dense(folder: str, index: int) -> tuple[DenseLayer, dict[str, np.ndarray]]:
         state = read_torch_file(weights)
     else:
         raise FileNotFoundError(f"{folder}: Dense module without model.safetensors")
-    wanted = {"linear.weight": (f"dense_{index}/kernel", (layer.out_features, layer.in_features))}
+    shape = (layer.out_features, layer.in_features)
+    wanted = {"linear.weight": (f"dense_{index}/kernel", shape)}
     if layer.bias:
         wanted["linear.bias"] = (f"dense_{index}/bias", (layer.out_features,))
     if layer.residual and layer.in_features != layer.out_features:
-        shape = (layer.out_features, layer.in_features)
         wanted["residual.weight"] = (f"dense_{index}_residual/kernel", shape)
     if set(state) != set(wanted):
         raise ValueError(f"{weights}: tensors {sorted(state)}, expected {sorted(wanted)}")
     tensors = {}
-    for name, (target, shape) in wanted.items():
-        if tuple(state[name].shape) != shape:
+    for name, (target, want) in wanted.items():
+        if tuple(state[name].shape) != want:
             raise ValueError(
                 f"{weights}: {name} has shape {fmt_shape(state[name].shape)}, the config implies "
-                f"{fmt_shape(shape)}"
+                f"{fmt_shape(want)}"
             )
         value = np.asarray(state[name], np.float32)
         tensors[target] = np.ascontiguousarray(value.T) if value.ndim == 2 else value
     return layer, tensors
+
+
+def write_dense(
+    folder: str,
+    layer: DenseLayer,
+    tensors: dict[str, np.ndarray],
+    index: int,
+    source: str,
+    *,
+    activations: dict = _ACTIVATIONS,
+    residual_key_always: bool = False,
+) -> None:
+    """Writes Dense layer ``index`` (``tensors``: bertjax's ``dense_{index}/...``) as a Dense
+    module folder: ``config.json`` (``use_residual`` only when set, unless
+    ``residual_key_always``) and ``model.safetensors``."""
+    torch_names = {name: path for name, path in activations.values()}
+    if layer.activation not in torch_names:
+        raise ValueError(
+            f"{source}: Dense activation {layer.activation!r} has no torch.nn module; "
+            f"choose from {sorted(torch_names)}"
+        )
+    config = {
+        "in_features": layer.in_features,
+        "out_features": layer.out_features,
+        "bias": layer.bias,
+        "activation_function": torch_names[layer.activation],
+    }
+    if layer.residual or residual_key_always:
+        config["use_residual"] = layer.residual
+    _write_json(os.path.join(folder, "config.json"), config)
+    state = {"linear.weight": tensors[f"dense_{index}/kernel"].T}
+    if layer.bias:
+        state["linear.bias"] = tensors[f"dense_{index}/bias"]
+    if f"dense_{index}_residual/kernel" in tensors:
+        state["residual.weight"] = tensors[f"dense_{index}_residual/kernel"].T
+    state = {k: np.ascontiguousarray(v, np.float32) for k, v in state.items()}
+    save_file(state, os.path.join(folder, "model.safetensors"))
 
 
 def _optional_json(path: str, what: str) -> dict:
@@ -312,7 +362,7 @@ def load_sentence_transformers(directory: str) -> Checkpoint:
     dense, tensors = [], {}
     for kind, module_folder in modules[2:]:
         if kind == "Dense":
-            layer, weights = _dense(module_folder, len(dense))
+            layer, weights = read_dense(module_folder, len(dense))
             dense.append(layer)
             tensors.update(weights)
     head = EmbeddingHead(modes, include_prompt, tuple(dense), modules[-1][0] == "Normalize")
@@ -368,31 +418,10 @@ def write_sentence_transformers(ckpt: Checkpoint, directory: str) -> None:
         pooling = {"embedding_dimension": hidden, "pooling_mode": list(head.pooling),
                    "include_prompt": head.include_prompt}  # fmt: skip
     _write_json(os.path.join(directory, "1_Pooling", "config.json"), pooling)
-    torch_names = {name: path for name, path in _ACTIVATIONS.values()}
     for i, layer in enumerate(head.dense):
         folder = f"{len(modules)}_Dense"
         modules.append(("Dense", folder))
-        if layer.activation not in torch_names:
-            raise ValueError(
-                f"{ckpt.source}: Dense activation {layer.activation!r} has no torch.nn module; "
-                f"choose from {sorted(torch_names)}"
-            )
-        config = {
-            "in_features": layer.in_features,
-            "out_features": layer.out_features,
-            "bias": layer.bias,
-            "activation_function": torch_names[layer.activation],
-        }
-        if layer.residual:
-            config["use_residual"] = True
-        _write_json(os.path.join(directory, folder, "config.json"), config)
-        state = {"linear.weight": settings.tensors[f"dense_{i}/kernel"].T}
-        if layer.bias:
-            state["linear.bias"] = settings.tensors[f"dense_{i}/bias"]
-        if f"dense_{i}_residual/kernel" in settings.tensors:
-            state["residual.weight"] = settings.tensors[f"dense_{i}_residual/kernel"].T
-        state = {k: np.ascontiguousarray(v, np.float32) for k, v in state.items()}
-        save_file(state, os.path.join(directory, folder, "model.safetensors"))
+        write_dense(os.path.join(directory, folder), layer, settings.tensors, i, ckpt.source)
     if head.normalize:
         modules.append(("Normalize", f"{len(modules)}_Normalize"))  # no files of its own
     listing = [
