@@ -31,7 +31,6 @@ import logging
 import os
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from bertjax import fs
@@ -236,26 +235,6 @@ class ColbertTask(RetrievalTask):
         return params
 
     # ---- training: the cached (two-pass) contract ---------------------------------------------------
-    def embed(self, model, params, batch, rng):
-        """Query token vectors [rows, Lq, dim], document token vectors [rows, m, Ld, dim]."""
-        q_rng, d_rng = jax.random.split(rng)
-        queries = model.apply(
-            {"params": params},
-            **self.model_inputs(batch),
-            deterministic=False,
-            rngs={"dropout": q_rng},
-        )
-        rows, m, length = batch["doc_ids"].shape
-        docs = model.apply(
-            {"params": params},
-            batch["doc_ids"].reshape(rows * m, length),
-            jnp.zeros((rows * m, length), jnp.int32),
-            batch["doc_mask"].reshape(rows * m, length),
-            deterministic=False,
-            rngs={"dropout": d_rng},
-        )
-        return {"query": queries, "documents": docs.reshape(rows, m, length, -1)}
-
     def batch_loss(self, embeddings, batch):
         c = self.config.colbert
         query_mask = None if c.do_query_expansion else batch["query_keep"]

@@ -316,7 +316,8 @@ class RetrievalTask(FinetuneTask):
 
     # ---- training: the cached (two-pass) contract ---------------------------------------------------
     def embed(self, model, params, batch, rng):
-        """Query embeddings [rows, dim] and document embeddings [rows, m, dim] (training mode)."""
+        """Query embeddings [rows, ...] and document embeddings [rows, m, ...] in training mode
+        (a vector per text here, per token for late interaction)."""
         q_rng, d_rng = jax.random.split(rng)
         queries = model.apply(
             {"params": params},
@@ -333,7 +334,7 @@ class RetrievalTask(FinetuneTask):
             deterministic=False,
             rngs={"dropout": d_rng},
         )
-        return {"query": queries, "documents": docs.reshape(rows, m, -1)}
+        return {"query": queries, "documents": docs.reshape(rows, m, *docs.shape[1:])}
 
     def batch_loss(self, embeddings, batch):
         r = self.config.retrieval
