@@ -33,12 +33,11 @@ def document_text(title: str | None, text: str) -> str:
     return f"{title or ''} {text}".strip()
 
 
-def read_jsonl(path: str, fields: tuple[str, ...]) -> list[tuple[str, dict]]:
-    """(id, record) per line of a JSON-lines file; each record needs ``_id`` and ``fields`` and
-    gains ``__line__``, its line number."""
+def json_objects(path: str):
+    """(line number, object) per non-blank line of a JSON-lines file; bad JSON, a line that is
+    not an object or bad UTF-8 is a one-line error naming the file and line."""
     if not fs.exists(path):
         raise FileNotFoundError(f"{path}: no such file")
-    records, first_line = [], {}
     try:
         with fs.open_file(path, "r") as f:
             for number, line in enumerate(f, start=1):
@@ -50,20 +49,28 @@ def read_jsonl(path: str, fields: tuple[str, ...]) -> list[tuple[str, dict]]:
                     raise ValueError(f"{path}:{number}: invalid JSON: {err.msg}") from None
                 if not isinstance(record, dict):
                     raise ValueError(f"{path}:{number}: expected a JSON object")
-                for key in ("_id", *fields):
-                    if record.get(key) is None:
-                        raise ValueError(f"{path}:{number}: no {key!r} key")
-                    if key != "_id" and not isinstance(record[key], str):
-                        raise ValueError(f"{path}:{number}: {key!r} is not a string")
-                doc_id = str(record["_id"])
-                if doc_id in first_line:
-                    raise ValueError(
-                        f"{path}:{number}: id {doc_id!r} again (first at line {first_line[doc_id]})"
-                    )
-                first_line[doc_id] = number
-                records.append((doc_id, {**record, "__line__": number}))
+                yield number, record
     except UnicodeDecodeError as err:
         raise fs.utf8_error(path, err) from None
+
+
+def read_jsonl(path: str, fields: tuple[str, ...]) -> list[tuple[str, dict]]:
+    """(id, record) per line of a JSON-lines file; each record needs ``_id`` and ``fields`` and
+    gains ``__line__``, its line number."""
+    records, first_line = [], {}
+    for number, record in json_objects(path):
+        for key in ("_id", *fields):
+            if record.get(key) is None:
+                raise ValueError(f"{path}:{number}: no {key!r} key")
+            if key != "_id" and not isinstance(record[key], str):
+                raise ValueError(f"{path}:{number}: {key!r} is not a string")
+        doc_id = str(record["_id"])
+        if doc_id in first_line:
+            raise ValueError(
+                f"{path}:{number}: id {doc_id!r} again (first at line {first_line[doc_id]})"
+            )
+        first_line[doc_id] = number
+        records.append((doc_id, {**record, "__line__": number}))
     return records
 
 

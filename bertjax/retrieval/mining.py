@@ -32,7 +32,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from bertjax import atomic, fs
+from bertjax import atomic
 from bertjax.retrieval import beir, search
 
 SAMPLING = ("top", "random")
@@ -260,26 +260,6 @@ def mine_hard_negatives(
 
 
 # ---- files ---------------------------------------------------------------------------------------
-def _json_lines(path: str):
-    """(line number, object) per non-blank line; one-line errors name the file and line."""
-    if not fs.exists(path):
-        raise FileNotFoundError(f"{path}: no such file")
-    try:
-        with fs.open_file(path, "r") as f:
-            for number, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as err:
-                    raise ValueError(f"{path}:{number}: invalid JSON: {err.msg}") from None
-                if not isinstance(record, dict):
-                    raise ValueError(f"{path}:{number}: expected a JSON object")
-                yield number, record
-    except UnicodeDecodeError as err:
-        raise fs.utf8_error(path, err) from None
-
-
 def _text(record: dict, key: str, where: str, *, empty_ok: bool = False) -> str:
     value = record.get(key)
     if value is None:
@@ -295,7 +275,7 @@ def read_corpus(path: str) -> list[str]:
     """Document texts of a JSON-lines corpus: ``text`` (empty allowed) with an optional
     ``title``, joined as BEIR does (a ``corpus.jsonl`` of a BEIR folder reads as is)."""
     texts = []
-    for number, record in _json_lines(path):
+    for number, record in beir.json_objects(path):
         where = f"{path}:{number}"
         title = record.get("title")
         if title is not None and not isinstance(title, str):
@@ -313,7 +293,7 @@ def read_pairs(
     are ignored); with ``corpus``, each positive must be one of its texts."""
     known = set(corpus) if corpus is not None else None
     pairs = []
-    for number, record in _json_lines(path):
+    for number, record in beir.json_objects(path):
         where = f"{path}:{number}"
         query, positive = _text(record, "query", where), _text(record, "positive", where)
         if known is not None and positive not in known:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import logging
 import os
 import zlib
@@ -103,17 +102,8 @@ def read_training_rows(path: str) -> list[Row]:
                 record = {"query": fields[0], "positive": fields[1], "negatives": fields[2:]}
                 rows.append(_row(record, f"{path}:{number}"))
     else:
-        with fs.open_file(path, "rb") as f:
-            for number, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except ValueError as err:
-                    raise ValueError(f"{path}:{number}: invalid JSON: {err}") from None
-                if not isinstance(record, dict):
-                    raise ValueError(f"{path}:{number}: expected a JSON object")
-                rows.append(_row(record, f"{path}:{number}"))
+        for number, record in beir.json_objects(path):
+            rows.append(_row(record, f"{path}:{number}"))
     if not rows:
         raise ValueError(f"{path}: no training rows")
     return rows
