@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_retrieval_training import beir_dir  # noqa: F401  (a fixture)
+from test_retrieval_training import beir_dir, tiny_run  # noqa: F401  (beir_dir: a fixture)
 from train_fixtures import set_keys
 
 import bertjax
@@ -20,32 +20,11 @@ from configs import colbert as colbert_config
 
 
 def _config(beir_dir, **overrides):  # noqa: F811
-    c = colbert_config.get_config()
-    c.data_dir = str(beir_dir)
-    c.data.vocab = str(beir_dir / "vocab.txt")
-    c.data.do_lower_case = True
+    c = tiny_run(colbert_config.get_config(), beir_dir)
     c.colbert.dim = 8
     c.colbert.query_length = 8
     c.colbert.document_length = 12
     c.colbert.skiplist_words = ("w3", "w7")  # words of the fixture, to exercise the skiplist
-    c.model.preset = "tiny"
-    c.model.num_layers = 1
-    c.model.hidden_size = 32
-    c.model.num_heads = 2
-    c.model.intermediate_size = 64
-    c.model.max_position_embeddings = 32
-    c.model.hidden_dropout = 0.0
-    c.model.attention_dropout = 0.0
-    c.train.global_batch_size = 4
-    c.train.steps = 2
-    c.train.log_every = 1
-    c.train.checkpoint_every = 100
-    c.train.async_checkpoints = False
-    c.optimizer.warmup_proportion = 0.0
-    c.optimizer.warmup_steps = 0
-    c.optimizer.learning_rate = 1e-3
-    c.tensorboard = False
-    c.mesh.num_devices = 1
     return set_keys(c, overrides)
 
 

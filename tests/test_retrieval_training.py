@@ -43,12 +43,17 @@ def beir_dir(tmp_path_factory) -> pathlib.Path:
 
 
 def _config(beir_dir, **overrides):
-    c = retrieval_config.get_config()
+    c = tiny_run(retrieval_config.get_config(), beir_dir)
+    c.data.max_seq_length = 16
+    c.data.max_query_length = 8
+    return set_keys(c, overrides)
+
+
+def tiny_run(c, beir_dir):
+    """``c`` (a retrieval-family config) as a 2-step run of a 1-layer model on the fixture."""
     c.data_dir = str(beir_dir)
     c.data.vocab = str(beir_dir / "vocab.txt")
     c.data.do_lower_case = True
-    c.data.max_seq_length = 16
-    c.data.max_query_length = 8
     c.model.preset = "tiny"
     c.model.num_layers = 1
     c.model.hidden_size = 32
@@ -67,7 +72,7 @@ def _config(beir_dir, **overrides):
     c.optimizer.learning_rate = 1e-3
     c.tensorboard = False
     c.mesh.num_devices = 1
-    return set_keys(c, overrides)
+    return c
 
 
 @pytest.mark.slow
