@@ -4,7 +4,8 @@ Each checkpoint step directory holds three items: ``state`` (params, optimizer s
 sharded arrays written cooperatively by every process), ``data`` (the input iterators' positions, JSON)
 and ``config`` (the experiment config, JSON). Orbax writes to a temporary directory and renames it
 when complete, so an interrupted save never looks like a checkpoint; restoring picks the newest
-complete step. Restoring onto another mesh reshards (the target shardings come from the new mesh).
+complete step. An old step is retired the same way: renamed into ``.deleted/`` (one atomic rename),
+then removed from there, so a kill in the middle of removing it leaves no half-removed step folder. Restoring onto another mesh reshards (the target shardings come from the new mesh).
 
 A failed save or restore is reported in one line; while bertjax cleans up after it, what Python
 would print about the work it abandoned is dropped (``process_hooks.quieted``). The ``bertjax``
@@ -19,6 +20,7 @@ import json
 import logging
 import math
 import os
+import shutil
 import threading
 import time
 from collections.abc import Iterator
@@ -32,6 +34,8 @@ from jax.experimental import multihost_utils
 from bertjax import fs, process_hooks
 
 log = logging.getLogger(__name__)
+
+DELETED = ".deleted"  # where Orbax renames the steps it retires, before bertjax removes them
 
 
 def run_config_json(
@@ -76,12 +80,26 @@ class Checkpointer:
             create=True,
             enable_async_checkpointing=async_save,
             cleanup_tmp_directories=True,
+            # Orbax removes a retired step file by file and the folder last: a kill in between
+            # left a step folder without its files. Renamed aside first, it is never seen half
+            # removed. (Ignored on gs://, where Orbax removes objects directly.)
+            todelete_subdir=DELETED,
         )
         self.manager = ocp.CheckpointManager(
             self.directory, options=options, handler_registry=_handler_registry()
         )
         self._failed = False
         self._saving: int | None = None  # the step of the last save started
+        self._remove_retired()
+
+    def _remove_retired(self) -> None:
+        """Removes the steps Orbax has renamed into ``.deleted/`` (on the primary process, which
+        is the one that retires them). Each is renamed whole, so none is still being written."""
+        retired = self.directory / DELETED
+        if jax.process_index() != 0 or "://" in str(self.directory) or not retired.exists():
+            return
+        for path in retired.iterdir():  # not the folder: Orbax may be renaming into it now
+            shutil.rmtree(path, ignore_errors=True)
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
@@ -97,6 +115,7 @@ class Checkpointer:
             config=ocp.args.JsonSave(json.loads(config_json)),
         )
         self._saving = step
+        self._remove_retired()
         try:
             return self.manager.save(step, args=args, force=force)
         except Exception as err:  # noqa: BLE001  (Orbax/TensorStore raise many types)
@@ -192,6 +211,7 @@ class Checkpointer:
                         self.manager.close()
             else:
                 self.manager.close()
+                self._remove_retired()
 
     def _save_failed(self, step: int | None, err: BaseException) -> CheckpointSaveError:
         """The one-line error of a failed save: the file or step folder, disk full or the

@@ -296,3 +296,29 @@ def test_a_relative_checkpoint_directory_saves(tmp_path, monkeypatch):
     ckpt.save(1, {"w": jnp.ones((2,))}, {}, "{}", force=True)
     ckpt.close()
     assert (tmp_path / "workdirs/demo/checkpoints/1/_CHECKPOINT_METADATA").exists()
+
+
+def test_a_retired_step_is_renamed_aside_before_its_files_are_removed(tmp_path, monkeypatch):
+    """Orbax removes an old step file by file: a kill -9 in between (seen in CI) left a step folder
+    without its files. bertjax has it renamed into ``.deleted/`` first, then removes it there."""
+    import jax.numpy as jnp
+
+    unlinked, rmtree = [], checkpointing.shutil.rmtree
+    real_unlink = os.unlink
+    monkeypatch.setattr(
+        os, "unlink", lambda p, *a, **k: (unlinked.append(str(p)), real_unlink(p, *a, **k))[1]
+    )
+    # a kill before bertjax removes what Orbax renamed aside
+    monkeypatch.setattr(checkpointing.shutil, "rmtree", lambda *a, **k: None)
+    directory = tmp_path / "ck"
+    ckpt = checkpointing.Checkpointer(str(directory), keep=2, async_save=True)
+    for step in (1, 2, 3):
+        ckpt.save(step, {"w": jnp.full((2,), step)}, {}, "{}", force=True)
+    ckpt.close()
+    steps = sorted(p.name for p in directory.iterdir() if p.name.isdigit())
+    assert steps == ["2", "3"] and (directory / ".deleted" / "1" / "_CHECKPOINT_METADATA").exists()
+    assert not [p for p in unlinked if os.path.relpath(p, directory).split(os.sep)[0].isdigit()]
+    monkeypatch.setattr(checkpointing.shutil, "rmtree", rmtree)
+    again = checkpointing.Checkpointer(str(directory), keep=2)  # the rerun removes it
+    assert again.all_steps() == [2, 3] and list((directory / ".deleted").iterdir()) == []
+    again.close()
