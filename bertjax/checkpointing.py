@@ -27,6 +27,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 from jax.experimental import multihost_utils
@@ -110,7 +111,7 @@ class Checkpointer:
     def save(self, step: int, state: Any, data_state: dict, config_json: str, force=False) -> bool:
         """Starts an (async) save; returns whether a save was started."""
         args = ocp.args.Composite(
-            state=ocp.args.StandardSave(state),
+            state=ocp.args.PyTreeSave(state),
             data=ocp.args.JsonSave(data_state),
             config=ocp.args.JsonSave(json.loads(config_json)),
         )
@@ -423,15 +424,33 @@ def _handler_registry() -> ocp.handlers.DefaultCheckpointHandlerRegistry:
     newest step's item metadata, or restoring only some items) Orbax warns that each item "was
     found in the checkpoint, but could not be restored"."""
     registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
-    for name, save, restore, handler in (
-        ("state", ocp.args.StandardSave, ocp.args.StandardRestore, ocp.StandardCheckpointHandler),
-        ("data", ocp.args.JsonSave, ocp.args.JsonRestore, ocp.JsonCheckpointHandler),
-        ("config", ocp.args.JsonSave, ocp.args.JsonRestore, ocp.JsonCheckpointHandler),
-    ):
-        handler = handler()  # one instance saves and restores the item
-        registry.add(name, save, handler)
-        registry.add(name, restore, handler)
+    # ``state`` is written as StandardCheckpointHandler writes it (that handler is a PyTree
+    # handler with Orbax's default type handlers), with one difference for a single process:
+    # Orbax's default splits every replicated array into one slice per device, so that hosts
+    # share its writing. In one process that shares nothing and compiles a slice per array shape
+    # and device on the first save: 18 s for 40 small arrays on 8 CPU devices, 0.02 s without.
+    registry.add("state", ocp.args.PyTreeSave, _state_writer())
+    registry.add("state", ocp.args.StandardRestore, ocp.StandardCheckpointHandler())
+    for name in ("data", "config"):
+        handler = ocp.JsonCheckpointHandler()  # one instance saves and restores the item
+        registry.add(name, ocp.args.JsonSave, handler)
+        registry.add(name, ocp.args.JsonRestore, handler)
     return registry
+
+
+def _state_writer() -> ocp.PyTreeCheckpointHandler:
+    """The PyTree handler StandardCheckpointHandler wraps, with replica-parallel writing of
+    replicated arrays only where there are several processes to share it."""
+    th = ocp.type_handlers
+    registry = th.create_type_handler_registry(
+        (int, th.ScalarHandler()),
+        (float, th.ScalarHandler()),
+        (np.number, th.ScalarHandler()),
+        (np.ndarray, th.NumpyHandler()),
+        (jax.Array, th.ArrayHandler(use_replica_parallel=jax.process_count() > 1)),
+        (str, th.StringHandler()),
+    )
+    return ocp.PyTreeCheckpointHandler(save_concurrent_gb=96, type_handler_registry=registry)
 
 
 def _single_device():
