@@ -2,13 +2,26 @@
 
 import os
 import pathlib
+import tempfile
 
 # Eight simulated CPU devices for every test process; a test that wants one device uses a sub-mesh.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+import jax  # noqa: E402,F401  (before the cache settings below: this process does not read them)
 import pytest  # noqa: E402
+
+# One persistent XLA cache for the `bertjax` subprocesses of a test session (both xdist workers'):
+# a killed run and its rerun, or two tests running the same tiny config, compile each program once.
+# The executables, hence every number, are those a fresh compile gives. Only subprocesses read it
+# (jax above has read its settings already): in-process tests compile as a user's code does.
+_session = os.environ.get("PYTEST_XDIST_TESTRUNUID") or f"pid{os.getpid()}"
+os.environ.setdefault(
+    "JAX_COMPILATION_CACHE_DIR",
+    os.path.join(tempfile.gettempdir(), f"bertjax-test-xla-cache-{_session}"),
+)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.3")
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
 SHARED_DATA = pathlib.Path(
