@@ -47,11 +47,19 @@ def _config(args, workdir: str):
     return c
 
 
-def _score(model_dir: str, data, batch_size: int) -> dict:
+def _score(model_dir: str, data, batch_size: int, max_seq_length: int) -> dict:
+    """nDCG@10 and the rest on ``data``. A model without a length of its own (a pretraining
+    checkpoint: ModernBERT's position table is 8192) is cut at ``max_seq_length`` tokens."""
+    import dataclasses
+
     import bertjax
+    from bertjax.convert.sentence_transformers import EmbeddingSettings
     from bertjax.retrieval import evaluate, metrics
 
     model = bertjax.load_pretrained(model_dir, quiet=True)
+    settings = model.embedding or EmbeddingSettings()
+    if settings.max_seq_length is None:
+        model.embedding = dataclasses.replace(settings, max_seq_length=max_seq_length)
     found = evaluate.retrieve(model.embed, data, top_k=100, batch_size=batch_size)
     return metrics.evaluate(data.qrels, found.run)
 
@@ -132,7 +140,11 @@ def _peer(args, workdir: str, order: list[list[int]], rows: list) -> dict:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="bench_retrieval", description=__doc__.split("\n")[0])
-    parser.add_argument("--model", required=True, help="sentence-transformers model directory")
+    parser.add_argument(
+        "--model",
+        required=True,
+        help="a sentence-transformers directory or any bertjax.load_pretrained path",
+    )
     parser.add_argument("--data", required=True, help="BEIR folder")
     parser.add_argument("--workdir", required=True)
     parser.add_argument("--train_split", default="train")
@@ -158,16 +170,18 @@ def main(argv=None) -> int:
     eval_data = beir.load(args.data, args.eval_split)
     result = {"rows": len(rows), "steps": args.steps, "batch": args.batch, "lr": args.lr}
     if not (args.skip_zero_shot or args.timing_only):
-        result["zero_shot"] = _score(args.model, eval_data, 64)
+        result["zero_shot"] = _score(args.model, eval_data, 64, args.seq)
     result["bertjax"] = _bertjax(args, args.workdir)
     if not args.timing_only:
-        result["bertjax"].update(_score(os.path.join(args.workdir, "bertjax"), eval_data, 64))
+        result["bertjax"].update(
+            _score(os.path.join(args.workdir, "bertjax"), eval_data, 64, args.seq)
+        )
     print(json.dumps(result), file=sys.stderr)  # so far (the peer takes as long again)
     if args.peers:
         order = _order(args, rows)
         result["sentence_transformers"] = _peer(args, args.workdir, order, rows)
         if not args.timing_only:
-            scores = _score(os.path.join(args.workdir, "torch"), eval_data, 64)
+            scores = _score(os.path.join(args.workdir, "torch"), eval_data, 64, args.seq)
             result["sentence_transformers"].update(scores)
         result["speedup_examples_per_s"] = (
             result["bertjax"]["examples_per_s"] / result["sentence_transformers"]["examples_per_s"]
