@@ -16,10 +16,10 @@ import pytest  # noqa: E402
 # a killed run and its rerun, or two tests running the same tiny config, compile each program once.
 # The executables, hence every number, are those a fresh compile gives. Only subprocesses read it
 # (jax above has read its settings already): in-process tests compile as a user's code does.
-_session = os.environ.get("PYTEST_XDIST_TESTRUNUID") or f"pid{os.getpid()}"
+# The first process to read this (pytest's own, under xdist) names the folder; its workers inherit it.
 os.environ.setdefault(
     "JAX_COMPILATION_CACHE_DIR",
-    os.path.join(tempfile.gettempdir(), f"bertjax-test-xla-cache-{_session}"),
+    os.path.join(tempfile.gettempdir(), f"bertjax-test-xla-cache-pid{os.getpid()}"),
 )
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.3")
 
