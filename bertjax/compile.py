@@ -19,7 +19,7 @@ import jax
 import ml_collections
 import numpy as np
 
-from bertjax import checkpointing, flops, sharding, topology
+from bertjax import checkpointing, flops, gpu_topology, hlo_roofline, sharding, topology
 from bertjax.tasks.base import Task
 from bertjax.tasks.registry import task_class
 from bertjax.train import build, jit_train_step, phase_setup, prepared_task
@@ -149,6 +149,13 @@ def compile_train_step(
             peak_tflops=config.train.get("peak_tflops", 0.0),
         )
     )
+    if mesh_devices[0].platform == "gpu":
+        report.update(
+            gpu_report(
+                compiled, report["analytic_flops_per_step"],
+                phase.global_batch_size * seq_len, mesh_devices,
+            )
+        )  # fmt: skip
     report["largest_arrays"] = arrays[:6]
     if est_from:
         report["est_from"] = "the same step with " + " and ".join(est_from)
@@ -217,7 +224,7 @@ def memory_report(compiled, device) -> dict[str, Any]:
         + report["generated_code_size_in_bytes"]
     )
     report["hbm_bytes_per_device"] = used
-    capacity = topology.hbm_bytes(device) if device.platform == "tpu" else 0
+    capacity = topology.hbm_bytes(device) if device.platform in ("tpu", "gpu") else 0
     if capacity:
         report["hbm_capacity_bytes"] = capacity
         report["fits"] = used <= capacity
@@ -241,7 +248,9 @@ def speed_report(
         "xla_flops_per_device": float(costs.get("flops", 0.0) or 0.0),
         "peak_flops_per_device": peak,
     }
-    if est <= 0:  # CPU/GPU: no estimate; TPU: a negative sentinel for ops it cannot price
+    if devices[0].platform == "gpu":  # priced from the program instead (gpu_report)
+        return report
+    if est <= 0:  # CPU: no estimate; TPU: a negative sentinel for ops it cannot price
         if devices[0].platform == "tpu":
             report["est_unavailable"] = (
                 f"XLA's cost model gave no step time for {devices[0].device_kind} "
@@ -255,6 +264,29 @@ def speed_report(
         note=ESTIMATE_NOTE,
     )
     return report
+
+
+def gpu_report(
+    compiled, analytic_flops: float, tokens_per_step: int, devices: list
+) -> dict[str, Any]:
+    """A GPU program's kernel inventory and roofline estimate (XLA's GPU compiler has no cost
+    model: :mod:`bertjax.hlo_roofline` reads the optimized program)."""
+    chip = gpu_topology.chip_of_kind(devices[0].device_kind)
+    program = hlo_roofline.Program(compiled.as_text())
+    out: dict[str, Any] = {"kernels": program.inventory()}
+    if chip is None:
+        out["est_unavailable"] = f"no roofline figures for {devices[0].device_kind}"
+        return out
+    roof = program.roofline(chip.roofline)
+    est = roof.pop("est_step_seconds")
+    out.update(
+        est_step_seconds=est,
+        est_tokens_per_sec_per_chip=tokens_per_step / est / len(devices),
+        est_mfu=analytic_flops / (est * len(devices) * chip.roofline.bf16_flops),
+        roofline=roof,
+        note=hlo_roofline.NOTE,
+    )
+    return out
 
 
 def state_arrays(abstract_state, shardings) -> list[dict[str, Any]]:
@@ -314,7 +346,7 @@ def format_report(report: dict[str, Any], title: str = "") -> str:
             f"{report['est_tokens_per_sec_per_chip']:,.0f} tokens/s per chip, "
             + (f"MFU {mfu:.1%}" if mfu is not None else "MFU unknown (no peak for this device)")
         )
-        lines.append(f"            ({ESTIMATE_NOTE})")
+        lines.append(f"            ({report.get('note', ESTIMATE_NOTE)})")
         if "est_from" in report:  # the memory above is always the real program's
             lines.append(
                 f"            (est. from {report['est_from']}; the memory is the step's as it runs)"
@@ -323,6 +355,15 @@ def format_report(report: dict[str, Any], title: str = "") -> str:
             lines.append(f"            (kernel cost {report['kernel_cost']})")
     if "est_unavailable" in report:
         lines.append(f"est. step   unavailable: {report['est_unavailable']}")
+    if "kernels" in report:  # a GPU program's inventory (bertjax.hlo_roofline)
+        k = report["kernels"]
+        lines.append(
+            f"kernels     {k['kernels']}: {k['fusions']} fusions, {k['copies']} copies, "
+            f"{k['transposes']} transposes, scatters {k['scatters'] or 'none'}, "
+            f"custom calls {k['custom_calls'] or 'none'}, collectives {k['collectives'] or 'none'}"
+        )
+        for row in report.get("roofline", {}).get("top_kernels", [])[:5]:
+            lines.append(f"  {row['est_us']:9.1f} us x{row['runs']}  {row['name']}  {row['op']}")
     lines.append(f"compiled in {report['compile_seconds']:.1f} s")
     lines.append("largest state arrays per device:")
     for row in report["largest_arrays"]:

@@ -18,6 +18,8 @@ import os
 import re
 from typing import Any
 
+from bertjax import gpu_topology
+
 GIB = 1024**3
 HOST_BOUNDS = (2, 2, 1)  # chips per TPU VM host
 
@@ -87,9 +89,12 @@ def chip_grid(chips: int, dims: int) -> tuple[int, ...]:
     return tuple(grid)
 
 
-def parse(name: str, num_slices: int = 1) -> Slice:
-    """``v5p-8`` / ``v4-32`` / ``v5e-256`` / ``v5p:2x2x1`` -> a :class:`Slice`; else a ValueError
-    whose line starts ``--topology=NAME:``."""
+def parse(name: str, num_slices: int = 1) -> Slice | gpu_topology.GpuSystem:
+    """``v5p-8`` / ``v4-32`` / ``v5e-256`` / ``v5p:2x2x1`` -> a :class:`Slice`, an NVIDIA system
+    (``h100``, ``h100-8``, ``h100-8x4``) -> a :class:`bertjax.gpu_topology.GpuSystem`; else a
+    ValueError whose line starts ``--topology=NAME:``."""
+    if gpu_topology.is_gpu_name(name):
+        return gpu_topology.parse(name, num_slices)
     if num_slices < 1:
         raise ValueError(f"--num_slices={num_slices} must be at least 1")
     flag = f"--topology={name}"
@@ -98,8 +103,8 @@ def parse(name: str, num_slices: int = 1) -> Slice:
     type_match = re.fullmatch(r"([a-z0-9]+)-(\d+)", text)
     if not (grid_match or type_match):
         raise ValueError(
-            f"{flag}: expected an accelerator type like v5p-8, v4-32, v5e-256 or a chip "
-            f"grid like v5p:2x2x1, v5e:4x4"
+            f"{flag}: expected an accelerator type like v5p-8, v4-32, v5e-256, a chip "
+            f"grid like v5p:2x2x1, v5e:4x4, or a GPU system like h100, h100-8, h100-8x4"
         )
     gen_name = (grid_match or type_match)[1]
     gen_name = ALIASES.get(gen_name, gen_name)
@@ -135,8 +140,11 @@ def _libtpu_kwargs(s: Slice) -> dict[str, Any]:
     return kwargs
 
 
-def devices(s: Slice) -> list:
-    """Compile-only devices of the slice, ordered by slice then device id (needs ``libtpu``)."""
+def devices(s: Slice | gpu_topology.GpuSystem) -> list:
+    """Compile-only devices of the slice, ordered by slice then device id (needs ``libtpu``; a
+    GPU system's need JAX's CUDA plugin)."""
+    if isinstance(s, gpu_topology.GpuSystem):
+        return gpu_topology.devices(s)
     try:
         import libtpu  # noqa: F401  (the aot extra)
     except ImportError as err:
@@ -159,7 +167,8 @@ def devices(s: Slice) -> list:
 
 
 def hbm_bytes(device) -> int:
-    """HBM per device: the runtime's figure on a real TPU, else the generation's table entry."""
+    """HBM per device: the runtime's figure on a real TPU, else the generation's (or the GPU
+    model's) table entry."""
     stats = None
     try:
         stats = device.memory_stats()
@@ -167,6 +176,8 @@ def hbm_bytes(device) -> int:
         stats = None
     if stats and stats.get("bytes_limit"):
         return int(stats["bytes_limit"])
+    if getattr(device, "platform", "") == "gpu":
+        return gpu_topology.memory_bytes(device)
     generation = generation_of_kind(getattr(device, "device_kind", ""))
     return generation.hbm_bytes if generation else 0
 

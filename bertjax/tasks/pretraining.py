@@ -70,11 +70,12 @@ class PretrainingTask(Task):
 
     @classmethod
     def for_compiling(cls, config, workdir):
-        """Shapes come from the config and the vocabulary's size: ``data.vocab`` when it can be
-        read here, else ``data.vocab_size``; no corpus or prepared data is read."""
+        """Shapes come from the config and the vocabulary's size: ``data.vocab`` when it is a
+        local file, else ``data.vocab_size``; no corpus, prepared data or bucket is read (compiling
+        needs no credentials and no network)."""
         path, size = config.data.get("vocab", ""), int(config.data.vocab_size)
         try:
-            if path and fs.exists(path):
+            if path and not fs.is_remote(path) and fs.exists(path):
                 size = load_tokenizer(path).vocab_size
         except OSError as err:  # e.g. gs:// without credentials
             log.warning(

@@ -1,0 +1,504 @@
+"""What a compiled GPU program holds and how fast it can run at best: its kernels read from XLA's
+optimized HLO text (``compiled.as_text()``), counted (fusions, copies, transposes, scatters by
+dtype, custom calls by target, collectives) and priced one by one against a chip's roofline.
+
+The roofline of a kernel is ``max(dot FLOPs / tensor-core peak + other FLOPs / vector peak,
+bytes / HBM bandwidth)``, where its bytes are its operands read once and its outputs written once;
+a collective's time is its bytes over the link it crosses (NVLink inside a node, the network
+between nodes). The step's estimate is the sum over the kernels as they run (a loop's body times
+its trip count). It is a lower bound of the step time under that model: it counts no launch
+overhead, no tail effects, no imperfect overlap, and treats every kernel as reaching the chip's
+peak. XLA's GPU compiler gives no cost analysis of its own (``cost_analysis()`` is None), so this
+reading of the program is the estimate.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import math
+import re
+from typing import Any
+
+import numpy as np
+
+NOTE = (
+    "est_* on a GPU: a roofline lower bound summed over the optimized program's kernels (each at "
+    "the chip's peak FLOP/s or HBM bandwidth, collectives at link bandwidth; no launch overhead), "
+    "bertjax.hlo_roofline; not a measurement"
+)
+
+DTYPE_BYTES = {
+    "pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
+    "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16, "s4": 0.5, "u4": 0.5,
+    "s2": 0.25, "u2": 0.25, "token": 0,
+}  # fmt: skip
+_ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]")
+_NAME = re.compile(r"%([\w.\-]+)")
+# Instructions that launch nothing (views, tuples, bookkeeping) or whose cost is elsewhere.
+FREE = {
+    "parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all",
+    "opt-barrier", "partition-id", "replica-id", "add-dependency", "domain", "iota",
+    "all-reduce-done", "all-gather-done", "collective-permute-done", "async-done",
+    "copy-done", "send-done", "recv-done", "reduce-scatter-done", "all-to-all-done",
+}  # fmt: skip
+# Fused instructions that move or re-index data (no arithmetic).
+NO_FLOPS = FREE | {
+    "broadcast", "reshape", "transpose", "copy", "slice", "dynamic-slice",
+    "dynamic-update-slice", "concatenate", "pad", "reverse", "gather", "convert",
+    "bitcast-convert", "select", "compare",
+}  # fmt: skip
+COLLECTIVES = {
+    "all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute",
+    "collective-broadcast",
+}  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class Chip:
+    """The roofline of one accelerator: dense peaks, HBM bandwidth, links."""
+
+    name: str
+    bf16_flops: float  # dense tensor-core FLOP/s, bf16/fp16 inputs
+    tf32_flops: float  # dense tensor-core FLOP/s for f32 dots (TF32)
+    vector_flops: float  # non-tensor FP32 FLOP/s (elementwise, reductions)
+    hbm_bytes_per_s: float
+    intra_node_bytes_per_s: float  # per GPU, one direction (NVLink)
+    inter_node_bytes_per_s: float  # per GPU, one direction (network)
+    devices_per_node: int = 8
+
+
+@dataclasses.dataclass
+class Instruction:
+    name: str
+    shape: str
+    opcode: str
+    operands: list[str]
+    attrs: str
+
+    def attr(self, key: str) -> str | None:
+        m = re.search(rf"\b{key}=%?([\w.\-$]+)", self.attrs)
+        return m.group(1) if m else None
+
+    @property
+    def op_name(self) -> str:
+        m = re.search(r'op_name="([^"]*)"', self.attrs)
+        return m.group(1) if m else ""
+
+    def backend_config(self) -> dict[str, Any]:
+        i = self.attrs.find("backend_config=")
+        if i < 0:
+            return {}
+        text = self.attrs[i + len("backend_config=") :]
+        try:
+            return json.JSONDecoder().raw_decode(text)[0]
+        except ValueError:
+            return {}
+
+
+@dataclasses.dataclass
+class Computation:
+    name: str
+    instructions: list[Instruction]
+    is_entry: bool = False
+
+    def shapes(self) -> dict[str, str]:
+        return {i.name: i.shape for i in self.instructions}
+
+    @property
+    def root(self) -> Instruction:
+        return self.instructions[-1]
+
+
+def _balanced(text: str, start: int) -> int:
+    """The index just past the bracket group opening at ``text[start]``."""
+    pairs = {"(": ")", "{": "}", "[": "]"}
+    depth, close = 0, pairs[text[start]]
+    opener = text[start]
+    for i in range(start, len(text)):
+        if text[i] == opener:
+            depth += 1
+        elif text[i] == close:
+            depth -= 1
+            if depth == 0:
+                return i + 1
+    return len(text)
+
+
+def _parse_instruction(line: str) -> Instruction | None:
+    line = line.strip()
+    if line.startswith("ROOT "):
+        line = line[5:]
+    if not line.startswith("%") or " = " not in line:
+        return None
+    name, rest = line[1:].split(" = ", 1)
+    if rest.startswith("("):
+        end = _balanced(rest, 0)
+        shape, rest = rest[:end], rest[end:].lstrip()
+    else:
+        shape, _, rest = rest.partition(" ")
+    paren = rest.find("(")
+    if paren < 0:
+        return None
+    opcode = rest[:paren]
+    end = _balanced(rest, paren)
+    operands = _NAME.findall(rest[paren:end])
+    return Instruction(name, shape, opcode, operands, rest[end:])
+
+
+def parse(text: str) -> dict[str, Computation]:
+    """The computations of an HLO module's text, by name (the entry one marked)."""
+    comps: dict[str, Computation] = {}
+    current: Computation | None = None
+    for line in text.splitlines():
+        if current is None:
+            head = re.match(r"^(ENTRY )?%([\w.\-]+) .*\{\s*$", line)
+            if head:
+                current = Computation(head.group(2), [], bool(head.group(1)))
+            continue
+        if line.startswith("}"):
+            comps[current.name] = current
+            current = None
+            continue
+        inst = _parse_instruction(line)
+        if inst is not None:
+            current.instructions.append(inst)
+    return comps
+
+
+def arrays(shape: str) -> list[tuple[str, tuple[int, ...]]]:
+    """The (dtype, dims) of each array in a shape (a tuple's elements in order)."""
+    return [(d, tuple(int(x) for x in dims.split(",") if x)) for d, dims in _ARRAY.findall(shape)]
+
+
+def nbytes(shape: str) -> float:
+    return sum(DTYPE_BYTES.get(d, 4) * math.prod(dims) for d, dims in arrays(shape))
+
+
+def _elements(shape: str) -> int:
+    return sum(math.prod(dims) for _, dims in arrays(shape))
+
+
+def _ints(text: str | None) -> list[int]:
+    return [int(x) for x in re.findall(r"\d+", text or "")]
+
+
+def _dims_attr(inst: Instruction, key: str) -> list[int]:
+    m = re.search(rf"\b{key}=\{{([0-9,]*)\}}", inst.attrs)
+    return _ints(m.group(1)) if m else []
+
+
+@dataclasses.dataclass
+class Cost:
+    tensor_flops: float = 0.0  # dots at the bf16 tensor-core rate
+    tf32_flops: float = 0.0  # f32 dots
+    vector_flops: float = 0.0
+    bytes: float = 0.0
+    link_seconds: float = 0.0
+
+    def add(self, other: Cost, times: float = 1.0) -> None:
+        self.tensor_flops += other.tensor_flops * times
+        self.tf32_flops += other.tf32_flops * times
+        self.vector_flops += other.vector_flops * times
+        self.bytes += other.bytes * times
+        self.link_seconds += other.link_seconds * times
+
+    def seconds(self, chip: Chip) -> float:
+        compute = (
+            self.tensor_flops / chip.bf16_flops
+            + self.tf32_flops / chip.tf32_flops
+            + self.vector_flops / chip.vector_flops
+        )
+        return max(compute, self.bytes / chip.hbm_bytes_per_s) + self.link_seconds
+
+
+class Program:
+    """An optimized HLO module: its kernels as they run, their inventory and roofline."""
+
+    def __init__(self, text: str):
+        self.comps = parse(text)
+        entries = [c for c in self.comps.values() if c.is_entry]
+        if not entries:
+            raise ValueError("no ENTRY computation in the HLO text")
+        self.entry = entries[0]
+        self._shapes = {name: comp.shapes() for name, comp in self.comps.items()}
+
+    # -- walking the program -------------------------------------------------------------------
+    def kernels(self) -> list[tuple[Computation, Instruction, float]]:
+        """Each launched instruction with its computation and how many times a step runs it."""
+        out: list[tuple[Computation, Instruction, float]] = []
+
+        def walk(comp: Computation, times: float, seen: tuple[str, ...]) -> None:
+            for inst in comp.instructions:
+                if inst.opcode == "while":
+                    body = self.comps.get(inst.attr("body") or "")
+                    trips = self._trip_count(inst)
+                    if body is not None and body.name not in seen:
+                        walk(body, times * trips, (*seen, body.name))
+                elif inst.opcode in ("call", "conditional", "async-start"):
+                    names = [inst.attr("to_apply"), inst.attr("calls")]
+                    names += re.findall(r"%([\w.\-]+)", _branch_text(inst.attrs))
+                    for sub in filter(None, names):
+                        if sub in self.comps and sub not in seen:
+                            walk(self.comps[sub], times, (*seen, sub))
+                    if inst.opcode == "async-start":
+                        continue
+                elif inst.opcode not in FREE:
+                    out.append((comp, inst, times))
+
+        walk(self.entry, 1.0, (self.entry.name,))
+        return out
+
+    @staticmethod
+    def _trip_count(inst: Instruction) -> float:
+        trips = inst.backend_config().get("known_trip_count", {}).get("n")
+        return float(trips) if trips else 1.0
+
+    def _operand_shapes(self, comp: Computation, inst: Instruction) -> list[str]:
+        shapes = self._shapes[comp.name]
+        return [shapes[o] for o in inst.operands if o in shapes]
+
+    # -- costs ---------------------------------------------------------------------------------
+    def _fused_flops(self, comp_name: str, cost: Cost, depth: int = 0) -> None:
+        comp = self.comps.get(comp_name)
+        if comp is None or depth > 8:
+            return
+        shapes = self._shapes[comp_name]
+        for inst in comp.instructions:
+            sub = inst.attr("calls")
+            if inst.opcode == "fusion" and sub:
+                self._fused_flops(sub, cost, depth + 1)
+            elif inst.opcode == "dot":
+                self._dot_flops(inst, shapes, cost)
+            elif inst.opcode in ("reduce", "reduce-window"):
+                cost.vector_flops += sum(_elements(shapes.get(o, "")) for o in inst.operands[:1])
+            elif inst.opcode not in NO_FLOPS and inst.opcode != "fusion":
+                cost.vector_flops += _elements(inst.shape)
+
+    @staticmethod
+    def _dot_flops(inst: Instruction, shapes: dict[str, str], cost: Cost) -> None:
+        lhs = arrays(shapes.get(inst.operands[0], "")) if inst.operands else []
+        if not lhs:
+            return
+        dtype, dims = lhs[0]
+        contracting = math.prod(dims[d] for d in _dims_attr(inst, "lhs_contracting_dims"))
+        flops = 2.0 * _elements(inst.shape) * contracting
+        if dtype in ("f32", "f64"):
+            cost.tf32_flops += flops
+        else:
+            cost.tensor_flops += flops
+
+    def _custom_call_flops(self, comp: Computation, inst: Instruction, cost: Cost) -> None:
+        target = (inst.attr("custom_call_target") or "").strip('"')
+        config = inst.backend_config()
+        shapes = self._operand_shapes(comp, inst)
+        if "cublas" in target and len(shapes) >= 2:
+            dnums = config.get("gemm_backend_config", {}).get("dot_dimension_numbers", {})
+            lhs = arrays(shapes[0])[0]
+            contracting = math.prod(
+                lhs[1][int(d)] for d in dnums.get("lhs_contracting_dimensions", [])
+            )
+            out = arrays(inst.shape)[0]
+            flops = 2.0 * math.prod(out[1]) * contracting
+            if lhs[0] in ("f32", "f64"):
+                cost.tf32_flops += flops
+            else:
+                cost.tensor_flops += flops
+        elif "fmha" in target and len(shapes) >= 2:
+            fmha = config.get("cudnn_fmha_backend_config", {})
+            bmm1 = fmha.get("bmm1_dot_dimension_numbers", {})
+            (_, q), (_, k) = arrays(shapes[0])[0], arrays(shapes[1])[0]
+            batch = [int(d) for d in bmm1.get("lhs_batch_dimensions", [])]
+            contract = [int(d) for d in bmm1.get("lhs_contracting_dimensions", [])]
+            rhs_batch = [int(d) for d in bmm1.get("rhs_batch_dimensions", [])]
+            rhs_contract = [int(d) for d in bmm1.get("rhs_contracting_dimensions", [])]
+            b = math.prod(q[d] for d in batch)
+            d_head = math.prod(q[d] for d in contract)
+            sq = math.prod(s for i, s in enumerate(q) if i not in batch and i not in contract)
+            sk = math.prod(
+                s for i, s in enumerate(k) if i not in rhs_batch and i not in rhs_contract
+            )
+            keys = sk
+            window = int(fmha.get("sliding_window_length", 0) or 0)
+            if window > 0:
+                keys = min(sk, 2 * window + 1)
+            if fmha.get("mask_type") == "CAUSAL":
+                keys = keys / 2
+            forward = 4.0 * b * sq * keys * d_head  # Q K^T and P V
+            cost.tensor_flops += forward * (2.5 if "ackward" in target else 1.0)
+
+    def _collective_seconds(self, comp: Computation, inst: Instruction, chip: Chip) -> float:
+        base = inst.opcode.removesuffix("-start")
+        size = (
+            nbytes(inst.shape)
+            if base != "reduce-scatter"
+            else nbytes("".join(self._operand_shapes(comp, inst)))
+        )
+        groups = self._replica_groups(inst.attrs)
+        n = len(groups[0]) if groups else 1
+        if n <= 1 and base != "collective-permute":
+            return 0.0
+        factor = {"all-reduce": 2.0 * (n - 1) / n, "collective-permute": 1.0}.get(
+            base, (n - 1) / max(n, 1)
+        )
+        crosses = any(len({d // chip.devices_per_node for d in g}) > 1 for g in groups)
+        if base == "collective-permute":
+            pairs = [tuple(_ints(p)) for p in re.findall(r"\{(\d+,\d+)\}", inst.attrs)]
+            crosses = any(
+                a // chip.devices_per_node != b // chip.devices_per_node for a, b in pairs
+            )
+        link = chip.inter_node_bytes_per_s if crosses else chip.intra_node_bytes_per_s
+        return factor * size / link
+
+    @staticmethod
+    def _replica_groups(attrs: str) -> list[list[int]]:
+        m = re.search(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", attrs)
+        if m:
+            shape, dims = _ints(m.group(1)), _ints(m.group(2))
+            ids = np.arange(math.prod(dims)).reshape(dims)
+            if m.group(3):
+                ids = ids.transpose(_ints(m.group(3)))
+            return ids.reshape(shape).reshape(shape[0], -1).tolist()
+        m = re.search(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}", attrs)
+        if m:
+            return [_ints(g) for g in re.findall(r"\{([\d,]*)\}", m.group(1)) if g]
+        return []
+
+    def kernel_cost(self, comp: Computation, inst: Instruction, chip: Chip) -> Cost:
+        cost = Cost()
+        base = inst.opcode.removesuffix("-start")
+        if base in COLLECTIVES:
+            cost.link_seconds = self._collective_seconds(comp, inst, chip)
+            return cost
+        operands = self._operand_shapes(comp, inst)
+        cost.bytes = sum(nbytes(s) for s in operands) + nbytes(
+            " ".join(
+                f"{d}[{','.join(map(str, dims))}]"
+                for d, dims in arrays(inst.shape)
+                if d not in ("u8", "s8") or inst.opcode != "custom-call"
+            )
+        )  # fmt: skip  (a custom call's u8 output is its workspace, not data)
+        if inst.opcode == "fusion":
+            self._fused_flops(inst.attr("calls") or "", cost)
+        elif inst.opcode == "custom-call":
+            self._custom_call_flops(comp, inst, cost)
+        elif inst.opcode == "dot":
+            self._dot_flops(inst, self._shapes[comp.name], cost)
+        elif inst.opcode not in NO_FLOPS:
+            cost.vector_flops += _elements(inst.shape)
+        return cost
+
+    # -- reports -------------------------------------------------------------------------------
+    def roofline(self, chip: Chip, top: int = 12) -> dict[str, Any]:
+        """The step's roofline estimate: seconds, the compute/memory/link split, the costliest
+        kernels."""
+        total, rows = Cost(), []
+        seconds = 0.0
+        for comp, inst, times in self.kernels():
+            cost = self.kernel_cost(comp, inst, chip)
+            t = cost.seconds(chip) * times
+            seconds += t
+            total.add(cost, times)
+            rows.append((t, inst, times))
+        rows.sort(key=lambda r: -r[0])
+        return {
+            "est_step_seconds": seconds,
+            "dot_flops": total.tensor_flops + total.tf32_flops,
+            "other_flops": total.vector_flops,
+            "hbm_bytes": total.bytes,
+            "link_seconds": total.link_seconds,
+            "top_kernels": [
+                {
+                    "name": inst.name,
+                    "est_us": round(t * 1e6, 1),
+                    "runs": int(times),
+                    "shape": inst.shape[:120],
+                    "op": inst.op_name[-120:],
+                }
+                for t, inst, times in rows[:top]
+            ],
+        }
+
+    def inventory(self) -> dict[str, Any]:
+        """Counts of the program's kernels: fusions, copies, transposes, scatters by dtype,
+        custom calls and GEMM kernels by target, collectives; the largest kernel outputs."""
+        kernels = self.kernels()
+        counts: dict[str, Any] = collections.Counter()
+        custom: collections.Counter = collections.Counter()
+        collectives: collections.Counter = collections.Counter()
+        scatters: collections.Counter = collections.Counter()
+        scatter_shapes: list[str] = []
+        outputs: list[tuple[float, str, str]] = []
+        seen_fused: set[str] = set()
+        for _comp, inst, _ in kernels:
+            outputs.append((nbytes(inst.shape), inst.shape, inst.op_name))
+            base = inst.opcode.removesuffix("-start")
+            if base in COLLECTIVES:
+                collectives[base] += 1
+            elif inst.opcode == "fusion":
+                counts["fusions"] += 1
+                kind = inst.backend_config().get("fusion_backend_config", {}).get("kind", "")
+                if "gemm" in kind or "triton" in kind:
+                    custom["triton_gemm"] += 1
+                elif "cudnn" in kind:
+                    custom[kind] += 1
+                root = self._fused_root(inst.attr("calls") or "")
+                if root == "transpose":
+                    counts["transposes"] += 1
+                elif root == "copy":
+                    counts["copies"] += 1
+                self._scatters(inst.attr("calls") or "", scatters, scatter_shapes, seen_fused)
+            elif inst.opcode in ("copy", "copy-start"):
+                counts["copies"] += 1
+            elif inst.opcode == "transpose":
+                counts["transposes"] += 1
+            elif inst.opcode == "scatter":
+                dtype = arrays(inst.shape)[0][0]
+                scatters[dtype] += 1
+                scatter_shapes.append(inst.shape.split("{")[0])
+            elif inst.opcode == "custom-call":
+                custom[(inst.attr("custom_call_target") or "").strip('"')] += 1
+            else:
+                counts[inst.opcode] += 1
+        outputs.sort(key=lambda r: -r[0])
+        return {
+            "kernels": len(kernels),
+            "fusions": counts["fusions"],
+            "copies": counts["copies"],
+            "transposes": counts["transposes"],
+            "scatters": dict(scatters),
+            "scatter_shapes": sorted(set(scatter_shapes)),
+            "custom_calls": dict(custom),
+            "collectives": dict(collectives),
+            "largest_outputs": [
+                {"bytes": int(b), "shape": s.split("{")[0][:120], "op": op[-100:]}
+                for b, s, op in outputs[:5]
+            ],
+        }
+
+    def _fused_root(self, name: str) -> str:
+        comp = self.comps.get(name)
+        if comp is None:
+            return ""
+        root = comp.root
+        by_name = {i.name: i for i in comp.instructions}
+        while root.opcode == "bitcast" and root.operands and root.operands[0] in by_name:
+            root = by_name[root.operands[0]]
+        return root.opcode
+
+    def _scatters(self, name, counter, shapes, seen, depth=0) -> None:
+        comp = self.comps.get(name)
+        if comp is None or depth > 8:
+            return
+        for inst in comp.instructions:
+            if inst.opcode == "scatter":
+                counter[arrays(inst.shape)[0][0]] += 1
+                shapes.append(inst.shape.split("{")[0])
+            elif inst.opcode == "fusion":
+                self._scatters(inst.attr("calls") or "", counter, shapes, seen, depth + 1)
+
+
+def _branch_text(attrs: str) -> str:
+    m = re.search(r"branch_computations=\{([^}]*)\}", attrs)
+    return m.group(1) if m else ""
