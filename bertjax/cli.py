@@ -70,12 +70,13 @@ def _usage() -> str:
     return "\n".join(lines)
 
 
-def setup_logging() -> None:
-    """Human-readable progress lines on stdout from the ``bertjax`` logger (process 0 only)."""
+def setup_logging(stream=None) -> None:
+    """Human-readable progress lines on stdout (or ``stream``) from the ``bertjax`` logger
+    (process 0 only)."""
     logger = logging.getLogger("bertjax")
     if logger.handlers:
         return
-    handler = logging.StreamHandler(sys.stdout)
+    handler = logging.StreamHandler(stream or sys.stdout)
     handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
@@ -333,7 +334,9 @@ def train_command(argv: list[str], command: str) -> None:
         from absl import logging as absl_logging
 
         absl_logging.set_verbosity(absl_logging.WARNING)  # Orbax logs every step at INFO
-        setup_logging()
+        # --json (and plan, whose output is JSON or a table): stdout holds the report alone.
+        reports = command == "plan" or getattr(flags.FLAGS, "json", False)
+        setup_logging(sys.stderr if command in _AOT and reports else None)
         try:
             distributed.initialize_from_flags()
         except distributed.DistributedStartupError as err:

@@ -78,8 +78,8 @@ class Instruction:
     attrs: str
 
     def attr(self, key: str) -> str | None:
-        m = re.search(rf"\b{key}=%?([\w.\-$]+)", self.attrs)
-        return m.group(1) if m else None
+        m = re.search(rf'\b{key}=(?:"([^"]*)"|%?([\w.\-$]+))', self.attrs)
+        return (m.group(1) if m.group(1) is not None else m.group(2)) if m else None
 
     @property
     def op_name(self) -> str:
@@ -290,7 +290,7 @@ class Program:
             cost.tensor_flops += flops
 
     def _custom_call_flops(self, comp: Computation, inst: Instruction, cost: Cost) -> None:
-        target = (inst.attr("custom_call_target") or "").strip('"')
+        target = inst.attr("custom_call_target") or ""
         config = inst.backend_config()
         shapes = self._operand_shapes(comp, inst)
         if "cublas" in target and len(shapes) >= 2:
@@ -305,27 +305,23 @@ class Program:
                 cost.tf32_flops += flops
             else:
                 cost.tensor_flops += flops
-        elif "fmha" in target and len(shapes) >= 2:
+        elif "fmha" in target and shapes:
             fmha = config.get("cudnn_fmha_backend_config", {})
+            scores = [
+                int(d) for d in fmha.get("intermediate_tensor_shape", {}).get("dimensions", [])
+            ]
             bmm1 = fmha.get("bmm1_dot_dimension_numbers", {})
-            (_, q), (_, k) = arrays(shapes[0])[0], arrays(shapes[1])[0]
-            batch = [int(d) for d in bmm1.get("lhs_batch_dimensions", [])]
-            contract = [int(d) for d in bmm1.get("lhs_contracting_dimensions", [])]
-            rhs_batch = [int(d) for d in bmm1.get("rhs_batch_dimensions", [])]
-            rhs_contract = [int(d) for d in bmm1.get("rhs_contracting_dimensions", [])]
-            b = math.prod(q[d] for d in batch)
-            d_head = math.prod(q[d] for d in contract)
-            sq = math.prod(s for i, s in enumerate(q) if i not in batch and i not in contract)
-            sk = math.prod(
-                s for i, s in enumerate(k) if i not in rhs_batch and i not in rhs_contract
-            )
-            keys = sk
+            q = arrays(shapes[0])[0][1]
+            d_head = math.prod(q[int(d)] for d in bmm1.get("lhs_contracting_dimensions", []))
+            if not scores or not d_head:
+                return
+            pairs = math.prod(scores)  # [batch, heads, q, k] scores
             window = int(fmha.get("sliding_window_length", 0) or 0)
             if window > 0:
-                keys = min(sk, 2 * window + 1)
+                pairs = pairs * min(1.0, window / scores[-1])
             if fmha.get("mask_type") == "CAUSAL":
-                keys = keys / 2
-            forward = 4.0 * b * sq * keys * d_head  # Q K^T and P V
+                pairs = pairs / 2
+            forward = 4.0 * pairs * d_head  # Q K^T and P V
             cost.tensor_flops += forward * (2.5 if "ackward" in target else 1.0)
 
     def _collective_seconds(self, comp: Computation, inst: Instruction, chip: Chip) -> float:
@@ -458,7 +454,7 @@ class Program:
                 scatters[dtype] += 1
                 scatter_shapes.append(inst.shape.split("{")[0])
             elif inst.opcode == "custom-call":
-                custom[(inst.attr("custom_call_target") or "").strip('"')] += 1
+                custom[inst.attr("custom_call_target") or ""] += 1
             else:
                 counts[inst.opcode] += 1
         outputs.sort(key=lambda r: -r[0])

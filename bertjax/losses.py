@@ -28,7 +28,11 @@ def nll_and_correct(logits: Array, labels: Array) -> tuple[Array, Array]:
     peak = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
     shifted = logits - peak  # [..., classes], max 0
     log_z = jnp.log(jnp.sum(jnp.exp(shifted), axis=-1))
-    label = jnp.take_along_axis(shifted, labels[..., None].astype(jnp.int32), axis=-1)[..., 0]
+    # The label's logit by a one-hot select and sum (exact: one non-zero term): its gradient is
+    # a select fused into the softmax's, where take_along_axis's is a scatter into a buffer of
+    # [..., classes] (157M floats for BERT-base's MLM at batch 256).
+    hit = labels[..., None].astype(jnp.int32) == jnp.arange(shifted.shape[-1])
+    label = jnp.sum(jnp.where(hit, shifted, 0.0), axis=-1)
     return log_z - label, (label >= 0).astype(jnp.float32)
 
 

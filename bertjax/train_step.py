@@ -96,12 +96,18 @@ def build(
         impl = resolve_attention_impl("auto", platform, dtype_of(model_cfg.dtype))
         model_cfg = model_cfg.replace(attention_impl=impl)
     impl, rate = model_cfg.attention_impl, model_cfg.attention_dropout
-    if impl != "xla" and rate > 0:
+    if getattr(model_cfg, "dropout_impl", None) == "kernel" and rate > 0 and impl != "cudnn":
+        raise ValueError(
+            f"config key model.dropout_impl=kernel (attention dropout inside cuDNN's kernel) "
+            f"needs cuDNN attention: model.attention_impl is {impl!r} on {platform} in "
+            f"{model_cfg.dtype} (auto picks cudnn on an NVIDIA GPU in bfloat16/float16)"
+        )
+    if impl != "xla" and rate > 0 and model_cfg.dropout_impl != "kernel":
         log.warning(
             f"model.attention_impl={impl} is not used in training: model.attention_dropout={rate:g}"
             " > 0 and no fused kernel has attention dropout, so training attention runs on the "
             f"explicit xla path (evaluation uses {impl}); set model.attention_dropout=0 to train "
-            "with it"
+            "with it, or on a GPU model.dropout_impl=kernel (cuDNN's own dropout masks)"
         )
     model = task.build_model(model_cfg)
     rules = sharding.rules_from_config(config.mesh.get("rules"))
@@ -278,7 +284,9 @@ def make_train_step(setup: Setup, accum_steps: int, unroll: bool = False) -> Cal
             loss=loss,
             learning_rate=setup.schedule(state.step),
             grad_norm=global_norm(grads),
-            param_norm=global_norm(params),
+            # The parameters the step starts from: the updated ones' norm fuses with the update on
+            # a GPU, and every parameter is then copied into its donated buffer (233 copies).
+            param_norm=global_norm(state.params),
             update_norm=global_norm(updates),
         )
         new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)

@@ -4,6 +4,8 @@ kernel switch (explicit einsums, ``jax.nn.dot_product_attention`` / cuDNN, Palla
 
 from __future__ import annotations
 
+import zlib
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -13,6 +15,7 @@ from bertjax.layers import fast_ops
 from bertjax.layers.band_attention import band_applies, band_attention
 from bertjax.layers.core import dtype_of, normal_init, zeros_init
 from bertjax.layers.dropout import Dropout
+from bertjax.layers.platform import current_platform
 from bertjax.layers.splash_attention import splash_attention
 
 Array = jax.Array
@@ -73,7 +76,7 @@ def resolve_impl(impl: str, platform: str | None = None, dtype=None) -> str:
     """
     if impl != "auto":
         return impl
-    platform = platform or jax.default_backend()
+    platform = platform or current_platform()
     chosen = AUTO_IMPLS.get(platform, "xla")
     if chosen == "cudnn" and dtype is not None and jnp.dtype(dtype).itemsize > 2:
         return "xla"
@@ -92,6 +95,7 @@ def attend(
     deterministic: bool,
     segment_ids: Array | None = None,
     local_window: int = 0,
+    kernel_seed: int = 0,
 ) -> Array:
     """Softmax attention of q/k/v [batch, seq, heads, head_dim] -> [batch, seq, heads, head_dim].
 
@@ -107,12 +111,25 @@ def attend(
     (``band_attention``; packed rows read ``segment_ids`` on the band, never a [q, k] mask), and
     any other window joins the bias of a full product. ``auto`` is :func:`resolve_impl`'s choice
     for the platform. Call inside a compact module (the dropout submodule is created there).
+
+    ``dropout_impl="kernel"`` keeps attention dropout inside cuDNN's fused kernel (global layers;
+    see :func:`cudnn_dropout_attention`), seeded by ``kernel_seed``; sliding-window layers and the
+    other dropouts draw as ``flax``.
     """
     impl = resolve_impl(impl, dtype=q.dtype)
     dtype = q.dtype
     head_dim = q.shape[-1]
     use_dropout = dropout_rate > 0.0 and not deterministic
     half = local_window // 2
+    if use_dropout and dropout_impl == "kernel":
+        if impl != "cudnn":
+            raise ValueError(
+                f"model.dropout_impl='kernel' (attention dropout inside cuDNN's kernel) needs "
+                f"cuDNN attention (attention_impl auto or cudnn, an NVIDIA GPU, bf16/fp16); this "
+                f"run's attention is {impl!r} on {current_platform()} in {jnp.dtype(dtype).name}"
+            )
+        if not local_window:
+            return cudnn_dropout_attention(q, k, v, bias, dropout_rate, kernel_seed)
     explicit = impl == "xla" or use_dropout
     banded = explicit or impl == "cudnn"
     if local_window and banded and bias is not None and band_applies(q.shape[1], half):
@@ -147,6 +164,40 @@ def attend(
         return jax.nn.dot_product_attention(q, k, v, bias=full, implementation="cudnn")
     window = (half, half) if local_window else None
     return jax.nn.dot_product_attention(q, k, v, bias=bias.astype(dtype), local_window_size=window)
+
+
+def kernel_seed(module: nn.Module) -> int:
+    """A fused kernel's static dropout seed for a module: a hash of its path (``encoder/layer_3/
+    attention``), so that every layer draws its own masks."""
+    return zlib.crc32("/".join(module.scope.path).encode()) & 0x7FFFFFFF
+
+
+def cudnn_dropout_attention(
+    q: Array, k: Array, v: Array, bias: Array, rate: float, seed: int
+) -> Array:
+    """cuDNN's fused attention with dropout inside the kernel (``__cudnn$fmhaScaleBiasSoftmax
+    Dropout`` and its backward): no [batch, heads, q, k] probabilities or mask in memory.
+
+    The masks come from cuDNN's Philox stream: ``seed`` (static, one per layer) and an offset that
+    XLA's runtime advances at every call, so they change from step to step and the backward
+    regenerates the forward's, but they do not come from the run's key: a run restarted from a
+    checkpoint draws other masks than the uninterrupted run (the explicit path, dropout_impl
+    ``flax`` or ``bits16``, reproduces a run exactly). ``jax.nn.dot_product_attention`` has no
+    dropout argument: this calls JAX's cuDNN wrapper, which does."""
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn  # not exported by jax.nn
+
+    b, s = q.shape[:2]
+    full = jnp.broadcast_to(bias.astype(q.dtype), (b, 1, s, k.shape[1]))
+    return cudnn.dot_product_attention(
+        q,
+        k,
+        v,
+        bias=full,
+        scale=float(1.0 / np.sqrt(q.shape[-1])),
+        seed=int(seed) & 0x7FFFFFFF,
+        dropout_rate=float(rate),
+        qkv_layout="BTNH",
+    )
 
 
 def sees_a_key(attention_mask: Array, half: int | None) -> Array:

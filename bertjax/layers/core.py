@@ -195,8 +195,19 @@ def embedding_lookup(table: nn.Embed, ids: Array) -> Array:
 
 
 def gather_positions(sequence: Array, positions: Array) -> Array:
-    """[batch, seq, hidden] gathered at positions [batch, k] -> [batch, k, hidden]."""
-    return jnp.take_along_axis(sequence, positions[..., None].astype(jnp.int32), axis=1)
+    """[batch, seq, hidden] gathered at positions [batch, k] -> [batch, k, hidden].
+
+    As a product with the positions' one-hot rows: exact (one term of each sum is ``1 * x``, at
+    full precision), and its gradient is the transposed product, where ``take_along_axis``'s is a
+    scatter-add whose indices collide (repeated padding positions), which on a GPU ran as a
+    slow bf16 scatter (``bertjax compile --topology=h100`` lists the program's scatters)."""
+    one_hot = positions[..., None].astype(jnp.int32) == jnp.arange(sequence.shape[1])
+    return jnp.einsum(
+        "bks,bsh->bkh",
+        one_hot.astype(sequence.dtype),
+        sequence,
+        precision=jax.lax.Precision.HIGHEST,
+    )
 
 
 def remat(cls, policy: str, static_argnums: tuple[int, ...]):

@@ -29,7 +29,10 @@ import numpy as np
 from jax import lax
 from jax.extend.random import threefry2x32_p
 
-DROPOUT_IMPLS = ("auto", "bits16", "flax")
+from bertjax.layers.platform import current_platform
+
+# kernel: attention dropout inside the fused GPU kernel (bertjax.layers.attention), else flax.
+DROPOUT_IMPLS = ("auto", "bits16", "flax", "kernel")
 _BITS = 16
 
 
@@ -43,7 +46,7 @@ def resolve_impl(impl: str, platform: str | None = None) -> str:
     """
     if impl != "auto":
         return impl
-    platform = platform or jax.default_backend()
+    platform = platform or current_platform()
     return "bits16" if platform == "cpu" else "flax"
 
 

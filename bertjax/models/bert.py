@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from bertjax.layers import fast_ops
-from bertjax.layers.attention import HeadProjection, attend, resolve_impl
+from bertjax.layers.attention import HeadProjection, attend, kernel_seed, resolve_impl
 from bertjax.layers.core import (
     BATCH_LENGTH_EMBED,
     BATCH_LENGTH_HEADS_KV,
@@ -251,6 +251,7 @@ class BertSelfAttention(nn.Module):
             dropout_impl=cfg.dropout_impl,
             deterministic=deterministic,
             segment_ids=attention_segment_ids,
+            kernel_seed=kernel_seed(self),
         )
         ctx = nn.with_logical_constraint(ctx, BATCH_LENGTH_HEADS_KV)
         out = HeadProjection(cfg, in_heads=True, name="output")(ctx)

@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from bertjax.layers import fast_ops
-from bertjax.layers.attention import attend, resolve_impl, sees_a_key
+from bertjax.layers.attention import attend, kernel_seed, resolve_impl, sees_a_key
 from bertjax.layers.core import (
     ACTIVATIONS,
     BATCH_LENGTH_EMBED,
@@ -271,6 +271,7 @@ class ModernBertAttention(nn.Module):
             deterministic=deterministic,
             segment_ids=segment_ids,
             local_window=cfg.local_attention if self.local else 0,
+            kernel_seed=kernel_seed(self),
         )  # [batch, seq, heads, head_dim]
         if seen is not None:
             ctx = ctx * seen.astype(ctx.dtype)
