@@ -24,7 +24,7 @@ from typing import Any
 import ml_collections
 
 from bertjax import compile as aot
-from bertjax import models, topology
+from bertjax import hlo_roofline, models, topology
 from bertjax.compile import with_overrides
 
 SEARCH_KEYS = (
@@ -64,7 +64,7 @@ def lower_bound_bytes(cfg, seq: int, micro_batch: int, state_shards: int, remat:
 
 
 def candidates(
-    config: ml_collections.ConfigDict, chips: int, hbm_bytes: int = 0
+    config: ml_collections.ConfigDict, chips: int, hbm_bytes: int = 0, platform: str = "tpu"
 ) -> list[dict[str, Any]]:
     """Every layout worth compiling for ``chips`` devices, the likely fastest first.
 
@@ -89,10 +89,18 @@ def candidates(
             meshes.append((rest // fsdp, fsdp, tensor))
     accums = [a for a in (1, 2, 4, 8, 16, 32) if global_batch % a == 0]
     scans = (False, True) if models.architecture(cfg).can_scan else (False,)
-    # splash only where it runs: sequences of 128-multiples and no attention dropout (with
-    # dropout, training attention takes the explicit path whatever attention_impl says)
-    kernel_ok = all(s % 128 == 0 for s in seqs) and not cfg.attention_dropout
-    attentions = ("xla", "splash") if kernel_ok else ("xla",)
+    # A kernel only where it runs in training: with attention dropout, training attention takes
+    # the explicit path whatever attention_impl says (on a GPU, unless dropout_impl=kernel puts
+    # the dropout in cuDNN's kernel). Splash: sequences of 128-multiples; cuDNN: bf16/fp16.
+    if platform == "gpu":
+        kernel_dropout = getattr(cfg, "dropout_impl", "") == "kernel"
+        kernel_ok = cfg.dtype in ("bfloat16", "float16") and (
+            not cfg.attention_dropout or kernel_dropout
+        )
+        attentions = ("xla", "cudnn") if kernel_ok else ("xla",)
+    else:
+        kernel_ok = all(s % 128 == 0 for s in seqs) and not cfg.attention_dropout
+        attentions = ("xla", "splash") if kernel_ok else ("xla",)
     out = []
     for scan, attention, accum, remat, (data, fsdp, tensor) in itertools.product(
         scans, attentions, accums, REMATS, meshes
@@ -166,7 +174,7 @@ def to_stderr(line: str) -> None:
 def run(
     config: ml_collections.ConfigDict,
     workdir: str | None,
-    slice_: topology.Slice,
+    slice_: topology.Slice | topology.gpu_topology.GpuSystem,
     *,
     phase_index: int = 0,
     budget_seconds: float = 1800.0,
@@ -194,7 +202,7 @@ def run(
     devices = topology.devices(slice_)
     capacity = topology.hbm_bytes(devices[0])
     if search is None:
-        search = candidates(config, len(devices), capacity)
+        search = candidates(config, len(devices), capacity, devices[0].platform)
     queue = list(search)
     start = time.perf_counter()
     rows: list[dict[str, Any]] = []
@@ -272,7 +280,11 @@ def run(
         "ranked": ranked,
         "rejected": [r for r in rows if not r.get("fits")],
         "best_overrides": overrides_flags(ranked[0]["overrides"]) if ranked else None,
-        "note": "est_* are XLA TPU cost-model estimates, not measurements",
+        "note": (
+            "est_* are XLA TPU cost-model estimates, not measurements"
+            if devices[0].platform == "tpu"
+            else hlo_roofline.NOTE
+        ),
     }
 
 

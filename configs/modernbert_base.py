@@ -16,6 +16,9 @@ def get_config():
     c.model.dtype = "bfloat16"
     c.data.corpus = "gs://YOUR_BUCKET/corpus/*.parquet"
     c.data.vocab = "gs://YOUR_BUCKET/tokenizer/modernbert/tokenizer.json"
+    # ModernBERT's tokenizer.json has 50,368 tokens: the size used where data.vocab cannot be read
+    # (compiling for a topology from a machine without the bucket's credentials).
+    c.data.vocab_size = 50368
     c.data.nsp = False
     c.data.packing = True
     c.data.masked_lm_prob = 0.3

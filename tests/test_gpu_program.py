@@ -1,0 +1,150 @@
+"""The train step as XLA's GPU compiler lays it out for an H100, compiled on this CPU (no GPU, no
+driver): `bertjax compile --topology=h100`, the kernel inventory and the roofline of
+bertjax.hlo_roofline, and the properties of the program that the speed work bought (no bf16
+scatter, no f32 buffer over batch x predictions x vocabulary, cuDNN attention in every layer that
+`auto` gives it, a bound on copies per layer, the shipped batch fitting in 80 GB). The compiling
+tests need JAX's CUDA plugin and cuDNN's library (the test and aot extras)."""
+
+import importlib.util
+import json
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from bertjax import gpu_topology, hlo_roofline, topology
+from bertjax.compile import compile_train_step, with_overrides
+
+REPO = __import__("pathlib").Path(__file__).resolve().parent.parent
+needs_cuda_plugin = pytest.mark.skipif(
+    importlib.util.find_spec("jax_plugins.xla_cuda12") is None
+    or importlib.util.find_spec("nvidia.cudnn") is None,
+    reason="JAX's CUDA plugin or cuDNN's wheel is not installed (pip install -e '.[aot]')",
+)
+H100 = gpu_topology.CHIPS["h100"].roofline
+
+
+@pytest.mark.parametrize(
+    "name,chips,nodes,kind",
+    [
+        ("h100", 1, 1, "NVIDIA H100 80GB HBM3"),
+        ("h100-8", 8, 1, "NVIDIA H100 80GB HBM3"),
+        ("h200-8", 8, 1, "NVIDIA H200"),
+        ("a100-8", 8, 1, "NVIDIA A100-SXM4-80GB"),
+        ("h100-8x4", 32, 4, "NVIDIA H100 80GB HBM3"),
+    ],
+)
+def test_gpu_system_names(name, chips, nodes, kind):
+    system = topology.parse(name)
+    assert isinstance(system, gpu_topology.GpuSystem)
+    assert (system.chips, system.nodes, system.chip.description) == (chips, nodes, kind)
+
+
+@pytest.mark.parametrize(
+    "name,match",
+    [("h100-16", "1 to 8 GPUs per node"), ("b200-8", "expected"), ("h100-3x2", "power of two")],
+)
+def test_bad_gpu_system_names_are_one_line(name, match):
+    with pytest.raises(ValueError, match=match) as err:
+        topology.parse(name)
+    assert "\n" not in str(err.value) and f"--topology={name}" in str(err.value)
+
+
+@needs_cuda_plugin
+def test_roofline_of_a_known_program_matches_its_arithmetic():
+    """A bf16 [1024, 2048] x [2048, 512] product and a softmax on a compile-only H100: the parser
+    finds the dot's FLOPs exactly and the bytes of its operands and output."""
+    devices = gpu_topology.devices(topology.parse("h100"))
+    sharding = jax.sharding.SingleDeviceSharding(devices[0])
+    a = jax.ShapeDtypeStruct((1024, 2048), jnp.bfloat16, sharding=sharding)
+    b = jax.ShapeDtypeStruct((2048, 512), jnp.bfloat16, sharding=sharding)
+    compiled = jax.jit(lambda x, y: jax.nn.softmax((x @ y).astype(jnp.float32))).lower(a, b).compile()
+    program = hlo_roofline.Program(compiled.as_text())
+    roof = program.roofline(H100)
+    assert roof["dot_flops"] == 2 * 1024 * 2048 * 512
+    # At least the two operands read and the f32 result written once.
+    assert roof["hbm_bytes"] >= (1024 * 2048 + 2048 * 512) * 2 + 1024 * 512 * 4
+    assert roof["est_step_seconds"] >= 2 * 1024 * 2048 * 512 / H100.bf16_flops
+    inventory = program.inventory()
+    assert inventory["scatters"] == {} and inventory["collectives"] == {}
+    assert inventory["kernels"] >= 2
+
+
+@pytest.fixture(scope="module")
+def bert_base_program():
+    from configs import bert_base
+
+    config = with_overrides(
+        bert_base.get_config(),
+        {"model.dtype": "bfloat16", "model.attention_impl": "auto", "model.dropout_impl": "kernel"},
+    )
+    return compile_train_step(config, None, devices=gpu_topology.devices(topology.parse("h100")))
+
+
+@needs_cuda_plugin
+@pytest.mark.slow
+def test_bert_base_h100_program(bert_base_program):
+    """The shipped BERT-base recipe (256 x 128, dropout 0.1) in bf16 with cuDNN attention."""
+    report = bert_base_program
+    kernels, layers = report["kernels"], 12
+    assert report["device_kind"] == "NVIDIA H100 80GB HBM3" and report["fits"]
+    assert "bf16" not in kernels["scatters"], kernels["scatter_shapes"]
+    # Only the word-embedding gradient scatters (f32, [vocab, hidden]).
+    assert kernels["scatter_shapes"] == ["f32[30522,768]"]
+    # No f32 [batch, predictions, vocab] buffer (the one-hot of take_along_axis's gradient).
+    assert all(
+        r["bytes"] < 256 * 20 * 30522 * 4 for r in kernels["largest_outputs"]
+    ), kernels["largest_outputs"]
+    calls = kernels["custom_calls"]
+    assert calls.get("__cudnn$fmhaScaleBiasSoftmaxDropout") == layers, calls
+    assert calls.get("__cudnn$fmhaScaleBiasSoftmaxDropoutBackward") == layers, calls
+    assert kernels["copies"] <= 22 * layers, kernels["copies"]  # 255 on 2026-11-27 (jax 0.10.2)
+    assert kernels["transposes"] == 0
+    assert 0 < report["est_step_seconds"] and 0 < report["est_mfu"] < 1
+    assert report["hbm_bytes_per_device"] < 80 * 2**30
+
+
+@needs_cuda_plugin
+@pytest.mark.slow
+def test_modernbert_base_h100_program():
+    """ModernBERT-base at 1024 tokens, packed, bf16, on one H100: cuDNN attention in its 8
+    global layers (the 14 sliding-window layers take the band blocks), no bf16 scatter."""
+    from configs import modernbert_base
+
+    config = with_overrides(
+        modernbert_base.get_config(),
+        {"model.attention_impl": "auto", "train.global_batch_size": 32},
+    )
+    report = compile_train_step(
+        config, None, devices=gpu_topology.devices(topology.parse("h100"))
+    )
+    kernels = report["kernels"]
+    assert report["fits"], report["hbm_bytes_per_device"]
+    assert "bf16" not in kernels["scatters"], kernels["scatter_shapes"]
+    calls = {k: v for k, v in kernels["custom_calls"].items() if "fmha" in k}
+    assert sum(v for k, v in calls.items() if not k.endswith("Backward")) == 8, calls
+    assert sum(v for k, v in calls.items() if k.endswith("Backward")) == 8, calls
+
+
+@needs_cuda_plugin
+def test_compile_topology_h100_8_from_the_command_line(tmp_path):
+    """`bertjax compile --topology=h100-8 --json`: the report keys a user reads, from a tiny
+    config, with no data and no credentials (the config's vocabulary is a bucket path)."""
+    out = subprocess.run(
+        [sys.executable, "-m", "bertjax.cli", "compile", "--config=configs/bert_base.py",
+         "--topology=h100-8", "--json", "--config.model.preset=tiny",
+         "--config.model.dtype=bfloat16", "--config.train.global_batch_size=64"],
+        cwd=REPO, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    report = json.loads(out.stdout)
+    for key in (
+        "devices", "device_kind", "hbm_bytes_per_device", "hbm_capacity_bytes", "fits",
+        "est_step_seconds", "est_tokens_per_sec_per_chip", "est_mfu", "kernels",
+    ):  # fmt: skip
+        assert key in report, key
+    assert report["devices"] == 8 and report["fits"]
+    assert report["kernels"]["collectives"], "8 GPUs with fsdp exchange gradients and parameters"
+    assert report["roofline"]["link_seconds"] > 0
