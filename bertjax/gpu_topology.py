@@ -84,9 +84,9 @@ class GpuSystem:
 
 
 def is_gpu_name(name: str) -> bool:
-    return re.match(r"\s*([a-z]\d+)", name.lower()) is not None and any(
-        name.strip().lower().startswith(c) for c in CHIPS
-    )
+    """Whether ``--topology=NAME`` names a GPU system (a letter and three digits: h100, b200),
+    not a TPU slice (v4, v5p, v5e, v6e)."""
+    return re.match(r"[a-z]\d{3}(?![0-9])", name.strip().lower()) is not None
 
 
 def parse(name: str, num_slices: int = 1) -> GpuSystem:

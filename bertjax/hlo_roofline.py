@@ -310,9 +310,7 @@ class Program:
             scores = [
                 int(d) for d in fmha.get("intermediate_tensor_shape", {}).get("dimensions", [])
             ]
-            bmm1 = fmha.get("bmm1_dot_dimension_numbers", {})
-            q = arrays(shapes[0])[0][1]
-            d_head = math.prod(q[int(d)] for d in bmm1.get("lhs_contracting_dimensions", []))
+            d_head = arrays(shapes[0])[0][1][-1]  # q is [b, t, n, h] or [b, n, t, h]
             if not scores or not d_head:
                 return
             pairs = math.prod(scores)  # [batch, heads, q, k] scores

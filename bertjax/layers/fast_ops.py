@@ -57,7 +57,10 @@ def _tied_decoder_bwd(mixed, residuals, g):
     x2 = x.reshape(-1, hidden)
     dims = (((0,), (0,)), ((), ()))
     d_embeddings = lax.dot_general(gx, x2, dims, preferred_element_type=f32)  # [vocab, hidden]
-    d_bias = (jnp.ones((1, g2.shape[0]), g2.dtype) @ g2)[0]  # [vocab]
+    if mixed:  # CPU: a [1, n] x [n, vocab] product beat XLA CPU's column reduction
+        d_bias = (jnp.ones((1, g2.shape[0]), g2.dtype) @ g2)[0]  # [vocab]
+    else:  # a reduction: a GPU fuses it with the gradient's producer (no fp32 [n, vocab] buffer)
+        d_bias = jnp.sum(g2, axis=0, dtype=jnp.float32)
     return dx, d_embeddings.astype(embeddings.dtype), d_bias.astype(bias.dtype)
 
 
