@@ -60,7 +60,9 @@ def test_roofline_of_a_known_program_matches_its_arithmetic():
     sharding = jax.sharding.SingleDeviceSharding(devices[0])
     a = jax.ShapeDtypeStruct((1024, 2048), jnp.bfloat16, sharding=sharding)
     b = jax.ShapeDtypeStruct((2048, 512), jnp.bfloat16, sharding=sharding)
-    compiled = jax.jit(lambda x, y: jax.nn.softmax((x @ y).astype(jnp.float32))).lower(a, b).compile()
+    compiled = (
+        jax.jit(lambda x, y: jax.nn.softmax((x @ y).astype(jnp.float32))).lower(a, b).compile()
+    )
     program = hlo_roofline.Program(compiled.as_text())
     roof = program.roofline(H100)
     assert roof["dot_flops"] == 2 * 1024 * 2048 * 512
@@ -94,9 +96,9 @@ def test_bert_base_h100_program(bert_base_program):
     # Only the word-embedding gradient scatters (f32, [vocab, hidden]).
     assert kernels["scatter_shapes"] == ["f32[30522,768]"]
     # No f32 [batch, predictions, vocab] buffer (the one-hot of take_along_axis's gradient).
-    assert all(
-        r["bytes"] < 256 * 20 * 30522 * 4 for r in kernels["largest_outputs"]
-    ), kernels["largest_outputs"]
+    assert all(r["bytes"] < 256 * 20 * 30522 * 4 for r in kernels["largest_outputs"]), kernels[
+        "largest_outputs"
+    ]
     calls = kernels["custom_calls"]
     assert calls.get("__cudnn$fmhaScaleBiasSoftmaxDropout") == layers, calls
     assert calls.get("__cudnn$fmhaScaleBiasSoftmaxDropoutBackward") == layers, calls
@@ -117,9 +119,7 @@ def test_modernbert_base_h100_program():
         modernbert_base.get_config(),
         {"model.attention_impl": "auto", "train.global_batch_size": 32},
     )
-    report = compile_train_step(
-        config, None, devices=gpu_topology.devices(topology.parse("h100"))
-    )
+    report = compile_train_step(config, None, devices=gpu_topology.devices(topology.parse("h100")))
     kernels = report["kernels"]
     assert report["fits"], report["hbm_bytes_per_device"]
     assert "bf16" not in kernels["scatters"], kernels["scatter_shapes"]

@@ -28,6 +28,7 @@ import os
 import re
 import resource
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -81,7 +82,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         choices=("auto", "xla", "dot_product", "cudnn", "splash"),
     )
     p.add_argument("--remat", default="none", choices=("none", "dots", "full"))
-    p.add_argument("--dropout_impl", default="auto", choices=("auto", "bits16", "flax"))
+    p.add_argument("--dropout_impl", default="auto", choices=("auto", "bits16", "flax", "kernel"))
     p.add_argument("--scan_layers", action="store_true")
     p.add_argument(
         "--grad_accum_steps", type=int, default=1,
@@ -322,6 +323,26 @@ def measure_step(args: argparse.Namespace) -> dict[str, Any]:
         "memory": memory,
         "final_loss": loss,
         "profile": profile,
+        **roofline_beside(compiled, step_flops, args.batch * args.seq, devices, step_s),
+    }
+
+
+def roofline_beside(compiled, step_flops, tokens, devices, step_s) -> dict[str, Any]:
+    """On a GPU, the roofline estimate of the same compiled step (``bertjax compile
+    --topology=h100`` prices the program this way) and measured / estimated: the calibration of
+    the estimate. Empty elsewhere."""
+    if devices[0].platform != "gpu":
+        return {}
+    from bertjax.compile import gpu_report
+
+    est = gpu_report(compiled, step_flops, tokens, devices)
+    if "est_step_seconds" not in est:
+        return {"roofline_unavailable": est.get("est_unavailable")}
+    return {
+        "est_step_seconds": est["est_step_seconds"],
+        "est_mfu": est["est_mfu"],
+        "measured_over_estimate": step_s / est["est_step_seconds"],
+        "kernels": est["kernels"],
     }
 
 
@@ -346,12 +367,22 @@ def measure_peers(args, result: dict) -> dict[str, Any]:
         shape.update(accum=args.grad_accum_steps)  # like for like: the same micro-batches
         if args.dtype == "bfloat16":
             shape.update(dtype="bfloat16")  # PyTorch's autocast: bf16 matmuls, fp32 weights
+    on_gpu = jax.devices()[0].platform == "gpu"
+    if on_gpu:  # the GPU peer as its users run it: bf16 autocast, SDPA, torch.compile
+        shape.update(device="cuda", compile=1, dtype=args.dtype)
     reference = models.architecture(args.architecture).hf_reference
     if reference not in bench_peers.PEERS:
         return {"skipped": f"no peer benchmark of {reference} (bench_peers.PEERS)"}
     peers = {}
     for framework in bench_peers.PEERS[reference]:
-        peer = bench_peers.run_peer(python, framework, shape)
+        if on_gpu and framework == "flax":
+            peers[framework] = {"skipped": "transformers' Flax BERT is CPU-only here (gone in v5)"}
+            continue
+        try:
+            peer = bench_peers.run_peer(python, framework, shape)
+        except (RuntimeError, OSError, subprocess.TimeoutExpired) as err:
+            peers[framework] = {"error": str(err)[-1500:]}  # the rest of the bench stands
+            continue
         peer["bertjax_speedup"] = result["tokens_per_sec"] / peer["tokens_per_sec"]
         peer["bertjax_speedup_cpu_time"] = peer["step_cpu_s"] / result["step_cpu_s"]
         peers[framework] = peer

@@ -277,6 +277,8 @@ def _bench_torch_model(model, batch: dict, a, name: str, no_decay: tuple[str, ..
     backward, clip_grad_norm_(1.0), AdamW (weight decay 0.01 except parameters named ``no_decay``)."""
     import torch
 
+    device = getattr(a, "device", "cpu")  # cuda: the GPU peer (bf16 autocast, SDPA attention)
+    model.to(device)
     model.train()
     params = list(model.named_parameters())
     decay = [p for n, p in params if not any(k in n for k in no_decay)]
@@ -286,21 +288,24 @@ def _bench_torch_model(model, batch: dict, a, name: str, no_decay: tuple[str, ..
         lr=1e-4,
         eps=1e-6,
     )
-    batch = {k: torch.as_tensor(v) for k, v in batch.items()}
+    batch = {k: torch.as_tensor(v).to(device) for k, v in batch.items()}
+    forward = torch.compile(model) if getattr(a, "compile", 0) else model
 
     accum = getattr(a, "accum", 1)  # micro-batches: gradients summed over equal slices of rows
     chunks = [{k: v.chunk(accum)[i] for k, v in batch.items()} for i in range(accum)]
     dtype = getattr(a, "dtype", "float32")  # bfloat16: mixed precision, fp32 weights (autocast)
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bfloat16")
+    autocast = torch.autocast(device, dtype=torch.bfloat16, enabled=dtype == "bfloat16")
 
     def run():
         for chunk in chunks:
             with autocast:
-                loss = model(**chunk).loss / accum
+                loss = forward(**chunk).loss / accum
             loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
+        if device == "cuda":
+            torch.cuda.synchronize()  # time_steps needs the step done
 
     times, cpu_times, first = time_steps(run, a.steps, a.warmup)
     return {
@@ -310,6 +315,8 @@ def _bench_torch_model(model, batch: dict, a, name: str, no_decay: tuple[str, ..
         "first_step_s": first,
         "attn_implementation": model.config._attn_implementation,
         "dtype": dtype,
+        "device": device,
+        "torch_compile": bool(getattr(a, "compile", 0)),
         "threads": torch.get_num_threads(),
         "versions": {"torch": torch.__version__, "transformers": _version("transformers")},
     }
@@ -343,6 +350,8 @@ def main(argv: list[str] | None = None) -> None:
         p.add_argument(f"--{name}", type=int, default=default)
     p.add_argument("--dropout", type=float, default=0.1)
     p.add_argument("--accum", type=int, default=1, help="micro-batches per step (PyTorch peers)")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="PyTorch peers")
+    p.add_argument("--compile", type=int, default=0, help="1: torch.compile the PyTorch model")
     p.add_argument(
         "--dtype", default="float32", choices=("float32", "bfloat16"),
         help="PyTorch peers: bfloat16 = torch.autocast mixed precision (fp32 weights, bf16 matmuls)",

@@ -57,6 +57,23 @@ PLAN: list[tuple[str, list[str], int]] = [
     ("modernbert-base-1024-xla-attn", ["--architecture=modernbert", "--preset=modernbert-base",
                                        "--seq=1024", "--batch=32", "--vocab_size=50368",
                                        "--dropout=0", "--attention_impl=xla"], 90),
+    # BERT's attention dropout inside cuDNN's kernel (dropout_impl=kernel) against the default
+    ("bert-base-128-kernel-dropout", ["--preset=base", "--seq=128", "--batch=256",
+                                      "--dropout_impl=kernel"], 60),
+    ("bert-large-128-kernel-dropout", ["--preset=large", "--seq=128", "--batch=128",
+                                       "--dropout_impl=kernel"], 80),
+    ("bert-base-128-xla-attn", ["--preset=base", "--seq=128", "--batch=256",
+                                "--attention_impl=xla"], 60),
+    ("modernbert-base-8192", ["--architecture=modernbert", "--preset=modernbert-base",
+                              "--seq=8192", "--batch=4", "--vocab_size=50368", "--dropout=0"], 120),
+    # the same steps in transformers + PyTorch on the same GPU (bf16 autocast, SDPA,
+    # torch.compile): the peer's tokens/s beside bertjax's (needs torch and transformers there)
+    ("bert-base-128-vs-pytorch", ["--preset=base", "--seq=128", "--batch=256",
+                                  "--dropout_impl=kernel", "--peers", "--peer_steps=5"], 180),
+    ("modernbert-base-1024-vs-pytorch", ["--architecture=modernbert",
+                                         "--preset=modernbert-base", "--seq=1024", "--batch=32",
+                                         "--vocab_size=50368", "--dropout=0", "--peers",
+                                         "--peer_steps=5"], 200),
 ]  # fmt: skip
 # A plan of tiny models with the same code path (``--plan=tiny``: CPU self-tests of this tool).
 TINY_PLAN: list[tuple[str, list[str], int]] = [
@@ -187,7 +204,9 @@ def run_tests(report: Report, platform: str, reserve_s: float, keyword: str = ""
 def bench_command(args: list[str], steps: int, warmup: int, profile_dir: str = "") -> list[str]:
     cmd = [sys.executable, "-m", "bertjax.tools.bench", *COMMON, *args,
            f"--steps={steps}", f"--warmup={warmup}"]  # fmt: skip
-    return cmd + ([f"--profile_dir={profile_dir}"] if profile_dir else [])
+    cmd += [f"--profile_dir={profile_dir}"] if profile_dir else []
+    # The peers run under this python (on the accelerator image: its torch and transformers).
+    return cmd + ([f"--peers_python={sys.executable}"] if "--peers" in args else [])
 
 
 def _bench_summary(name: str, result: dict) -> dict[str, Any]:
@@ -206,6 +225,15 @@ def _bench_summary(name: str, result: dict) -> dict[str, Any]:
         out["profile_top_ops"] = result["profile"].get("top_ops")
     model = result.get("model_config") or {}
     out["resolved"] = {k: model.get(k) for k in ("attention_impl", "dropout_impl")}
+    for key in ("est_step_seconds", "est_mfu", "measured_over_estimate"):  # the roofline's
+        if key in result:
+            out[key] = result[key]
+    if result.get("peers"):
+        out["peers"] = {
+            name: {k: peer.get(k) for k in ("tokens_per_sec", "step_time_s", "bertjax_speedup",
+                                            "torch_compile", "error", "skipped") if k in peer}
+            for name, peer in result["peers"].items()
+        }  # fmt: skip
     if name in ANCHORS:
         out["anchor"] = ANCHORS[name]
     return out
