@@ -29,7 +29,7 @@ COMMANDS = {
     ),
     "compile": (
         "bertjax.cli:train_command",
-        "compile the train step (--topology: for a TPU slice); memory, est. step time, MFU",
+        "compile the train step (--topology: for a TPU slice or GPUs); memory, est. step time, MFU",
     ),
     "plan": (
         "bertjax.cli:train_command",
@@ -153,7 +153,14 @@ _FLAGS = (
     ("workdir", "string", None, "run directory: checkpoints, metrics, data", _ALL),
     ("dry_run", "bool", False, "only compile the train step and print its memory", _TRAIN),
     ("verbose", "bool", False, "full tracebacks for errors (otherwise one line)", _ALL),
-    ("topology", "string", None, "TPU slice to compile for from any machine: v5p-8, v5e:4x4", _AOT),
+    (
+        "topology",
+        "string",
+        None,
+        "TPU slice or NVIDIA GPUs to compile for from any machine: v5p-8, v5e:4x4, h100, h100-8, "
+        "h100-8x4 (4 nodes of 8)",
+        _AOT,
+    ),
     ("num_slices", "integer", 1, "slices of --topology (multi-slice)", _AOT),
     ("phase", "integer", 0, "which phase of data.phases to compile (0 = the first)", _AOT),
     ("json", "bool", False, "print one JSON object instead of a table", _AOT),
