@@ -77,6 +77,8 @@ def quiet_native_logs() -> None:
             sys.modules["jax"].config.update("jax_platforms", "cpu")
     if os.environ.get("BERTJAX_RAW_STDERR"):
         return
+    if os.environ.get("BERTJAX_STDERR_FILTER_OF") == str(os.getpid()):
+        return  # this process's stderr goes through the filter already
     level = os.environ.get("TF_CPP_MIN_LOG_LEVEL", "0")
     read, write = os.pipe()
     try:
@@ -99,6 +101,7 @@ def quiet_native_logs() -> None:
     os.close(read)
     sys.stderr.flush()
     os.dup2(write, 2)
+    os.environ["BERTJAX_STDERR_FILTER_OF"] = str(os.getpid())
     os.close(write)
 
 

@@ -6,9 +6,9 @@ The roofline of a kernel is ``max(dot FLOPs / tensor-core peak + other FLOPs / v
 bytes / HBM bandwidth)``, where its bytes are its operands read once and its outputs written once;
 a collective's time is its bytes over the link it crosses (NVLink inside a node, the network
 between nodes). The step's estimate is the sum over the kernels as they run (a loop's body times
-its trip count). It is a lower bound of the step time under that model: it counts no launch
-overhead, no tail effects, no imperfect overlap, and treats every kernel as reaching the chip's
-peak. XLA's GPU compiler gives no cost analysis of its own (``cost_analysis()`` is None), so this
+its trip count). For the kernels it is a lower bound of the step time: it counts no launch
+overhead, no tail effects, and treats every kernel as reaching the chip's peak; collectives are
+added as if nothing overlapped them (on one GPU there are none). XLA's GPU compiler gives no cost analysis of its own (``cost_analysis()`` is None), so this
 reading of the program is the estimate.
 """
 
@@ -24,9 +24,9 @@ from typing import Any
 import numpy as np
 
 NOTE = (
-    "est_* on a GPU: a roofline lower bound summed over the optimized program's kernels (each at "
-    "the chip's peak FLOP/s or HBM bandwidth, collectives at link bandwidth; no launch overhead), "
-    "bertjax.hlo_roofline; not a measurement"
+    "est_* on a GPU: the optimized program's kernels each at the chip's peak FLOP/s or HBM "
+    "bandwidth, summed (a lower bound: no launch overhead), plus its collectives at link bandwidth "
+    "as if not overlapped; bertjax.hlo_roofline, not a measurement"
 )
 
 DTYPE_BYTES = {
@@ -222,6 +222,12 @@ class Program:
         if not entries:
             raise ValueError("no ENTRY computation in the HLO text")
         self.entry = entries[0]
+        header = text[: text.find("\n")]
+        partitions = re.search(r"num_partitions=(\d+)", header)
+        replicas = re.search(r"replica_count=(\d+)", header)
+        self.num_devices = int(partitions.group(1) if partitions else 1) * int(
+            replicas.group(1) if replicas else 1
+        )
         self._shapes = {name: comp.shapes() for name, comp in self.comps.items()}
 
     # -- walking the program -------------------------------------------------------------------
@@ -323,41 +329,58 @@ class Program:
             cost.tensor_flops += forward * (2.5 if "ackward" in target else 1.0)
 
     def _collective_seconds(self, comp: Computation, inst: Instruction, chip: Chip) -> float:
+        """Bytes over the link: ring all-reduce ``2 (n-1)/n`` of the buffer, all-gather,
+        reduce-scatter and all-to-all ``(n-1)/n`` of the full buffer, a permute all of it. An
+        async ``-start`` op's shape holds its operands and its results."""
         base = inst.opcode.removesuffix("-start")
-        size = (
-            nbytes(inst.shape)
-            if base != "reduce-scatter"
-            else nbytes("".join(self._operand_shapes(comp, inst)))
-        )
+        asynchronous = inst.opcode.endswith("-start")
+        total = nbytes(inst.shape)
         groups = self._replica_groups(inst.attrs)
         n = len(groups[0]) if groups else 1
-        if n <= 1 and base != "collective-permute":
-            return 0.0
-        factor = {"all-reduce": 2.0 * (n - 1) / n, "collective-permute": 1.0}.get(
-            base, (n - 1) / max(n, 1)
-        )
-        crosses = any(len({d // chip.devices_per_node for d in g}) > 1 for g in groups)
         if base == "collective-permute":
+            moved = total / 2 if asynchronous else total
             pairs = [tuple(_ints(p)) for p in re.findall(r"\{(\d+,\d+)\}", inst.attrs)]
-            crosses = any(
-                a // chip.devices_per_node != b // chip.devices_per_node for a, b in pairs
-            )
+            per_node = chip.devices_per_node
+            crosses = any(a // per_node != b // per_node for a, b in pairs)
+        else:
+            if n <= 1:
+                return 0.0
+            if base == "all-reduce":
+                moved = 2.0 * (n - 1) / n * total
+            elif base == "all-gather":  # async: input + n x input
+                moved = (n - 1) / n * (total * n / (n + 1) if asynchronous else total)
+            elif base == "reduce-scatter":  # the input is n x the output
+                moved = (n - 1) / n * (total * n / (n + 1) if asynchronous else total * n)
+            else:  # all-to-all and others: input and output the same size
+                moved = (n - 1) / n * (total / 2 if asynchronous else total)
+            crosses = any(len({d // chip.devices_per_node for d in g}) > 1 for g in groups)
         link = chip.inter_node_bytes_per_s if crosses else chip.intra_node_bytes_per_s
-        return factor * size / link
+        return moved / link
 
-    @staticmethod
-    def _replica_groups(attrs: str) -> list[list[int]]:
+    def _replica_groups(self, attrs: str) -> list[list[int]]:
+        """The device groups of a collective, from any of XLA's spellings: explicit lists, iota
+        (``[2,4]<=[8]T(1,0)``), mesh axes (``mesh['a'=2,'b'=4] {'b'}``) or ``{}`` (all)."""
+        m = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", attrs)
+        if m:
+            axes = re.findall(r"'([^']+)'=(\d+)", m.group(1))
+            names, sizes = [a for a, _ in axes], [int(n) for _, n in axes]
+            chosen = [names.index(a) for a in re.findall(r"'([^']+)'", m.group(2)) if a in names]
+            ids = np.arange(math.prod(sizes)).reshape(sizes)
+            rest = [i for i in range(len(sizes)) if i not in chosen]
+            size = math.prod(sizes[i] for i in chosen)
+            return ids.transpose(rest + chosen).reshape(-1, size).tolist()
         m = re.search(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", attrs)
         if m:
             shape, dims = _ints(m.group(1)), _ints(m.group(2))
             ids = np.arange(math.prod(dims)).reshape(dims)
             if m.group(3):
                 ids = ids.transpose(_ints(m.group(3)))
-            return ids.reshape(shape).reshape(shape[0], -1).tolist()
+            return ids.reshape(shape[0], -1).tolist()
         m = re.search(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}", attrs)
         if m:
-            return [_ints(g) for g in re.findall(r"\{([\d,]*)\}", m.group(1)) if g]
-        return []
+            groups = [_ints(g) for g in re.findall(r"\{([\d,]*)\}", m.group(1)) if g]
+            return groups or [list(range(self.num_devices))]
+        return [list(range(self.num_devices))] if "replica_groups" not in attrs else []
 
     def kernel_cost(self, comp: Computation, inst: Instruction, chip: Chip) -> Cost:
         cost = Cost()

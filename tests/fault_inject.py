@@ -15,9 +15,15 @@ import os
 import sys
 import time
 
-from etils import epath
+from bertjax import console
 
-from bertjax import atomic, cli, preemption
+# As the `bertjax` command does, before anything imports JAX (whose CUDA plugin, in the test
+# extra, prints its no-driver lines at import on a CPU-only machine).
+console.quiet_native_logs()
+
+from etils import epath  # noqa: E402
+
+from bertjax import atomic, cli, preemption  # noqa: E402
 
 _write_text = epath.Path.write_text
 
