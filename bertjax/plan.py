@@ -97,7 +97,8 @@ def candidates(
         kernel_ok = cfg.dtype in ("bfloat16", "float16") and (
             not cfg.attention_dropout or kernel_dropout
         )
-        attentions = ("xla", "cudnn") if kernel_ok else ("xla",)
+        # cuDNN first (the fast path); with dropout_impl=kernel it is the only valid one
+        attentions = ("cudnn",) if kernel_dropout else ("cudnn", "xla") if kernel_ok else ("xla",)
     else:
         kernel_ok = all(s % 128 == 0 for s in seqs) and not cfg.attention_dropout
         attentions = ("xla", "splash") if kernel_ok else ("xla",)
@@ -369,7 +370,11 @@ def format_table(result: dict[str, Any]) -> str:
     lines = [
         f"plan for {result['topology']}, phase {result['phase']}: compiled {result['searched']} "
         f"of {result['of']} candidates in {result['seconds']:.0f} s "
-        "(est. = XLA TPU cost-model estimates)",
+        + (
+            "(est. = XLA TPU cost-model estimates)"
+            if "TPU" in result["note"]
+            else "(est. = roofline lower bounds of the GPU program)"
+        ),
         f"{'rank':>4} {'est. ms':>8} {'est. MFU':>8} {'tok/s/chip':>11} {'HBM GiB':>8}  layout",
     ]
     for i, row in enumerate(result["ranked"], 1):

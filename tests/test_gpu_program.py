@@ -148,3 +148,21 @@ def test_compile_topology_h100_8_from_the_command_line(tmp_path):
     assert report["devices"] == 8 and report["fits"]
     assert report["kernels"]["collectives"], "8 GPUs with fsdp exchange gradients and parameters"
     assert report["roofline"]["link_seconds"] > 0
+
+
+@pytest.mark.parametrize(
+    "overrides,attentions",
+    [
+        ({}, {"xla"}),  # attention dropout on: training attention is explicit whatever the kernel
+        ({"model.dropout_impl": "kernel"}, {"cudnn"}),  # cuDNN's own dropout: only cuDNN runs it
+        ({"model.attention_dropout": 0.0}, {"cudnn", "xla"}),
+        ({"model.attention_dropout": 0.0, "model.dtype": "float32"}, {"xla"}),  # cuDNN: 16-bit
+    ],
+)
+def test_plan_offers_cudnn_on_a_gpu_where_training_runs_it(overrides, attentions):
+    from bertjax import plan
+    from configs import bert_base
+
+    config = with_overrides(bert_base.get_config(), {"model.dtype": "bfloat16", **overrides})
+    found = plan.candidates(config, 8, 80 * 2**30, platform="gpu")
+    assert found and {c["model.attention_impl"] for c in found} == attentions
