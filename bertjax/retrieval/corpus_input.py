@@ -12,7 +12,11 @@ any ``tf.io.gfile`` scheme (``gs://``), ``.gz``/``.zst`` decompressed.
 An empty id key (``id_field=""``) numbers the JSONL lines / Parquet rows the same way. Ids are
 strings (a JSON number id becomes its decimal text). Bad input is one ValueError naming the file
 and its line (JSONL, text) or row (Parquet, 1-based): invalid JSON, a missing or non-string text,
-an empty text, a missing id, an id seen before (with where it was first).
+an empty line of a plain-text file, a missing id, an id seen before (with where it was first).
+
+A JSONL or Parquet record whose text (and title) is empty is a document all the same: real BEIR
+corpora hold some (Cranfield's ``corpus.jsonl`` line 471), and it is embedded as the empty text,
+as ``evaluate retrieval``, training and sentence-transformers embed it.
 """
 
 from __future__ import annotations
@@ -85,8 +89,8 @@ class _Collector:
         self.first: dict[str, str] = {}
         self.digest = hashlib.sha256()
 
-    def add(self, doc_id: str, text: str, where: str) -> None:
-        if not text.strip():
+    def add(self, doc_id: str, text: str, where: str, allow_empty: bool = False) -> None:
+        if not allow_empty and not text.strip():
             raise ValueError(f"{where}: empty text")
         if doc_id in self.first:
             raise ValueError(f"{where}: id {doc_id!r} again (first at {self.first[doc_id]})")
@@ -149,7 +153,7 @@ def _read_jsonl(path: str, fields: Fields, out: _Collector, start: int) -> int:
                 raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")
             count += 1
             text = _record_text(record, fields, where, "key")
-            out.add(_record_id(record, fields, where, start + count, "key"), text, where)
+            out.add(_record_id(record, fields, where, start + count, "key"), text, where, True)
     return count
 
 
@@ -188,7 +192,7 @@ def _read_parquet(path: str, fields: Fields, out: _Collector, start: int) -> int
             row += 1
             where = f"{path}: row {row}"
             text = _record_text(record, fields, where, "column")
-            out.add(_record_id(record, fields, where, start + row, "column"), text, where)
+            out.add(_record_id(record, fields, where, start + row, "column"), text, where, True)
     return row
 
 
