@@ -312,11 +312,13 @@ class BestCheckpoint:
         self.metric = metric
         self.directory = os.path.join(workdir, "best")
         self.value = None
+        self.step: int | None = None  # the step whose params are kept
         if self.metric and fs.isdir(self.directory):
             ckpt = Checkpointer(self.directory, keep=1, async_save=False)
             if ckpt.latest_step() is not None:
                 kept = ckpt.read_data()
                 self.value = kept.get("value")
+                self.step = kept.get("step", ckpt.latest_step())
                 if (
                     kept.get("scale") != "fraction"
                     and self.metric[1] == "max"
@@ -340,7 +342,7 @@ class BestCheckpoint:
         value = float(metrics[self.metric[0]])
         if not self.better(value):
             return
-        self.value = value
+        self.value, self.step = value, step
         ckpt = Checkpointer(self.directory, keep=1, async_save=False)
         ckpt.save(
             step,

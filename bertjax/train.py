@@ -9,6 +9,7 @@ this module runs the phases' loop: the console and metrics, evaluation and check
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 import math
 import os
@@ -117,7 +118,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict
                 result["step"] = step
                 return result
         ckpt.wait()
-        final = _finalize(setup, state, best, workdir, config_json)
+        final = _finalize(setup, state, best, workdir, config_json, step, run.final_eval)
         if final:
             result["final"] = final
     finally:
@@ -141,6 +142,9 @@ class _Run:
     peak: float
     best: Any
     eta: Eta
+    # The final evaluation's model outputs by batch, and its step: finalize reuses them when it
+    # scores the same params (the best are the last), instead of evaluating them again.
+    final_eval: tuple[int, dict] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -208,8 +212,15 @@ def _run_phase(run: _Run, phase, phase_index, state, step, data_state) -> PhaseR
     guard = "disallow" if tcfg.get("transfer_guard", True) else "allow"
     first_step = step
 
-    def run_eval(params):
-        return task.evaluate(_runner(setup, params), phase)
+    total = setup.phases[-1].until_step
+
+    def run_eval(params, at_step=-1):
+        runner = _runner(setup, params)
+        if at_step == total:  # the run's last evaluation: keep its outputs for finalize
+            outputs: dict = {}
+            run.final_eval = (at_step, outputs)
+            runner = _recording(runner, outputs)
+        return task.evaluate(runner, phase)
 
     if step == 0 and eval_every and task.eval_at_start:  # the start of the eval curve
         last_eval = run_eval(state.params)
@@ -255,7 +266,7 @@ def _run_phase(run: _Run, phase, phase_index, state, step, data_state) -> PhaseR
             sums, count, rows = None, 0, 0
             meter.reset()
         if (eval_every and step % eval_every == 0) or is_last:
-            last_eval = run_eval(state.params)
+            last_eval = run_eval(state.params, step)
             if last_eval:
                 writer.write(step, last_eval, "eval")
                 best.update(step, last_eval, state.params, config_json)
@@ -292,18 +303,63 @@ def _runner(setup: Setup, params):
     return run
 
 
+def _batch_key(batch: dict) -> bytes:
+    """A digest of a host batch (names, shapes, dtypes, bytes): the same batch, the same key."""
+    digest = hashlib.sha256()
+    for name in sorted(batch):
+        value = np.ascontiguousarray(batch[name])
+        digest.update(f"{name}{value.shape}{value.dtype}".encode())
+        digest.update(value.tobytes())
+    return digest.digest()
+
+
+def _recording(run, outputs: dict):
+    """``run`` that keeps each batch's outputs in ``outputs`` by :func:`_batch_key`."""
+
+    def recorded(batch):
+        out = run(batch)
+        outputs[_batch_key(batch)] = jax.tree.map(lambda x: x, out)  # callers may pop keys
+        return out
+
+    return recorded
+
+
+def _replaying(run, outputs: dict):
+    """``run`` that answers a batch it has seen from ``outputs`` (the same params' outputs)."""
+
+    def replayed(batch):
+        key = _batch_key(batch)
+        return jax.tree.map(lambda x: x, outputs[key]) if key in outputs else run(batch)
+
+    return replayed
+
+
 def _finalize(
     setup: Setup,
     state: TrainState,
     best: checkpointing.BestCheckpoint,
     workdir: str,
     config_json: str,
+    last_step: int,
+    final_eval: tuple[int, dict] | None = None,
 ):
-    """Runs task.finalize with the best (or last) params and writes WORKDIR/eval_results.json."""
-    params = best.params(setup.abstract_state.params, setup.state_shardings.params)
-    chosen = "best" if params is not None else "last"
-    params = state.params if params is None else params
-    final = setup.task.finalize(_runner(setup, params), params, workdir)
+    """Runs task.finalize with the best (or last) params and writes WORKDIR/eval_results.json.
+
+    When those params are the ones the run's last evaluation scored (``final_eval``: its step and
+    outputs), finalize reads that evaluation's outputs instead of computing them again."""
+    if best.step is not None and best.step == last_step:
+        params, chosen = state.params, "best"  # the best are the last: no restore
+    else:
+        params = best.params(setup.abstract_state.params, setup.state_shardings.params)
+        chosen = "best" if params is not None else "last"
+        params = state.params if params is None else params
+    runner = _runner(setup, params)
+    if final_eval is not None and final_eval[0] == last_step and params is state.params:
+        log.info(
+            "final evaluation: the outputs of step %d's evaluation (the same params)", last_step
+        )
+        runner = _replaying(runner, final_eval[1])
+    final = setup.task.finalize(runner, params, workdir)
     if not final:
         return {}
     final = {

@@ -200,6 +200,36 @@ def test_glue_classification_trains_and_writes_submission(files, tmp_path):
     assert scored["accuracy"] == pytest.approx(final["dev"]["accuracy"])
 
 
+def test_the_final_evaluation_is_not_computed_again_by_finalize(
+    files, tmp_path, monkeypatch, caplog
+):
+    """The best params are the last: finalize scores the dev set from the outputs of the run's
+    last evaluation (no batch goes through the model twice) and reports what it logged."""
+    seen = []
+    real = train._runner
+
+    def counting(setup, params):
+        run = real(setup, params)
+
+        def counted(batch):
+            seen.append(train._batch_key(batch))
+            return run(batch)
+
+        return counted
+
+    monkeypatch.setattr(train, "_runner", counting)
+    c = small_config(
+        glue_config.get_config(), files, "glue", **{"train.steps": 0, "train.epochs": 1.0}
+    )
+    with caplog.at_level(logging.INFO, logger="bertjax"):
+        train.train_and_evaluate(c, str(tmp_path))
+    assert seen and len(seen) == len(set(seen)), "a batch went through the model twice"
+    assert "final evaluation: the outputs of step 3's evaluation (the same params)" in caplog.text
+    final = _results(tmp_path)
+    evals = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert final["dev"]["accuracy"] == [r for r in evals if r["split"] == "eval"][-1]["accuracy"]
+
+
 def test_mnli_evaluates_matched_and_mismatched_and_ax_predicts_diagnostic(files, tmp_path):
     c = small_config(glue_config.get_config(), files, "glue", task="glue/ax")
     train.train_and_evaluate(c, str(tmp_path))
