@@ -246,13 +246,13 @@ class FinetuneTask(Task):
             self._total_steps = max(1, int(n / tcfg.global_batch_size * tcfg.epochs))
         self._steps_per_epoch = per_epoch
         log.info(
-            "task %s: %d training %s, %d steps (%d per epoch), eval sets %s",
+            "task %s: %d training %s, %d steps (%d per epoch), evaluated on %s",
             self.name,
             n,
             self.rows,
             self._total_steps,
             per_epoch,
-            {e.name: e.size for e in self.eval_sets},
+            self.describe_eval(),
         )
         self._loaded = True
 
@@ -421,6 +421,10 @@ class FinetuneTask(Task):
 
     def best_metric(self):
         return (self.main_metric, "max")
+
+    def describe_eval(self) -> str:
+        """What the run evaluates on, for its start-up line."""
+        return ", ".join(f"{e.name} ({e.size} examples)" for e in self.eval_sets) or "nothing"
 
     def write_dev_predictions(self, eval_set: EvalSet, outputs: dict, workdir: str) -> str | None:
         """Subclass hook for finalize: writes one eval set's predictions (process 0, atomically);

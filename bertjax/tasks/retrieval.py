@@ -219,12 +219,13 @@ class RetrievalTask(FinetuneTask):
             "positive_key": self.positive_keys(rows, m),
         }
         self.load_eval_split()
-        log.info(
-            "task retrieval: %d training rows (%d hard negatives at most), eval %s",
-            len(rows), m - 1,
-            f"{len(self.eval_data.query_ids)} queries x {len(self.eval_data.doc_ids)} documents"
-            if self.eval_data else "none",
-        )  # fmt: skip
+        log.info("task retrieval: %d training rows (%d hard negatives at most)", len(rows), m - 1)
+
+    def describe_eval(self) -> str:
+        if self.eval_data is None:
+            return "nothing"
+        data = self.eval_data
+        return f"{len(data.query_ids)} queries x {len(data.doc_ids)} documents"
 
     # ---- model -----------------------------------------------------------------------------------
     def init_embedding(self) -> EmbeddingSettings | None:
