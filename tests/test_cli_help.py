@@ -51,3 +51,24 @@ def test_compile_refuses_the_flags_only_plan_reads():
     plan = flags.FlagValues()
     cli.define_command_flags("plan", plan)
     assert set(PLAN_ONLY) <= set(plan)
+
+
+@pytest.mark.parametrize(
+    "module,argv,expected",
+    [
+        ("score", ["retrieval", "--chekpoint=x", "--data=y"], 'unknown --chekpoint (did you mean "--checkpoint"?)'),
+        ("embed", ["--ouput=x", "--input=y", "--checkpoint=z"], 'unknown --ouput (did you mean "--output"?)'),
+        ("score", ["glue", "--taks=x", "--labels=y", "--predictions=z"], 'unknown --taks (did you mean "--task"?)'),
+        ("mine", ["--corpus_fil=x"], 'did you mean "--corpus'),
+    ],
+)  # fmt: skip
+def test_tool_commands_name_the_option_meant(module, argv, expected, capsys):
+    """embed, evaluate and mine-negatives: a misspelt option is one line with the closest known
+    option, whether argparse reports it unrecognized or a required option missing first."""
+    import importlib
+
+    main = importlib.import_module(f"bertjax.tools.{module}").main
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exited.value.code == 2 and expected in err[-1], err

@@ -22,12 +22,13 @@ import time
 from collections.abc import Sequence
 
 from bertjax.retrieval import embedding_store as store
+from bertjax.tools.args import Parser
 
 FAULT_AFTER_SHARDS = "BERTJAX_EMBED_FAULT_AFTER_SHARDS"  # tests: die (os._exit) after N shards
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="bertjax embed", description=__doc__.split("\n")[0])
+    parser = Parser(prog="bertjax embed", description=__doc__.split("\n")[0])
     add = parser.add_argument
     add("--checkpoint", required=True, help="model folder (anything load_pretrained reads)")
     add("--input", required=True, help="JSONL / Parquet / text file or glob, local or gs://")

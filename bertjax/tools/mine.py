@@ -21,10 +21,11 @@ from collections.abc import Sequence
 import numpy as np
 
 from bertjax.retrieval import mining
+from bertjax.tools.args import Parser
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="bertjax mine-negatives", description=__doc__.split("\n")[0])
+    p = Parser(prog="bertjax mine-negatives", description=__doc__.split("\n")[0])
     p.add_argument("--checkpoint", required=True, help="model folder (load_pretrained)")
     p.add_argument("--data", default=None, help="BEIR folder: pairs from qrels/SPLIT.tsv")
     p.add_argument("--split", default="train", help="qrels split of --data (default train)")

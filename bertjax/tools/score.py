@@ -27,6 +27,7 @@ from collections.abc import Sequence
 
 from bertjax import fs
 from bertjax.tasks import glue_data, metrics, squad_data
+from bertjax.tools.args import Parser
 
 
 def _load_json(path: str, what: str):
@@ -246,7 +247,7 @@ def rerank_retrieval(args: argparse.Namespace) -> dict:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="bertjax evaluate", description=__doc__.split("\n")[0])
+    parser = Parser(prog="bertjax evaluate", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="benchmark", required=True)
     squad = sub.add_parser("squad", help="official SQuAD v1.1 / v2.0 evaluation")
     squad.add_argument("--dataset", required=True, help="SQuAD JSON file (e.g. dev-v1.1.json)")
