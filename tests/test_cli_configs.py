@@ -128,3 +128,17 @@ def test_plot_marks_series_of_few_points():
     many = [{"step": s, "split": "train", "loss": 1.0 / s} for s in range(1, 200)]
     (line,) = plot.draw(many).axes[0].lines
     assert line.get_marker() in ("None", "", None)  # a long curve: a plain line
+
+
+def test_plot_draws_a_tasks_own_eval_metrics():
+    """A retrieval run's ndcg@10 (any eval number no panel names) is drawn with the accuracies;
+    losses stay in the loss panel."""
+    records = [
+        {"step": 1, "split": "train", "loss": 2.0, "learning_rate": 1e-4, "tokens_per_sec": 9.0},
+        {"step": 1, "split": "eval", "ndcg@10": 0.61, "recall@100": 0.9, "rerank_loss": 1.0},
+        {"step": 2, "split": "eval", "ndcg@10": 0.64, "recall@100": 0.92},
+    ]
+    fig = plot.draw(records)
+    labels = {line.get_label() for line in fig.axes[plot.METRICS_PANEL].lines}
+    assert labels == {"eval ndcg@10", "eval recall@100"}
+    assert plot.eval_metric_keys(records) == ("ndcg@10", "recall@100")

@@ -10,10 +10,26 @@ from bertjax import atomic
 
 PANELS = (
     ("loss", ("loss", "mlm_loss", "nsp_loss")),
-    ("accuracy", ("mlm_accuracy", "nsp_accuracy", "accuracy")),
+    ("accuracy and eval metrics", ("mlm_accuracy", "nsp_accuracy", "accuracy")),
     ("learning rate", ("learning_rate",)),
     ("throughput (tokens/s)", ("tokens_per_sec",)),
 )
+METRICS_PANEL = 1  # also every other number an evaluation logged (ndcg@10, f1, exact_match, ...)
+_NOT_METRICS = {"step", "split", "epoch", "time", "seconds", "eval_seconds"}
+
+
+def eval_metric_keys(records: list[dict]) -> tuple[str, ...]:
+    """The numbers of the eval records that no panel names: a task's own metrics (a retrieval
+    run's ndcg@10 and recall@100, SQuAD's f1), drawn with the accuracies."""
+    named = {key for _, keys in PANELS for key in keys} | _NOT_METRICS
+    found = {
+        key
+        for r in records
+        if r.get("split") == "eval"
+        for key, value in r.items()
+        if key not in named and isinstance(value, int | float) and not isinstance(value, bool)
+    }
+    return tuple(sorted(k for k in found if "loss" not in k))
 
 
 def read_records(workdir: str) -> list[dict]:
@@ -45,7 +61,9 @@ def draw(records: list[dict]):
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(2, 2, figsize=(11, 7))
-    for ax, (title, keys) in zip(axes.flat, PANELS):
+    extra = eval_metric_keys(records)
+    for index, (ax, (title, keys)) in enumerate(zip(axes.flat, PANELS)):
+        keys = keys + extra if index == METRICS_PANEL else keys
         for split in ("train", "eval"):
             for key in keys:
                 points = [
