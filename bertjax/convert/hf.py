@@ -393,7 +393,19 @@ def bare_encoder(ckpt: Checkpoint) -> Checkpoint:
     the pooler, ``ModernBertModel`` has none): what a sentence-transformers directory stores."""
     keep = ("encoder",) if ckpt.config.architecture == "modernbert" else ("encoder", "pooler")
     tensors = {k: v for k, v in ckpt.tensors.items() if head_of(k) in keep}
+    if "pooler" in keep and not any(head_of(k) == "pooler" for k in tensors):
+        tensors.update(initial_pooler(ckpt.config))
     return dataclasses.replace(ckpt, tensors=tensors, hf_class=None)
+
+
+def initial_pooler(config) -> dict[str, np.ndarray]:
+    """A BERT pooler as transformers initialises one (normal(0, initializer_range) kernel, zero
+    bias; seed 0): for a model trained without one (a bi-encoder pools its own way), so that
+    ``BertModel`` loads the export with no missing weight. Sentence embeddings never read it."""
+    h = config.hidden_size
+    rng = np.random.default_rng(0)
+    kernel = rng.normal(0.0, config.initializer_range, (h, h)).astype(np.float32)
+    return {"bert/pooler/kernel": kernel, "bert/pooler/bias": np.zeros((h,), np.float32)}
 
 
 def write_hf(ckpt: Checkpoint, directory: str) -> None:
