@@ -248,12 +248,17 @@ class Pretrained:
     def rerank_scores(
         self, pairs: Sequence, batch_size: int = 32, max_length: int | None = None
     ) -> np.ndarray:
-        """The classifier's raw logits of (query, passage) pairs: [n] float32 for one label (a
+        """The classifier's raw logits of (query, passage) pairs or of single texts (a sentence
+        classifier: ``predict(["a fine film", ...])``): [n] float32 for one label (a
         cross-encoder), else [n, num_labels]. Pairs are ``[CLS] query [SEP] passage [SEP]``
         truncated longest-first to ``max_length`` tokens (default ``cross_encoder.max_length``),
         as ``CrossEncoder.predict`` does (see :mod:`bertjax.retrieval.rerank`)."""
         if not self.module.num_labels:
             raise ValueError(f"{self.source}: no sequence-classification head to score pairs")
+        if isinstance(pairs, str) or (
+            isinstance(pairs, tuple) and len(pairs) == 2 and all(isinstance(t, str) for t in pairs)
+        ):
+            pairs = [pairs]  # one text, or one (query, passage) tuple as CrossEncoder.predict takes
         if self.tokenizer is None:
             raise ValueError(f"{self.source}: no vocabulary file found beside the checkpoint")
         max_length = max_length or self.cross_encoder.max_length

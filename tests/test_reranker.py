@@ -89,6 +89,32 @@ def test_a_transformers_sequence_classifier_predicts_as_cross_encoder(tmp_path, 
     assert max(_differences(tmp_path / "clf")) < TOL
 
 
+@pytest.mark.parametrize("kind", ["bert", "modernbert"])
+def test_a_sentence_classifier_predicts_single_texts_as_transformers(tmp_path, kind):
+    """A two-label ``*ForSequenceClassification`` (a GLUE SST-2 run's export is one): ``predict``
+    takes single texts, ``[CLS] text [SEP]`` as transformers' tokenizer encodes one, and gives
+    the model's logits; a text and a pair may share a call."""
+    hf = _tiny_hf(tmp_path / "hf", kind)
+    cls = getattr(transformers, f"{'Bert' if kind == 'bert' else 'ModernBert'}"
+                                f"ForSequenceClassification")  # fmt: skip
+    model = cls.from_pretrained(hf, num_labels=2).eval()
+    randomize(model, seed=11)
+    model.save_pretrained(tmp_path / "clf")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(hf, model_max_length=MAX_LEN)
+    tokenizer.save_pretrained(tmp_path / "clf")
+    texts = ["the quick fox", LONG, "Hello, world!"]
+    with torch.no_grad():
+        want = model(**tokenizer(texts, padding=True, truncation=True, return_tensors="pt"))
+    ours = bertjax.load_pretrained(str(tmp_path / "clf"))
+    got = ours.predict(texts, activation="Identity")
+    assert got.shape == (3, 2) and np.abs(got - want.logits.numpy()).max() < TOL
+    mixed = ours.predict([texts[0], PAIRS[0]], activation="Identity")
+    np.testing.assert_allclose(mixed[0], got[0], atol=TOL)
+    np.testing.assert_allclose(
+        mixed[1], ours.predict([PAIRS[0]], activation="Identity")[0], atol=TOL
+    )
+
+
 def test_the_saved_activation_applies(hf_dirs, tmp_path):
     directory = cross_encoder_dir(tmp_path / "ce", hf_dirs["bert"], torch.nn.Identity())
     model = bertjax.load_pretrained(str(directory))
@@ -121,8 +147,8 @@ def test_batches_and_order_do_not_change_scores(hf_dirs, tmp_path):
     np.testing.assert_allclose(model.rerank_scores(PAIRS[::-1], batch_size=2)[::-1], whole,
                                atol=1e-6)  # fmt: skip
     assert model.rerank_scores([]).shape == (0,)
-    with pytest.raises(TypeError, match="pairs"):
-        model.rerank_scores(["one text"])
+    with pytest.raises(TypeError, match="a text or a \\(text, text\\) pair"):
+        model.rerank_scores([("one", "two", "three")])
     plain = bertjax.load_pretrained(str(hf_dirs["bert"]))  # no classifier
     with pytest.raises(ValueError, match="no sequence-classification head"):
         plain.rerank_scores(PAIRS)

@@ -59,20 +59,28 @@ def truncate_longest_first(a: list[int], b: list[int], budget: int) -> tuple[lis
     return list(a[:n1]), list(b[:n2])
 
 
-def pair_rows(tokenizer, pairs: Sequence[Pair], max_length: int) -> list[tuple[list, list]]:
+def pair_rows(tokenizer, pairs: Sequence[Pair | str], max_length: int) -> list[tuple[list, list]]:
     """(ids, token types) of ``[CLS] query [SEP] passage [SEP]`` per pair, at most ``max_length``
-    tokens (longest-first truncation)."""
+    tokens (longest-first truncation); an item that is one string is a single text, ``[CLS]
+    text [SEP]`` (a sentence classifier's input, as GLUE's single-sentence tasks)."""
     if max_length < 4:
         raise ValueError(f"max_length={max_length} leaves no room for [CLS] a [SEP] b [SEP]")
-    pairs = [tuple(p) for p in pairs]
-    if any(len(p) != 2 or not all(isinstance(t, str) for t in p) for p in pairs):
-        raise TypeError("pairs must be (query, passage) pairs of strings")
-    texts = [t for pair in pairs for t in pair]
+    items = [p if isinstance(p, str) else tuple(p) for p in pairs]
+    if any(
+        not isinstance(p, str) and (len(p) != 2 or not all(isinstance(t, str) for t in p))
+        for p in items
+    ):
+        raise TypeError("each item must be a text or a (text, text) pair of strings")
+    texts = [t for item in items for t in ((item,) if isinstance(item, str) else item)]
     encode = getattr(tokenizer, "encode_batch", None)
-    tokens = encode(texts) if encode else [tokenizer.encode(t) for t in texts]
+    tokens = iter(encode(texts) if encode else [tokenizer.encode(t) for t in texts])
     rows = []
-    for a, b in zip(tokens[::2], tokens[1::2]):
-        a, b = truncate_longest_first(a, b, max_length - 3)
+    for item in items:
+        if isinstance(item, str):
+            a = list(next(tokens))[: max_length - 2]
+            rows.append(([tokenizer.cls_id, *a, tokenizer.sep_id], [0] * (len(a) + 2)))
+            continue
+        a, b = truncate_longest_first(next(tokens), next(tokens), max_length - 3)
         ids = [tokenizer.cls_id, *a, tokenizer.sep_id, *b, tokenizer.sep_id]
         rows.append((ids, [0] * (len(a) + 2) + [1] * (len(b) + 1)))
     return rows
