@@ -266,3 +266,20 @@ def test_a_model_trained_without_a_pooler_exports_one_bert_model_loads(hf_dirs, 
     _, info = transformers.BertModel.from_pretrained(str(tmp_path / "st"), output_loading_info=True)
     assert info["missing_keys"] == set() or not info["missing_keys"], info
     assert _max_diff(tmp_path / "st") < TOL
+
+
+def test_a_modernbert_with_a_vocab_txt_exports_a_tokenizer_transformers_loads(tmp_path):
+    """The `make pretrain` demo trains a WordPiece vocab.txt for a ModernBERT: transformers 5
+    builds a ModernBERT tokenizer from tokenizer.json only, so the export writes one, and
+    AutoTokenizer encodes as bertjax does (accents, case, punctuation, unknown characters)."""
+    from bertjax.convert.hf import write_hf
+    from bertjax.text import load_tokenizer
+
+    ckpt = load_checkpoint(str(_tiny_hf(tmp_path / "hf", "modernbert")))
+    vocab = tmp_path / "vocab.txt"
+    vocab.write_text("\n".join(VOCAB) + "\n")
+    write_hf(dataclasses.replace(ckpt, vocab_file=str(vocab)), str(tmp_path / "out"))
+    theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "out"))
+    ours = load_tokenizer(str(vocab), True)
+    for text in ("the quick fox", "Héllo, WORLD! dog's", "naïve café 中文 x"):
+        assert theirs(text)["input_ids"] == [ours.cls_id, *ours.encode(text), ours.sep_id]

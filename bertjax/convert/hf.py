@@ -382,6 +382,17 @@ def _write_tokenizer_files(ckpt: Checkpoint, directory: str, tokenizer, tokens) 
     else:
         config = {"tokenizer_class": "BertTokenizer", "do_lower_case": tokenizer.do_lower_case}
         config.update(special)
+        if ckpt.config.architecture == "modernbert":
+            # transformers 5 builds a ModernBERT tokenizer from tokenizer.json only (its vocab.txt
+            # alone needs sentencepiece or tiktoken to convert): the same WordPiece, serialised.
+            from tokenizers.implementations import BertWordPieceTokenizer
+
+            wordpiece = BertWordPieceTokenizer(
+                ckpt.vocab_file, lowercase=tokenizer.do_lower_case, unk_token=tokens.get("unk", "[UNK]"),
+                sep_token=tokens.get("sep", "[SEP]"), cls_token=tokens.get("cls", "[CLS]"),
+                pad_token=tokens.get("pad", "[PAD]"), mask_token=tokens.get("mask", "[MASK]"),
+            )  # fmt: skip
+            wordpiece.save(os.path.join(directory, "tokenizer.json"))
     config["model_max_length"] = getattr(ckpt.config, "max_position_embeddings", None) or 512
     for name, value in (("tokenizer_config.json", config), ("special_tokens_map.json", special)):
         with open(os.path.join(directory, name), "w") as f:
