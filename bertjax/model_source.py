@@ -254,7 +254,7 @@ class ModelSource:
             )
             loaded.append(head)
         log.info(
-            "continued pretraining from %s: heads from the checkpoint %s; initialised fresh %s",
+            "started from %s: heads from the checkpoint %s; initialised fresh %s",
             source, loaded or "none", fresh or "none",
         )  # fmt: skip
         return params
