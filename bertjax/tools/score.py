@@ -1,4 +1,4 @@
-"""`bertjax evaluate`: score prediction files with the official SQuAD and GLUE metrics.
+"""`bertjax evaluate`: SQuAD and GLUE metrics of predictions, BEIR metrics of a run or model.
 
     bertjax evaluate squad --dataset dev-v1.1.json --predictions predictions.json \
         [--na_prob_file null_odds.json] [--version 1.1|2.0]
