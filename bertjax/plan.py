@@ -371,9 +371,9 @@ def format_table(result: dict[str, Any]) -> str:
         f"plan for {result['topology']}, phase {result['phase']}: compiled {result['searched']} "
         f"of {result['of']} candidates in {result['seconds']:.0f} s "
         + (
-            "(est. = XLA TPU cost-model estimates)"
-            if "TPU" in result["note"]
-            else "(est. = roofline lower bounds of the GPU program)"
+            "(est. = roofline lower bounds of the GPU program)"
+            if "roofline" in result.get("note", "")
+            else "(est. = XLA TPU cost-model estimates)"
         ),
         f"{'rank':>4} {'est. ms':>8} {'est. MFU':>8} {'tok/s/chip':>11} {'HBM GiB':>8}  layout",
     ]
