@@ -13,7 +13,6 @@ The chips' figures are the vendors' data-sheet numbers (SXM parts).
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import re
 
@@ -73,10 +72,6 @@ class GpuSystem:
     @property
     def chips(self) -> int:
         return self.gpus_per_node * self.nodes
-
-    @property
-    def platform(self) -> str:
-        return "gpu"
 
     def describe(self) -> str:
         nodes = f"{self.nodes} nodes x " if self.nodes > 1 else ""
@@ -183,11 +178,3 @@ def chip_of_kind(kind: str) -> GpuChip | None:
 def memory_bytes(device) -> int:
     chip = chip_of_kind(getattr(device, "device_kind", ""))
     return chip.memory_bytes if chip else 0
-
-
-def describe_chips() -> str:
-    return ", ".join(
-        f"{c.name} ({c.description}, {c.memory_bytes / GIB:.0f} GiB, "
-        f"{math.floor(c.roofline.bf16_flops / 1e12)} TFLOP/s bf16)"
-        for c in CHIPS.values()
-    )

@@ -172,8 +172,11 @@ def arrays(shape: str) -> list[tuple[str, tuple[int, ...]]]:
     return [(d, tuple(int(x) for x in dims.split(",") if x)) for d, dims in _ARRAY.findall(shape)]
 
 
-def nbytes(shape: str) -> float:
-    return sum(DTYPE_BYTES.get(d, 4) * math.prod(dims) for d, dims in arrays(shape))
+def nbytes(shape: str, skip: tuple[str, ...] = ()) -> float:
+    """The bytes of a shape's arrays (those of the dtypes in ``skip`` left out)."""
+    return sum(
+        DTYPE_BYTES.get(d, 4) * math.prod(dims) for d, dims in arrays(shape) if d not in skip
+    )
 
 
 def _elements(shape: str) -> int:
@@ -328,7 +331,7 @@ class Program:
             forward = 4.0 * pairs * d_head  # Q K^T and P V
             cost.tensor_flops += forward * (2.5 if "ackward" in target else 1.0)
 
-    def _collective_seconds(self, comp: Computation, inst: Instruction, chip: Chip) -> float:
+    def _collective_seconds(self, inst: Instruction, chip: Chip) -> float:
         """Bytes over the link: ring all-reduce ``2 (n-1)/n`` of the buffer, all-gather,
         reduce-scatter and all-to-all ``(n-1)/n`` of the full buffer, a permute all of it. An
         async ``-start`` op's shape holds its operands and its results."""
@@ -386,16 +389,11 @@ class Program:
         cost = Cost()
         base = inst.opcode.removesuffix("-start")
         if base in COLLECTIVES:
-            cost.link_seconds = self._collective_seconds(comp, inst, chip)
+            cost.link_seconds = self._collective_seconds(inst, chip)
             return cost
         operands = self._operand_shapes(comp, inst)
-        cost.bytes = sum(nbytes(s) for s in operands) + nbytes(
-            " ".join(
-                f"{d}[{','.join(map(str, dims))}]"
-                for d, dims in arrays(inst.shape)
-                if d not in ("u8", "s8") or inst.opcode != "custom-call"
-            )
-        )  # fmt: skip  (a custom call's u8 output is its workspace, not data)
+        workspace = ("u8", "s8") if inst.opcode == "custom-call" else ()  # a custom call's scratch
+        cost.bytes = sum(nbytes(s) for s in operands) + nbytes(inst.shape, skip=workspace)
         if inst.opcode == "fusion":
             self._fused_flops(inst.attr("calls") or "", cost)
         elif inst.opcode == "custom-call":
@@ -447,7 +445,6 @@ class Program:
         scatters: collections.Counter = collections.Counter()
         scatter_shapes: list[str] = []
         outputs: list[tuple[float, str, str]] = []
-        seen_fused: set[str] = set()
         for _comp, inst, _ in kernels:
             outputs.append((nbytes(inst.shape), inst.shape, inst.op_name))
             base = inst.opcode.removesuffix("-start")
@@ -465,19 +462,15 @@ class Program:
                     counts["transposes"] += 1
                 elif root == "copy":
                     counts["copies"] += 1
-                self._scatters(inst.attr("calls") or "", scatters, scatter_shapes, seen_fused)
+                self._scatters(inst.attr("calls") or "", scatters, scatter_shapes)
             elif inst.opcode in ("copy", "copy-start"):
                 counts["copies"] += 1
             elif inst.opcode == "transpose":
                 counts["transposes"] += 1
             elif inst.opcode == "scatter":
-                dtype = arrays(inst.shape)[0][0]
-                scatters[dtype] += 1
-                scatter_shapes.append(inst.shape.split("{")[0])
+                _record_scatter(inst, scatters, scatter_shapes)
             elif inst.opcode == "custom-call":
                 custom[inst.attr("custom_call_target") or ""] += 1
-            else:
-                counts[inst.opcode] += 1
         outputs.sort(key=lambda r: -r[0])
         return {
             "kernels": len(kernels),
@@ -504,16 +497,21 @@ class Program:
             root = by_name[root.operands[0]]
         return root.opcode
 
-    def _scatters(self, name, counter, shapes, seen, depth=0) -> None:
+    def _scatters(self, name, counter, shapes, depth=0) -> None:
+        """The scatters inside fused computation ``name`` (and the fusions it nests)."""
         comp = self.comps.get(name)
         if comp is None or depth > 8:
             return
         for inst in comp.instructions:
             if inst.opcode == "scatter":
-                counter[arrays(inst.shape)[0][0]] += 1
-                shapes.append(inst.shape.split("{")[0])
+                _record_scatter(inst, counter, shapes)
             elif inst.opcode == "fusion":
-                self._scatters(inst.attr("calls") or "", counter, shapes, seen, depth + 1)
+                self._scatters(inst.attr("calls") or "", counter, shapes, depth + 1)
+
+
+def _record_scatter(inst: Instruction, counter: collections.Counter, shapes: list[str]) -> None:
+    counter[arrays(inst.shape)[0][0]] += 1
+    shapes.append(inst.shape.split("{")[0])
 
 
 def _branch_text(attrs: str) -> str:
