@@ -22,6 +22,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
 from bertjax import microbatch, sharding
+from bertjax.layers.attention import check_kernel_dropout
 from bertjax.layers.attention import resolve_impl as resolve_attention_impl
 from bertjax.layers.core import dtype_of
 from bertjax.layers.dropout import resolve_impl as resolve_dropout_impl
@@ -96,13 +97,10 @@ def build(
         impl = resolve_attention_impl("auto", platform, dtype_of(model_cfg.dtype))
         model_cfg = model_cfg.replace(attention_impl=impl)
     impl, rate = model_cfg.attention_impl, model_cfg.attention_dropout
-    if getattr(model_cfg, "dropout_impl", None) == "kernel" and rate > 0 and impl != "cudnn":
-        raise ValueError(
-            f"config key model.dropout_impl=kernel (attention dropout inside cuDNN's kernel) "
-            f"needs cuDNN attention: model.attention_impl is {impl!r} on {platform} in "
-            f"{model_cfg.dtype} (auto picks cudnn on an NVIDIA GPU in bfloat16/float16)"
-        )
-    if impl != "xla" and rate > 0 and model_cfg.dropout_impl != "kernel":
+    kernel_dropout = getattr(model_cfg, "dropout_impl", None) == "kernel"
+    if kernel_dropout and rate > 0:  # before any step is traced
+        check_kernel_dropout(impl, platform, dtype_of(model_cfg.dtype))
+    if impl != "xla" and rate > 0 and not kernel_dropout:
         log.warning(
             f"model.attention_impl={impl} is not used in training: model.attention_dropout={rate:g}"
             " > 0 and no fused kernel has attention dropout, so training attention runs on the "

@@ -166,3 +166,23 @@ def test_plan_offers_cudnn_on_a_gpu_where_training_runs_it(overrides, attentions
     config = with_overrides(bert_base.get_config(), {"model.dtype": "bfloat16", **overrides})
     found = plan.candidates(config, 8, 80 * 2**30, platform="gpu")
     assert found and {c["model.attention_impl"] for c in found} == attentions
+
+
+@pytest.mark.parametrize("attention", ["auto", "xla"])
+def test_kernel_dropout_where_cudnn_does_not_run_is_one_line(attention):
+    """dropout_impl=kernel on this CPU (auto picks xla) or with xla attention: the run would
+    ignore the setting, so building it is an error naming the key, before any step is traced."""
+    from bertjax import compile as aot
+    from bertjax import train
+    from configs import bert_base
+
+    config = with_overrides(
+        bert_base.get_config(),
+        {"model.preset": "tiny", "model.dropout_impl": "kernel",
+         "model.attention_impl": attention, "train.global_batch_size": 8},
+    )  # fmt: skip
+    with pytest.raises(
+        ValueError, match=r"model.dropout_impl=kernel .* needs cuDNN attention"
+    ) as e:
+        train.build(config, None, aot.shapes_only_task(config, None))
+    assert "\n" not in str(e.value) and "'xla' on cpu" in str(e.value)

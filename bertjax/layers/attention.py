@@ -122,12 +122,7 @@ def attend(
     use_dropout = dropout_rate > 0.0 and not deterministic
     half = local_window // 2
     if use_dropout and dropout_impl == "kernel":
-        if impl != "cudnn":
-            raise ValueError(
-                f"model.dropout_impl='kernel' (attention dropout inside cuDNN's kernel) needs "
-                f"cuDNN attention (attention_impl auto or cudnn, an NVIDIA GPU, bf16/fp16); this "
-                f"run's attention is {impl!r} on {current_platform()} in {jnp.dtype(dtype).name}"
-            )
+        check_kernel_dropout(impl, current_platform(), dtype)
         if not local_window:
             return cudnn_dropout_attention(q, k, v, bias, dropout_rate, kernel_seed)
     explicit = impl == "xla" or use_dropout
@@ -164,6 +159,17 @@ def attend(
         return jax.nn.dot_product_attention(q, k, v, bias=full, implementation="cudnn")
     window = (half, half) if local_window else None
     return jax.nn.dot_product_attention(q, k, v, bias=bias.astype(dtype), local_window_size=window)
+
+
+def check_kernel_dropout(impl: str, platform: str, dtype) -> None:
+    """``dropout_impl="kernel"`` runs only where training attention is cuDNN's: else one line
+    naming the key (a dropout setting the run would ignore is an error)."""
+    if impl != "cudnn":
+        raise ValueError(
+            f"config key model.dropout_impl=kernel (attention dropout inside cuDNN's kernel) "
+            f"needs cuDNN attention: model.attention_impl is {impl!r} on {platform} in "
+            f"{jnp.dtype(dtype).name} (auto picks cudnn on an NVIDIA GPU in bfloat16/float16)"
+        )
 
 
 def kernel_seed(module: nn.Module) -> int:
