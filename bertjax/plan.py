@@ -281,6 +281,7 @@ def run(
         "ranked": ranked,
         "rejected": [r for r in rows if not r.get("fits")],
         "best_overrides": overrides_flags(ranked[0]["overrides"]) if ranked else None,
+        "platform": devices[0].platform,
         "note": (
             "est_* are XLA TPU cost-model estimates, not measurements"
             if devices[0].platform == "tpu"
@@ -372,7 +373,7 @@ def format_table(result: dict[str, Any]) -> str:
         f"of {result['of']} candidates in {result['seconds']:.0f} s "
         + (
             "(est. = roofline lower bounds of the GPU program)"
-            if "roofline" in result.get("note", "")
+            if result.get("platform") == "gpu"
             else "(est. = XLA TPU cost-model estimates)"
         ),
         f"{'rank':>4} {'est. ms':>8} {'est. MFU':>8} {'tok/s/chip':>11} {'HBM GiB':>8}  layout",
