@@ -55,6 +55,20 @@ def cross_encoder_dir(path, hf_dir, activation_fn=None):
     return path
 
 
+def _classifier_dir(tmp_path, kind, num_labels, seed):
+    """A random transformers ``*ForSequenceClassification`` with its tokenizer in tmp_path/clf
+    (no sentence-transformers files); returns the model and the tokenizer."""
+    hf = _tiny_hf(tmp_path / "hf", kind)
+    cls = getattr(transformers, f"{'Bert' if kind == 'bert' else 'ModernBert'}"
+                                f"ForSequenceClassification")  # fmt: skip
+    model = cls.from_pretrained(hf, num_labels=num_labels).eval()
+    randomize(model, seed=seed)
+    model.save_pretrained(tmp_path / "clf")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(hf, model_max_length=MAX_LEN)
+    tokenizer.save_pretrained(tmp_path / "clf")
+    return model, tokenizer
+
+
 def _differences(directory, pairs=PAIRS, **kwargs):
     """(max |predict - CrossEncoder.predict|, max |rerank_scores - raw logits|)."""
     reference = CrossEncoder(str(directory), device="cpu")
@@ -78,14 +92,7 @@ def test_a_saved_cross_encoder_predicts_as_cross_encoder(hf_dirs, tmp_path, kind
 def test_a_transformers_sequence_classifier_predicts_as_cross_encoder(tmp_path, kind):
     """A plain ``*ForSequenceClassification`` (num_labels=1) directory, no sentence-transformers
     files: CrossEncoder applies Sigmoid and truncates to the tokenizer's model_max_length."""
-    hf = _tiny_hf(tmp_path / "hf", kind)
-    cls = getattr(transformers, f"{'Bert' if kind == 'bert' else 'ModernBert'}"
-                                f"ForSequenceClassification")  # fmt: skip
-    model = cls.from_pretrained(hf, num_labels=1).eval()
-    randomize(model, seed=7)
-    model.save_pretrained(tmp_path / "clf")
-    tokenizer = transformers.AutoTokenizer.from_pretrained(hf, model_max_length=MAX_LEN)
-    tokenizer.save_pretrained(tmp_path / "clf")
+    _classifier_dir(tmp_path, kind, num_labels=1, seed=7)
     assert max(_differences(tmp_path / "clf")) < TOL
 
 
@@ -94,14 +101,7 @@ def test_a_sentence_classifier_predicts_single_texts_as_transformers(tmp_path, k
     """A two-label ``*ForSequenceClassification`` (a GLUE SST-2 run's export is one): ``predict``
     takes single texts, ``[CLS] text [SEP]`` as transformers' tokenizer encodes one, and gives
     the model's logits; a text and a pair may share a call."""
-    hf = _tiny_hf(tmp_path / "hf", kind)
-    cls = getattr(transformers, f"{'Bert' if kind == 'bert' else 'ModernBert'}"
-                                f"ForSequenceClassification")  # fmt: skip
-    model = cls.from_pretrained(hf, num_labels=2).eval()
-    randomize(model, seed=11)
-    model.save_pretrained(tmp_path / "clf")
-    tokenizer = transformers.AutoTokenizer.from_pretrained(hf, model_max_length=MAX_LEN)
-    tokenizer.save_pretrained(tmp_path / "clf")
+    model, tokenizer = _classifier_dir(tmp_path, kind, num_labels=2, seed=11)
     texts = ["the quick fox", LONG, "Hello, world!"]
     with torch.no_grad():
         want = model(**tokenizer(texts, padding=True, truncation=True, return_tensors="pt"))
