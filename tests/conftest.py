@@ -1,5 +1,6 @@
 """Shared pytest fixtures: paths to ../shared/data (skipped when absent) and CPU device setup."""
 
+import logging
 import os
 import pathlib
 import tempfile
@@ -46,3 +47,16 @@ def uncased_vocab(shared_data) -> pathlib.Path:
     if not path.is_file():
         pytest.skip(f"{path} is missing")
     return path
+
+
+@pytest.fixture(autouse=True)
+def _bertjax_logger_restored():
+    """A test that runs a command in-process (``cli.main``) gives the ``bertjax`` logger a handler
+    on the stream pytest captured for it, and stops it propagating: later tests in the same worker
+    would log into a closed stream and their ``caplog`` would see nothing (CI saw both). Each test
+    leaves the logger as it found it."""
+    logger = logging.getLogger("bertjax")
+    saved = (list(logger.handlers), logger.level, logger.propagate, logger.disabled)
+    yield
+    logger.handlers[:] = saved[0]
+    logger.level, logger.propagate, logger.disabled = saved[1:]

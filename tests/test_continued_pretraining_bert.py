@@ -58,7 +58,7 @@ def test_first_loss_from_bert_for_pretraining_equals_transformers(tmp_path, capl
     mlm, nsp = _transformers_losses(model, batch)
     assert first["mlm_loss"] == pytest.approx(mlm, rel=1e-5)
     assert first["nsp_loss"] == pytest.approx(nsp, rel=1e-5)  # 3e-2 away with a fresh NSP head
-    logged = [r.getMessage() for r in caplog.records if "continued pretraining" in r.getMessage()]
+    logged = [r.getMessage() for r in caplog.records if "started from" in r.getMessage()]
     assert "'predictions', 'seq_relationship'" in logged[0] and "fresh none" in logged[0]
     state = setup.init_state(jax.random.key_data(jax.random.key(0)))
     kernel = model.cls.seq_relationship.weight.detach().numpy().T
