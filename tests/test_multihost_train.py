@@ -40,7 +40,6 @@ def _local(tmp_path, nproc, devices, workdir, *extra, timeout=420):
         "pretrain",
         f"--config={REPO}/tests/tiny_pretrain_config.py:{tmp_path}",
         f"--workdir={workdir}",
-        "--config.data.streams=2",
         "--config.train.steps=6",
         "--config.train.checkpoint_every=3",
         *extra,
@@ -50,26 +49,27 @@ def _local(tmp_path, nproc, devices, workdir, *extra, timeout=420):
     return proc
 
 
-def _reference(tmp_path, name="reference", **overrides):
-    config = tiny_config(
-        tmp_path,
-        steps=6,
-        **{"data.streams": 2, "mesh.num_devices": 4, "train.checkpoint_every": 3, **overrides},
-    )
-    train.train_and_evaluate(config, str(tmp_path / name))
-    return _losses(tmp_path / name)
+# The default data.streams (8) and dropout: 2 processes x 2 devices read the same examples in the
+# same global rows as 1 process x 4 devices, so even the dropout masks, and the losses, agree.
+DROPOUT = {"model.hidden_dropout": 0.1, "model.attention_dropout": 0.1}
+RUN = {"train.checkpoint_every": 3, **DROPOUT}
+FLAGS = [f"--config.{k}={v}" for k, v in DROPOUT.items()]
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """(step, loss) of the 6-step run of 1 process of 4 devices (2 streams), shared by the tests
-    that compare other process counts with it (the same data in any folder)."""
-    return _reference(tmp_path_factory.mktemp("reference"))
+    """(step, loss) of the 6-step run of 1 process of 4 devices, shared by the tests that compare
+    other process counts with it (the same data in any folder)."""
+    root = tmp_path_factory.mktemp("reference")
+    config = tiny_config(root, steps=6, **{"mesh.num_devices": 4, **RUN})
+    assert config.data.streams == 8
+    train.train_and_evaluate(config, str(root / "one"))
+    return _losses(root / "one")
 
 
 @pytest.mark.slow
-def test_two_processes_of_two_devices_match_one_process_of_four(tmp_path, reference):
-    _local(tmp_path, 2, 2, tmp_path / "two")
+def test_default_input_is_the_same_run_on_any_host_count_with_dropout(tmp_path, reference):
+    _local(tmp_path, 2, 2, tmp_path / "two", *FLAGS)
     got = _losses(tmp_path / "two")
     assert [s for s, _ in got] == [s for s, _ in reference] == list(range(1, 7))
     np.testing.assert_allclose([v for _, v in got], [v for _, v in reference], rtol=1e-5)
@@ -78,49 +78,20 @@ def test_two_processes_of_two_devices_match_one_process_of_four(tmp_path, refere
 
 
 @pytest.mark.slow
-def test_default_input_is_the_same_run_on_any_host_count_with_dropout(tmp_path):
-    """The default data.streams (8): 2 processes x 2 devices read the same examples in the same
-    global rows as 1 process x 4 devices, so even the dropout masks, and the losses, agree."""
-    dropout = {"model.hidden_dropout": 0.1, "model.attention_dropout": 0.1}
-    config = tiny_config(tmp_path, steps=6, **{"mesh.num_devices": 4, **dropout})
-    assert config.data.streams == 8
-    train.train_and_evaluate(config, str(tmp_path / "one"))
-    reference = _losses(tmp_path / "one")
-    flags = [f"--config.{k}={v}" for k, v in dropout.items()]
-    _local(tmp_path, 2, 2, tmp_path / "two", "--config.data.streams=8", *flags)
-    got = _losses(tmp_path / "two")
-    assert [s for s, _ in got] == list(range(1, 7))
-    np.testing.assert_allclose([v for _, v in got], [v for _, v in reference], rtol=1e-5)
-
-
-@pytest.mark.slow
 def test_checkpoint_of_two_processes_resumes_on_one(tmp_path, reference):
     workdir = tmp_path / "moved"
-    _local(tmp_path, 2, 2, workdir, "--config.train.stop_at_step=3")
+    _local(tmp_path, 2, 2, workdir, *FLAGS, "--config.train.stop_at_step=3")
     assert max(s for s, _ in _losses(workdir)) == 3
-    config = tiny_config(
-        tmp_path, steps=6, **{"data.streams": 2, "mesh.num_devices": 2, "train.checkpoint_every": 3}
-    )
+    config = tiny_config(tmp_path, steps=6, **{"mesh.num_devices": 2, **RUN})
     train.train_and_evaluate(config, str(workdir))  # 1 process, 2 devices, resumes at step 3
     np.testing.assert_allclose(
         [v for _, v in _losses(workdir)], [v for _, v in reference], rtol=1e-5
     )
 
 
-def test_checkpoint_restores_onto_another_mesh(tmp_path):
-    reference = _reference(tmp_path, **{"mesh.data": 1, "mesh.fsdp": 4})
-    first = tiny_config(
-        tmp_path,
-        steps=6,
-        **{
-            "data.streams": 2,
-            "mesh.num_devices": 4,
-            "mesh.data": 1,
-            "mesh.fsdp": 4,
-            "train.checkpoint_every": 3,
-            "train.stop_at_step": 3,
-        },
-    )
+def test_checkpoint_restores_onto_another_mesh(tmp_path, reference):
+    fsdp = {"mesh.num_devices": 4, "mesh.data": 1, "mesh.fsdp": 4}
+    first = tiny_config(tmp_path, steps=6, **{**fsdp, **RUN, "train.stop_at_step": 3})
     workdir = tmp_path / "resharded"
     train.train_and_evaluate(first, str(workdir))
     assert sorted(os.listdir(workdir / "checkpoints")) == ["3"]
@@ -131,10 +102,7 @@ def test_checkpoint_restores_onto_another_mesh(tmp_path):
     ):
         target = tmp_path / f"resharded_{name}"
         shutil.copytree(workdir, target)
-        config = tiny_config(
-            tmp_path, steps=6, **{"data.streams": 2, "train.checkpoint_every": 3, **overrides}
-        )
-        train.train_and_evaluate(config, str(target))
+        train.train_and_evaluate(tiny_config(tmp_path, steps=6, **RUN, **overrides), str(target))
         np.testing.assert_allclose(
             [v for _, v in _losses(target)], [v for _, v in reference], rtol=1e-5, err_msg=name
         )

@@ -9,6 +9,7 @@ offline on CPU (tiny overrides where it would take long; slow), or is listed wit
 
 import importlib
 import json
+import math
 import os
 import pathlib
 import re
@@ -293,7 +294,14 @@ def test_readme_make_and_bertjax_commands_run_as_written(tmp_path):
             assert proc.returncode != 0 and KNOWN_BROKEN[command] in proc.stderr, (run, proc.stderr)
             continue
         assert proc.returncode == 0, f"{run}\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}"
-    assert (here / "workdirs" / "demo" / "curves.png").exists()
+    # `make pretrain` end to end: stdlib corpus -> WordPiece vocab -> TFRecords -> steps -> eval.
+    demo = here / "workdirs" / "demo"
+    assert (demo / "curves.png").exists() and (demo / "data" / "metadata.json").exists()
+    assert len((demo / "data" / "vocab.txt").read_text().splitlines()) == 8000
+    rows = [json.loads(line) for line in (demo / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if r["split"] == "train"][-1] == 2
+    last_eval = [r for r in rows if r["split"] == "eval"][-1]
+    assert last_eval["step"] == 2 and math.isfinite(last_eval["mlm_loss"]), last_eval
     assert json.loads((here / "tmp" / "mrpc" / "eval_results.json").read_text())["best_seed"]
     assert (here / "workdirs" / "finetune" / "glue_sst2" / "eval_results.json").exists()
     assert (here / "tmp" / "squad2" / "eval_results.json").exists()

@@ -66,9 +66,13 @@ def test_smoke_run_logs_evaluates_and_checkpoints(tmp_path, caplog):
 
 
 def test_eight_devices_with_data_fsdp_tensor_match_one_device(tmp_path):
-    one = tiny_config(tmp_path, steps=3, **{"mesh.num_devices": 1})
+    """With LAMB, whose per-tensor trust ratios need whole-tensor norms of sharded parameters (its
+    numerics against the reference: tests/test_training_parity.py)."""
+    lamb = {"optimizer.name": "lamb"}
+    one = tiny_config(tmp_path, steps=3, **{"mesh.num_devices": 1, **lamb})
     train.train_and_evaluate(one, str(tmp_path / "one"))
-    eight = tiny_config(tmp_path, steps=3, **{"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2})
+    mesh = {"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2}
+    eight = tiny_config(tmp_path, steps=3, **{**mesh, **lamb})
     setup = train.build(eight, str(tmp_path / "eight_probe"), _prepared_task(eight, tmp_path))
     # Parameters really are split: the MLP kernel over fsdp x tensor, the embeddings over both too.
     spec = setup.state_shardings.params["bert"]["encoder"]["layer_0"]["intermediate"]["kernel"].spec
@@ -99,12 +103,6 @@ def test_gradient_accumulation_equals_the_whole_batch(tmp_path):
             rtol=2e-5,
             err_msg=key,
         )
-
-
-def test_lamb_optimizer_trains(tmp_path):
-    config = tiny_config(tmp_path, steps=2, **{"optimizer.name": "lamb"})
-    train.train_and_evaluate(config, str(tmp_path / "lamb"))
-    assert all(np.isfinite(_losses(tmp_path / "lamb")))
 
 
 @register("test/nan_loss")
@@ -293,28 +291,3 @@ def test_unknown_config_key_fails_in_one_line(tmp_path):
     )
     assert proc.returncode != 0
     assert "stepz" in proc.stderr
-
-
-@pytest.mark.slow
-def test_offline_demo_builds_corpus_vocab_and_data_then_trains(tmp_path):
-    """The `make pretrain` path end to end: stdlib corpus -> WordPiece vocab -> TFRecords -> steps."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("demo_config", REPO / "configs" / "demo.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.path.insert(0, str(REPO))
-    spec.loader.exec_module(module)
-    config = module.get_config()
-    config.model.preset = "tiny"
-    config.data.vocab_size = 2000
-    config.train.steps = 2
-    config.optimizer.warmup_steps = 1  # the demo's 50 would outlast the 2 steps: an error
-    config.train.eval_every = 2
-    config.train.eval_steps = 1
-    config.tensorboard = False
-    result = train.train_and_evaluate(config, str(tmp_path / "demo"))
-    data = tmp_path / "demo" / "data"
-    assert (data / "vocab.txt").exists() and (data / "metadata.json").exists()
-    assert len((data / "vocab.txt").read_text().splitlines()) == 2000
-    assert [r["step"] for r in read_metrics(tmp_path / "demo", "eval")] == [0, 2]
-    assert result["step"] == 2 and np.isfinite(result["eval"]["mlm_loss"])
