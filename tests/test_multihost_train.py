@@ -40,6 +40,7 @@ def _local(tmp_path, nproc, devices, workdir, *extra, timeout=420):
         "pretrain",
         f"--config={REPO}/tests/tiny_pretrain_config.py:{tmp_path}",
         f"--workdir={workdir}",
+        "--config.mesh.num_devices=0",  # every device of every process
         "--config.train.steps=6",
         "--config.train.checkpoint_every=3",
         *extra,
@@ -111,7 +112,7 @@ def test_checkpoint_restores_onto_another_mesh(tmp_path, reference):
 def test_compile_reports_fsdp_memory_an_eighth_of_data_parallel(tmp_path):
     reports = {}
     for name, mesh in (("data", {"mesh.data": 8}), ("fsdp", {"mesh.data": 1, "mesh.fsdp": 8})):
-        config = tiny_config(tmp_path, steps=2, **mesh)
+        config = tiny_config(tmp_path, steps=2, **{"mesh.num_devices": 0, **mesh})
         task = get_task("pretrain", config, str(tmp_path))
         task.after_prepare()
         reports[name] = aot.compile_train_step(config, str(tmp_path), task=task)

@@ -209,8 +209,6 @@ def test_real_minilm_on_a_scifact_subset_equals_sentence_transformers(shared_dat
         pytest.skip(f"{folder} is missing")
     directory = minilm_directory()
     model = bertjax.load_pretrained(str(directory), quiet=True)
-    if not hasattr(model, "embed"):
-        pytest.skip("load_pretrained(...).embed is not there yet")
     full = beir.load(folder, "test")
     query_ids = full.query_ids[:20]
     keep = {d for q in query_ids for d in full.qrels[q]}

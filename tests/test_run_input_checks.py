@@ -79,7 +79,11 @@ def test_config_errors_are_one_line_naming_the_key(tmp_path):
 
 
 def test_batch_not_divisible_by_the_batch_devices_is_one_line(tmp_path):
-    config = tiny_config(tmp_path, steps=1, **{"train.global_batch_size": 12, "data.streams": 4})
+    config = tiny_config(
+        tmp_path,
+        steps=1,
+        **{"train.global_batch_size": 12, "data.streams": 4, "mesh.num_devices": 0},
+    )
     task = train.prepared_task(config, str(tmp_path / "run"))
     with pytest.raises(ValueError) as err:
         train.build(config, str(tmp_path / "run"), task)  # 8 devices share the batch

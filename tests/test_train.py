@@ -71,7 +71,7 @@ def test_eight_devices_with_data_fsdp_tensor_match_one_device(tmp_path):
     lamb = {"optimizer.name": "lamb"}
     one = tiny_config(tmp_path, steps=3, **{"mesh.num_devices": 1, **lamb})
     train.train_and_evaluate(one, str(tmp_path / "one"))
-    mesh = {"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2}
+    mesh = {"mesh.num_devices": 0, "mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2}
     eight = tiny_config(tmp_path, steps=3, **{**mesh, **lamb})
     setup = train.build(eight, str(tmp_path / "eight_probe"), _prepared_task(eight, tmp_path))
     # Parameters really are split: the MLP kernel over fsdp x tensor, the embeddings over both too.

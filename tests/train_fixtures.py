@@ -93,6 +93,9 @@ def tiny_config(tmp: pathlib.Path, steps=4, **overrides):
     c.data.max_predictions_per_seq = 3
     c.train.steps = steps
     c.train.global_batch_size = 8
+    # One simulated device: a tiny step on 8 takes over twice as long. Tests of layouts and of
+    # several devices name theirs (mesh.num_devices=0: all 8).
+    c.mesh.num_devices = 1
     c.train.log_every = 1
     c.train.eval_every = 0
     c.train.eval_steps = 0  # no eval compile unless a test asks for it
