@@ -17,6 +17,12 @@ from bertjax.tasks.registry import get_task
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
 
+# The default data.streams (8) and dropout: 2 processes x 2 devices read the same examples in the
+# same global rows as 1 process x 4 devices, so even the dropout masks, and the losses, agree.
+DROPOUT = {"model.hidden_dropout": 0.1, "model.attention_dropout": 0.1}
+RUN = {"train.checkpoint_every": 3, **DROPOUT}  # every run here, in process and by _local
+
+
 def _losses(workdir):
     return [(r["step"], r["loss"]) for r in read_metrics(workdir)]
 
@@ -42,19 +48,12 @@ def _local(tmp_path, nproc, devices, workdir, *extra, timeout=420):
         f"--workdir={workdir}",
         "--config.mesh.num_devices=0",  # every device of every process
         "--config.train.steps=6",
-        "--config.train.checkpoint_every=3",
+        *(f"--config.{k}={v}" for k, v in RUN.items()),
         *extra,
     ]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     return proc
-
-
-# The default data.streams (8) and dropout: 2 processes x 2 devices read the same examples in the
-# same global rows as 1 process x 4 devices, so even the dropout masks, and the losses, agree.
-DROPOUT = {"model.hidden_dropout": 0.1, "model.attention_dropout": 0.1}
-RUN = {"train.checkpoint_every": 3, **DROPOUT}
-FLAGS = [f"--config.{k}={v}" for k, v in DROPOUT.items()]
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +69,7 @@ def reference(tmp_path_factory):
 
 @pytest.mark.slow
 def test_default_input_is_the_same_run_on_any_host_count_with_dropout(tmp_path, reference):
-    _local(tmp_path, 2, 2, tmp_path / "two", *FLAGS)
+    _local(tmp_path, 2, 2, tmp_path / "two")
     got = _losses(tmp_path / "two")
     assert [s for s, _ in got] == [s for s, _ in reference] == list(range(1, 7))
     np.testing.assert_allclose([v for _, v in got], [v for _, v in reference], rtol=1e-5)
@@ -81,7 +80,7 @@ def test_default_input_is_the_same_run_on_any_host_count_with_dropout(tmp_path, 
 @pytest.mark.slow
 def test_checkpoint_of_two_processes_resumes_on_one(tmp_path, reference):
     workdir = tmp_path / "moved"
-    _local(tmp_path, 2, 2, workdir, *FLAGS, "--config.train.stop_at_step=3")
+    _local(tmp_path, 2, 2, workdir, "--config.train.stop_at_step=3")
     assert max(s for s, _ in _losses(workdir)) == 3
     config = tiny_config(tmp_path, steps=6, **{"mesh.num_devices": 2, **RUN})
     train.train_and_evaluate(config, str(workdir))  # 1 process, 2 devices, resumes at step 3
