@@ -5,12 +5,11 @@ functions, and (lazily, so that ``import bertjax`` stays light) the pretrained-w
 the tokenizers.
 """
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 __all__ = [
     "ARCHITECTURES",
     "BertConfig",
-    "BertForPreTraining",
     "BertModel",
     "BertOutput",
     "PreTrainingModel",
@@ -38,7 +37,6 @@ _LAZY = {
     "get_preset": "bertjax.models",  # (name, architecture_name="bert", **overrides)
     "preset_names": "bertjax.models",
     "PreTrainingModel": "bertjax.models.heads",
-    "BertForPreTraining": "bertjax.models.heads",  # BERT's name for the encoder + MLM (+ NSP) heads
     "classification_loss": "bertjax.losses",
     "cross_entropy": "bertjax.losses",
     "masked_lm_loss": "bertjax.losses",
@@ -47,18 +45,20 @@ _LAZY = {
     "load_pretrained": "bertjax.pretrained",
     "load_tokenizer": "bertjax.text",
 }
+# Names bertjax 0.2 gave: an error naming the new one for this release, then gone. ImportError, so
+# that ``from bertjax import <old name>`` shows the sentence too.
+_RENAMED = {"BertForPreTraining": "PreTrainingModel"}
 
 
 def __getattr__(name):
+    if name in _RENAMED:
+        raise ImportError(f"bertjax.{name} was renamed bertjax.{_RENAMED[name]} in bertjax 0.3")
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'bertjax' has no attribute {name!r}")
     import importlib
 
-    value = getattr(
-        importlib.import_module(module),
-        "PreTrainingModel" if name == "BertForPreTraining" else name,
-    )
+    value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value
 

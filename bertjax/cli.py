@@ -89,6 +89,15 @@ def setup_logging(stream=None) -> None:
     logger.propagate = False
 
 
+def _tf_off_the_accelerators() -> None:
+    """A command that imported TensorFlow runs its tf.data on the CPU: TF sees no GPU or TPU, whose
+    memory is JAX's (process-wide and for good, so the command's to set, not the library's)."""
+    if "tensorflow" in sys.modules:
+        from bertjax.data import pipeline
+
+        pipeline.hide_accelerators_from_tf()
+
+
 def _config_file(argv: list[str]) -> str | None:
     """The file of ``--config=FILE[:ARG]`` (None without the flag)."""
     for i, arg in enumerate(argv):
@@ -146,6 +155,11 @@ def _config_override_error(err: BaseException, args: list[str]) -> str:
     culprit = next((k for k in keys if missing and missing[0] in k.split(".")[1:]), None)
     if culprit is None:
         return f"bad --config override: {text}"
+    from bertjax.tasks.finetuning import RENAMED_KEYS
+
+    key = culprit.removeprefix("config.")
+    if key in RENAMED_KEYS:
+        return f"config key {key} was renamed {RENAMED_KEYS[key]} in bertjax 0.3: set {RENAMED_KEYS[key]}"
     hint = re.search(r'Did you mean "([^"]+)"', text)
     suggestion = f' (did you mean "{hint[1]}"?)' if hint else ""
     return f"unknown config key {culprit.removeprefix('config.')}{suggestion}"
@@ -356,6 +370,7 @@ def train_command(argv: list[str], command: str) -> None:
             sys.exit(f"bertjax: error: {err}")
         import tensorflow as tf
 
+        _tf_off_the_accelerators()
         from bertjax import metrics_logging, train
         from bertjax.preemption import PreemptionRequested
         from bertjax.workdir_lock import WorkdirLockedError
@@ -424,6 +439,7 @@ def main(argv: list[str] | None = None) -> None:
         train_command(rest, command)
     else:
         setup_logging()
+        _tf_off_the_accelerators()
         verbose = "--verbose" in rest
         try:
             func([a for a in rest if a != "--verbose"])

@@ -97,8 +97,8 @@ class ModelSource:
         self.model = model
         self.init_checkpoint = init_checkpoint or ""
         self.keys = {
-            "vocab": "vocab",
-            "do_lower_case": "do_lower_case",
+            "vocab": "data.vocab",
+            "do_lower_case": "data.do_lower_case",
             "max_seq_length": "data.max_seq_length",
             **(keys or {}),
         }

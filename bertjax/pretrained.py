@@ -45,7 +45,13 @@ Array = jax.Array
 TASK_HEADS = ("classifier", "token_head", "qa")  # a fine-tuning model's heads outside the encoder
 
 
-PretrainedEncoder = InferenceModel  # the name bertjax 0.2 gave it
+def __getattr__(name):
+    if name == "PretrainedEncoder":  # bertjax 0.2's name: an error naming the new one, then gone
+        raise ImportError(
+            "bertjax.pretrained.PretrainedEncoder was renamed "
+            "bertjax.models.heads.InferenceModel in bertjax 0.3"
+        )
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -11,11 +11,13 @@ Names: Cloud TPU's accelerator types (``v4-32``, ``v5p-1024``: TensorCores, two 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import glob
 import math
 import os
 import re
+from collections.abc import Iterator
 from typing import Any
 
 from bertjax import gpu_topology
@@ -151,19 +153,35 @@ def devices(s: Slice | gpu_topology.GpuSystem) -> list:
         raise ValueError(
             "--topology needs the libtpu wheel that jax[tpu] pins: pip install -e '.[aot]'"
         ) from err
+    identity = {}
     if not has_tpu_chips():  # libtpu's start-up looks for a TPU VM's identity: give it one
-        os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
-        os.environ.setdefault("TPU_ACCELERATOR_TYPE", s.accelerator_type)
-        os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
-        os.environ.setdefault("TPU_WORKER_ID", "0")
-        # Compile-only: several processes (plan's workers, parallel runs) may load libtpu at once.
-        os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+        identity = {
+            "TPU_SKIP_MDS_QUERY": "1",
+            "TPU_ACCELERATOR_TYPE": s.accelerator_type,
+            "TPU_WORKER_HOSTNAMES": "localhost",
+            "TPU_WORKER_ID": "0",
+            # Compile-only: several processes (plan's workers, parallel runs) may load libtpu.
+            "ALLOW_MULTIPLE_LIBTPU_LOAD": "1",
+        }
     from jax.experimental import topologies
 
-    topo = topologies.get_topology_desc(
-        platform="tpu", topology_name=s.libtpu_name, **_libtpu_kwargs(s)
-    )
+    with _environment_defaults(identity):  # for libtpu's start-up only: the caller's stays
+        topo = topologies.get_topology_desc(
+            platform="tpu", topology_name=s.libtpu_name, **_libtpu_kwargs(s)
+        )
     return sorted(topo.devices, key=lambda d: (getattr(d, "slice_index", 0) or 0, d.id))
+
+
+@contextlib.contextmanager
+def _environment_defaults(values: dict[str, str]) -> Iterator[None]:
+    """``values`` in ``os.environ`` where the variable is unset, for the block only."""
+    added = [k for k in values if k not in os.environ]
+    os.environ.update({k: values[k] for k in added})
+    try:
+        yield
+    finally:
+        for k in added:
+            os.environ.pop(k, None)
 
 
 def hbm_bytes(device) -> int:

@@ -15,10 +15,6 @@ def get_config() -> ml_collections.ConfigDict:
     c = base.get_config()
     c.task = "glue/sst2"
     c.init_checkpoint = ""  # HF / Google / bertjax checkpoint dir; empty: random init (tests)
-    # The vocabulary and its casing are data.vocab / data.do_lower_case, as in pretraining; the
-    # top-level vocab / do_lower_case are the same settings under the names bertjax 0.2 gave them.
-    c.vocab = ""
-    c.do_lower_case = ml_collections.config_dict.placeholder(bool)
     c.data_dir = ""  # folder in the official layout; empty: TFDS by name (GLUE)
     c.seeds = ()  # empty: train.seed; several (--config.seeds="(1,2,3)"): one run per seed
 

@@ -106,14 +106,22 @@ def test_keys_a_run_ignores_are_refused_and_keys_it_reads_are_settable(tmp_path)
     assert "eval_steps" in base.get_config().train
     for config in (finetune_base.get_config(), glue.get_config()):
         assert "eval_steps" not in config.train and config.tensorboard is True
-    bad = subprocess.run(
-        [sys.executable, "-m", "bertjax.cli", "finetune", "--config=configs/glue.py",
-         "--config.train.eval_steps=5", f"--workdir={tmp_path}"],
-        capture_output=True, text=True, cwd=REPO, timeout=300,
-    )  # fmt: skip
+
+    def finetune(*overrides):
+        return subprocess.run(
+            [sys.executable, "-m", "bertjax.cli", "finetune", "--config=configs/glue.py",
+             *overrides, f"--workdir={tmp_path}"],
+            capture_output=True, text=True, cwd=REPO, timeout=300,
+        )  # fmt: skip
+
+    bad = finetune("--config.train.eval_steps=5")
     assert bad.returncode != 0
     assert (
         bad.stderr.strip().splitlines()[-1] == "bertjax: error: unknown config key train.eval_steps"
+    )
+    renamed = finetune("--config.vocab=vocab.txt")  # bertjax 0.2's name of data.vocab
+    assert renamed.returncode != 0 and renamed.stderr.strip().splitlines()[-1] == (
+        "bertjax: error: config key vocab was renamed data.vocab in bertjax 0.3: set data.vocab"
     )
 
 

@@ -69,10 +69,12 @@ def test_finetuning_reports_a_bad_model_key_before_reading_its_data(tmp_path):
         train.prepared_task(c, str(tmp_path / "run"))
 
 
-def test_finetuning_vocabulary_keys_are_one_setting(tmp_path):
+@pytest.mark.parametrize("old", ["vocab", "do_lower_case"])
+def test_finetuning_keys_of_bertjax_0_2_are_errors_naming_the_new_key(tmp_path, old):
     c = glue.get_config()
-    c.data.vocab = _vocab(tmp_path / "a.txt", 40)
-    c.vocab = _vocab(tmp_path / "b.txt", 40)
+    c[old] = _vocab(tmp_path / "b.txt", 40) if old == "vocab" else True  # a config file's key
     c.data_dir = str(tmp_path)
-    with pytest.raises(ValueError, match="data.vocab=.* and vocab=.* disagree"):
+    with pytest.raises(
+        ValueError, match=f"^config key {old} was renamed data.{old} in bertjax 0.3"
+    ):
         train.prepared_task(c, str(tmp_path / "run"))

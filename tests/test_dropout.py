@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
-from bertjax import BertForPreTraining
+from bertjax import PreTrainingModel
 from bertjax.layers.dropout import Dropout, keep_threshold, random_halfwords
 from bertjax.models.bert import get_preset
 
@@ -97,7 +97,7 @@ def test_model_losses_equal_without_dropout_and_differ_with_it():
     outs = {}
     for impl in ("bits16", "flax"):
         cfg = get_preset("tiny", vocab_size=100, max_position_embeddings=16, dropout_impl=impl)
-        model = BertForPreTraining(cfg)
+        model = PreTrainingModel(cfg)
         params = model.init(jax.random.key(1), ids)
         outs[impl, True] = model.apply(params, ids)["mlm_logits"]
         rngs = {"dropout": jax.random.key(2)}

@@ -152,8 +152,8 @@ def files(tmp_path_factory):
 def small_config(c, files, data_dir, **overrides):
     """A tiny model, short sequences and a 3-step run on one device (the same programs for every
     SST-2 run, so the compilation cache serves them)."""
-    c.vocab = str(files / "vocab.txt")
-    c.do_lower_case = True
+    c.data.vocab = str(files / "vocab.txt")
+    c.data.do_lower_case = True
     c.data_dir = str(files / data_dir) if data_dir else ""
     c.model.preset = "tiny"
     c.model.num_layers = 1
@@ -444,7 +444,7 @@ def test_vocabulary_must_match_the_init_checkpoint(files, tmp_path):
         files,
         "glue",
         init_checkpoint=str(tmp_path / "ckpt"),
-        vocab=str(other),
+        **{"data.vocab": str(other)},
     )
     with pytest.raises(ValueError, match=r"^\S*vocab2\.txt: vocabulary has \d+ tokens"):
         get_task(c.task, c, str(tmp_path)).after_prepare()
@@ -470,7 +470,7 @@ def test_ner_casing_follows_an_uncased_checkpoint_and_an_override_warns(files, t
             32,
         )
         for key, value in overrides.items():
-            c[key] = value
+            c.data[key] = value
         task = get_task(c.task, c, str(tmp_path / "run"))
         task.after_prepare()
         return task, task.train_features["input_ids"]
@@ -480,7 +480,7 @@ def test_ner_casing_follows_an_uncased_checkpoint_and_an_override_warns(files, t
     with caplog.at_level(logging.WARNING, logger="bertjax"):
         task, ids = loaded(do_lower_case=False)
     warned = [r.getMessage() for r in caplog.records if "do_lower_case" in r.getMessage()]
-    assert warned and warned[0].startswith("config key do_lower_case=False overrides the init")
+    assert warned and warned[0].startswith("config key data.do_lower_case=False overrides the")
     assert not task.tokenizer.do_lower_case and task.tokenizer.unk_id in ids  # as asked
 
 
@@ -567,7 +567,7 @@ def test_real_glue_dev_files_build_features(shared_data, uncased_vocab, tmp_path
     sizes = {"sst2": (872, 1821), "mrpc": (408, 1725), "stsb": (1500, 1379)}
     for name, (dev_size, test_size) in sizes.items():
         c = glue_config.get_config()
-        c.task, c.vocab, c.do_lower_case = f"glue/{name}", str(uncased_vocab), True
+        c.task, c.data.vocab, c.data.do_lower_case = f"glue/{name}", str(uncased_vocab), True
         c.data_dir = str(shared_data / "glue")
         c.data.max_train_examples = 16
         task = get_task(c.task, c, str(tmp_path))

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from bertjax import BertForPreTraining
+from bertjax import PreTrainingModel
 from bertjax.models.bert import ALIASES, PRESETS, BertConfig, BertModel, get_preset
 
 VOCAB = 97
@@ -22,7 +22,7 @@ def _inputs(batch=2, seq=12, seed=0):
 
 
 def _init(cfg, nsp=True):
-    model = BertForPreTraining(cfg, nsp=nsp)
+    model = PreTrainingModel(cfg, nsp=nsp)
     ids, types, mask = _inputs()
     params = model.init(jax.random.key(0), ids, types, mask)["params"]
     return model, nn.meta.unbox(params), params
@@ -46,6 +46,21 @@ def test_presets_cover_the_miniatures_base_and_large():
         BertConfig(hidden_size=100, num_heads=12)
     with pytest.raises(ValueError, match="unknown keys \\['layers'\\]"):
         BertConfig.from_dict({"layers": 3})
+
+
+def test_names_of_bertjax_0_2_are_one_line_errors_naming_the_new_ones():
+    import bertjax
+    from bertjax import pretrained
+
+    with pytest.raises(ImportError, match="^bertjax.BertForPreTraining was renamed bertjax.Pre"):
+        from bertjax import BertForPreTraining  # noqa: F401
+    with pytest.raises(ImportError, match="^bertjax.BertForPreTraining was renamed"):
+        bertjax.BertForPreTraining  # noqa: B018
+    with pytest.raises(ImportError, match="PretrainedEncoder was renamed .*heads.InferenceModel"):
+        pretrained.PretrainedEncoder  # noqa: B018
+    assert "BertForPreTraining" not in dir(bertjax) and "BertForPreTraining" not in bertjax.__all__
+    with pytest.raises(AttributeError, match="has no attribute 'Nothing'"):
+        pretrained.Nothing  # noqa: B018
 
 
 def test_param_count_matches_config_and_every_param_has_logical_axes():
@@ -100,7 +115,7 @@ def test_mlm_decoder_is_tied_to_word_embeddings():
 
 
 def _outputs(cfg, params):
-    model = BertForPreTraining(cfg)
+    model = PreTrainingModel(cfg)
     ids, types, mask = _inputs()
     return model.apply({"params": params}, ids, types, mask)
 
@@ -141,7 +156,7 @@ def test_scanned_gradients_match_unrolled():
     ids, types, mask = _inputs()
 
     def loss(c, p):
-        return BertForPreTraining(c).apply({"params": p}, ids, types, mask)["mlm_logits"].sum()
+        return PreTrainingModel(c).apply({"params": p}, ids, types, mask)["mlm_logits"].sum()
 
     g = jax.grad(lambda p: loss(cfg, p))(params)
     cfg2 = cfg.replace(scan_layers=True, remat="full")

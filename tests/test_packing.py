@@ -10,7 +10,7 @@ import pytest
 import tensorflow as tf
 from train_fixtures import read_metrics
 
-from bertjax import BertForPreTraining, train
+from bertjax import PreTrainingModel, train
 from bertjax.data import masking, packing, pipeline, prepare
 from bertjax.models.bert import BertModel, get_preset
 from bertjax.tasks.pretraining import PretrainingTask
@@ -155,7 +155,7 @@ def _pretrain_config(tmp_path, **data):
 
 def test_packed_mlm_loss_is_the_weighted_mean_of_the_separate_losses(tmp_path):
     cfg = get_preset("tiny", vocab_size=VOCAB, max_position_embeddings=64)
-    model = BertForPreTraining(cfg, nsp=False)
+    model = PreTrainingModel(cfg, nsp=False)
     rng = np.random.default_rng(2)
     seqs, picks = [], []
     for n, k in ((11, 2), (7, 1), (14, 3)):
@@ -374,7 +374,7 @@ def test_evaluate_mlm_runs_packed_rows_as_their_sequences():
     (ids, types, pack_ids, positions), starts = _packed_row(seqs, 24)
     local = [np.array([1, 3]), np.array([2, 5, 8]), np.array([1])]  # masked positions per sequence
     targets = [rng.integers(5, VOCAB, len(p)) for p in local]
-    model = BertForPreTraining(cfg, nsp=False)
+    model = PreTrainingModel(cfg, nsp=False)
     params = model.init(jax.random.key(0), jnp.asarray(ids), masked_lm_positions=jnp.zeros((1, 6), jnp.int32))["params"]  # fmt: skip
     packed = {
         "input_ids": ids, "segment_ids": types, "input_mask": (ids > 0).astype(np.int32),

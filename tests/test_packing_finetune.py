@@ -58,7 +58,7 @@ def files(tmp_path_factory):
 
 
 def _config(c, files, data_dir, packing, **overrides):
-    c.vocab, c.do_lower_case = str(files / "vocab.txt"), True
+    c.data.vocab, c.data.do_lower_case = str(files / "vocab.txt"), True
     c.data_dir = str(files / data_dir)
     c.model.preset, c.model.num_layers, c.model.hidden_size = "tiny", 1, 32
     c.model.num_heads, c.model.intermediate_size, c.model.max_position_embeddings = 2, 64, 64

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from test_convert_hf import make_hf_model
 
-from bertjax import BertForPreTraining
+from bertjax import PreTrainingModel
 from bertjax.checkpointing import Checkpointer
 from bertjax.models.bert import get_preset
 from bertjax.pretrained import encode_batch, load_pretrained, truncate_pair
@@ -60,7 +60,7 @@ def _training_checkpoint(workdir, scan_layers=True):
         "data": {"vocab": "", "prepared_dir": ""},
     }
     config = get_preset("tiny", vocab_size=101, max_position_embeddings=64, scan_layers=scan_layers)
-    module = BertForPreTraining(config)
+    module = PreTrainingModel(config)
     init = jax.jit(lambda rng: nn.meta.unbox(module.init(rng, jnp.asarray(IDS))["params"]))
     params = init(jax.random.key(3))
     ckpt = Checkpointer(str(workdir / "checkpoints"), async_save=False)

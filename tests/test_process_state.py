@@ -1,8 +1,9 @@
 """bertjax is a library: importing it and using it (every module imported, a Checkpointer save,
 restore and fallback past a corrupted step, a short training run, ``load_pretrained``) leaves the
 process as it was: exception hooks, warnings filters, logging (every logger's level, handlers and
-filters), absl's verbosity, signal handlers, JAX's config and the environment. Only the ``bertjax``
-command configures its process (``bertjax.process_hooks.install``).
+filters), absl's verbosity, signal handlers, JAX's config, the environment and TensorFlow's visible
+devices. Only the ``bertjax`` command configures its process (``bertjax.process_hooks.install``,
+TensorFlow kept off the accelerators).
 
 The check runs in a fresh interpreter (this file run as a script), which first imports the
 third-party packages that bertjax imports: what they change at their own import is theirs (Orbax
@@ -154,9 +155,22 @@ def _use_bertjax(tmp: pathlib.Path) -> list[str]:
 def main(tmp: str) -> None:
     for name in _third_party_modules():
         _import_quietly(name)
+    import tensorflow as tf
+
+    # TensorFlow's visible devices are set once per process and cannot be read back as changed on
+    # a machine without accelerators: every call to set them counts as a change.
+    device_settings = []
+    set_visible_devices = tf.config.set_visible_devices
+
+    def recorded(devices, device_type=None):
+        device_settings.append(f"tf.config.set_visible_devices({devices!r}, {device_type!r})")
+        return set_visible_devices(devices, device_type)
+
+    tf.config.set_visible_devices = recorded
     before = snapshot()
     skipped = _use_bertjax(pathlib.Path(tmp))
-    print(json.dumps({"skipped": skipped, "changed": differences(before, snapshot())}))
+    changed = differences(before, snapshot()) + device_settings
+    print(json.dumps({"skipped": skipped, "changed": changed}))
 
 
 def test_checkpoints_saved_restored_and_skipped_change_no_process_state(tmp_path):
@@ -187,10 +201,15 @@ def test_the_commands_hooks_are_installed_by_main_and_removable(monkeypatch):
     uninstall()
     assert differences(before, snapshot()) == []
     calls = []
-    monkeypatch.setattr(process_hooks, "install", lambda: calls.append(1))
+    monkeypatch.setattr(process_hooks, "install", lambda: calls.append("hooks"))
+    import tensorflow  # noqa: F401  (evaluate's module imports it: the command hides TF's GPUs)
+
+    from bertjax.data import pipeline
+
+    monkeypatch.setattr(pipeline, "hide_accelerators_from_tf", lambda: calls.append("tf on cpu"))
     with pytest.raises(SystemExit):
         cli.main(["bertjax", "evaluate", "--help"])
-    assert calls == [1]
+    assert calls == ["hooks", "tf on cpu"]
 
 
 def test_a_runs_sigterm_handler_goes_and_a_handler_set_during_the_run_stays():

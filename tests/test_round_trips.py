@@ -118,9 +118,6 @@ def _train(name: str, root: pathlib.Path, files: pathlib.Path, bert_run) -> Run:
     if name in FINE_TUNING:
         task, module, data_dir, extra, hf_class = FINE_TUNING[name]
         c = small_config(module.get_config(), files, data_dir, task=task, **extra)
-        # the current names of the keys (the older top-level ones: see the xfail test below)
-        c.data.vocab, c.vocab = c.vocab, ""
-        c.data.do_lower_case, c.do_lower_case = c.do_lower_case, None
         c.train.steps = 2
         vocab = files / "vocab.txt"
     else:
@@ -328,8 +325,7 @@ def _encoder_tensors(params, arch) -> dict[str, np.ndarray]:
 def test_fine_tuning_starts_from_the_runs_checkpoint(trained, files, tmp_path, name):
     run = trained(name)
     c = small_config(glue_config.get_config(), files, "glue", init_checkpoint=run.workdir)
-    c.vocab = ""  # the checkpoint's vocabulary
-    c.data.vocab = ""
+    c.data.vocab = ""  # the checkpoint's vocabulary
     task = train.prepared_task(c, str(tmp_path / "ft"))
     setup = train.build(c, str(tmp_path / "ft"), task)
     state = setup.init_state(jax.random.key_data(jax.random.key(0)))
@@ -364,7 +360,7 @@ def _resaved(run: Run, directory: pathlib.Path, edit) -> str:
     return str(directory)
 
 
-def _legacy_vocab_key(values):  # bertjax 0.2's top-level `vocab`, still accepted by fine-tuning
+def _legacy_vocab_key(values):  # a bertjax 0.2 run's saved config: the top-level `vocab` key
     values["vocab"], values["data"]["vocab"] = values["data"]["vocab"], ""
 
 
@@ -376,7 +372,7 @@ def _init_checkpoints_vocab(glue_workdir):  # data.vocab empty: the init checkpo
     return edit
 
 
-def _cased(values):  # data.do_lower_case=False (the top-level old name unset: null)
+def _cased(values):  # data.do_lower_case=False (a bertjax 0.2 run also saved do_lower_case: null)
     values["do_lower_case"], values["data"]["do_lower_case"] = None, False
 
 

@@ -114,7 +114,7 @@ HBM_REFUSAL = (
     "(108.21G) exceeds available HBM (15.75G)."
 )
 REFUSED_COMPILE = """
-import json, sys
+import json, os, sys
 import jax
 from bertjax import compile as aot, topology
 from configs import bert_base
@@ -125,7 +125,10 @@ def refuse(*args, **kwargs):
 aot.compile_step = refuse
 config = aot.with_overrides(bert_base.get_config(), json.loads(sys.argv[1]))
 workdir = sys.argv[3] or None  # none: compiling for a slice reads and writes no workdir
-report = aot.compile_train_step(config, workdir, devices=topology.devices(topology.parse("v5e:2x2")))
+environment = dict(os.environ)
+devices = topology.devices(topology.parse("v5e:2x2"))
+assert dict(os.environ) == environment, "topology.devices changed the environment"
+report = aot.compile_train_step(config, workdir, devices=devices)
 print(json.dumps(report))
 print(aot.format_report(report).splitlines()[1])
 """

@@ -39,8 +39,8 @@ def get_config(tmpdir: str):
     root = write_sst2(pathlib.Path(tmpdir))
     c = glue.get_config()
     c.task = "glue/sst2"
-    c.vocab = str(root / "vocab.txt")
-    c.do_lower_case = True
+    c.data.vocab = str(root / "vocab.txt")
+    c.data.do_lower_case = True
     c.data_dir = str(root / "glue")
     c.seeds = (0, 1)
     c.model.preset = "tiny"

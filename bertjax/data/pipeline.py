@@ -40,22 +40,37 @@ _DYNAMIC_MASKING_KEYS = (
     "vocab_size mask_id special_ids word_start masked_lm_prob max_predictions_per_seq whole_word"
 ).split()
 
-_accelerators_hidden = False
 _warned_empty: set[tuple[str, str]] = set()  # (data_dir, split) found empty, warned once
+_warned_tf_accelerators = False
 
 
 def hide_accelerators_from_tf() -> None:
-    """Makes TF see only the CPU, so that tf.data never allocates GPU/TPU memory meant for JAX."""
-    global _accelerators_hidden
-    if _accelerators_hidden:
-        return
+    """Makes TF see only the CPU, so that tf.data never takes GPU/TPU memory meant for JAX.
+
+    Process-wide and for good (TF's devices are set once): the ``bertjax`` command calls it; a
+    program that feeds JAX on an accelerator from these pipelines calls it before TF's first op.
+    """
     for kind in ("GPU", "TPU"):
         try:
             tf.config.set_visible_devices([], kind)
         except RuntimeError as err:  # TF already initialised its devices: too late to hide them.
             if tf.config.get_visible_devices(kind):
                 logging.warning("TF already sees %s devices and may use them: %s", kind, err)
-    _accelerators_hidden = True
+
+
+def _warn_if_tf_sees_accelerators() -> None:
+    """One warning (per process) where TF would put its devices on the accelerators JAX uses."""
+    global _warned_tf_accelerators
+    if _warned_tf_accelerators:
+        return
+    _warned_tf_accelerators = True
+    seen = [d.name for kind in ("GPU", "TPU") for d in tf.config.get_visible_devices(kind)]
+    if seen:
+        logging.warning(
+            "TensorFlow sees %s: tf.data may take accelerator memory that JAX needs; call "
+            "bertjax.data.pipeline.hide_accelerators_from_tf() first (the bertjax command does)",
+            ", ".join(seen),
+        )
 
 
 def list_shards(data_dir: str, split: str) -> list[str]:
@@ -282,7 +297,7 @@ def pretraining_dataset(
     seed from (seed, epoch, process_index, index in epoch): fresh masks each epoch, identical ones
     after a resume. `repeat=False` yields a single epoch (epoch 0).
     """
-    hide_accelerators_from_tf()
+    _warn_if_tf_sees_accelerators()
     if per_host_batch_size <= 0 or start_batch < 0 or shuffle_buffer <= 0:
         raise ValueError(
             f"need per_host_batch_size > 0, start_batch >= 0, shuffle_buffer > 0; got "
@@ -410,7 +425,7 @@ class PretrainingData:
         shuffle_buffer: int = 10_000,
         drop_remainder: bool = True,
     ):
-        hide_accelerators_from_tf()
+        _warn_if_tf_sees_accelerators()
         # Every argument is passed on to `pretraining_dataset` when the iterator is (re)built.
         self._args = {k: v for k, v in locals().items() if k != "self"}
         self._files, _, self._epoch_examples = _host_input(

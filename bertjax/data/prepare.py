@@ -428,7 +428,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     args, beam_args = p.parse_known_args(argv)
     if beam_args and not args.runner:
         p.error(f"unrecognized arguments: {' '.join(beam_args)}")
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
     meta = prepare(
         args.input, args.output_dir, load_tokenizer(args.vocab, args.do_lower_case),
         corpus_format=args.format, max_seq_length=args.max_seq_length,

@@ -38,7 +38,7 @@ def architecture(name_or_config: Any) -> Architecture:
 
 
 def get_preset(name: str, architecture_name: str = DEFAULT, **overrides: Any):
-    """A preset of an architecture (``base``, ``modernbert-base``, ...) with field overrides."""
+    """A preset of an architecture (BERT's ``base``, ``modernbert-base``, ...) with field overrides."""
     return architecture(architecture_name).get_preset(name, **overrides)
 
 

@@ -183,20 +183,20 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
-ALIASES = {name.removeprefix("modernbert-"): name for name in PRESETS}  # base -> modernbert-base
-
-
 def preset_names() -> list[str]:
-    """Every accepted preset name (aliases first)."""
-    return list(ALIASES) + list(PRESETS)
+    """Every preset name."""
+    return list(PRESETS)
 
 
 def get_preset(name: str, **overrides: Any) -> ModernBertConfig:
-    """A preset (``modernbert-base`` or ``base``, ...) as a ModernBertConfig, with overrides."""
-    key = ALIASES.get(name, name)
-    if key not in PRESETS:
+    """A preset (``modernbert-base``, ...) as a ModernBertConfig, with overrides."""
+    if name not in PRESETS:
+        if f"modernbert-{name}" in PRESETS:  # bertjax 0.2's short names ("base": BERT's preset)
+            raise ValueError(
+                f"ModernBERT preset {name!r} is now named 'modernbert-{name}' ({name!r} is BERT's)"
+            )
         raise ValueError(f"unknown model preset {name!r}; choose one of {preset_names()}")
-    return ModernBertConfig(**{**PRESETS[key], **overrides})
+    return ModernBertConfig(**{**PRESETS[name], **overrides})
 
 
 def _init(config: ModernBertConfig, names: tuple[str | None, ...], std: float | None = None):

@@ -3,9 +3,9 @@
 A fine-tuning task (GLUE, SQuAD, NER, SWAG) builds its features in memory in ``load_data`` and
 supplies a head, a loss and host-side scoring; this base class turns them into the ``Task`` API:
 
-* the tokenizer is ``data.vocab`` (or its older name ``vocab``) or the init checkpoint's
+* the tokenizer is ``data.vocab`` or the init checkpoint's
   vocabulary, cased as the checkpoint's tokenizer (else as the vocabulary itself); a set
-  ``data.do_lower_case`` (or ``do_lower_case``) that differs applies with
+  ``data.do_lower_case`` that differs applies with
   a warning (a tokenizer.json's normalizer always decides); a vocabulary whose size differs from
   the checkpoint's embedding table is an error;
 * the model config is the init checkpoint's (``config.model`` may change only numerics: dtype,
@@ -78,20 +78,15 @@ def subset(examples: list, limit: int, seed: int | None = 0) -> list:
     return [examples[i] for i in keep]
 
 
-def data_setting(config, key: str) -> tuple[str, Any]:
-    """(config key, value) of ``data.<key>`` or of the top-level ``<key>``, its older name (the
-    one set; unset: ``data.<key>``); both set to different values is an error."""
-    new, old = config.data.get(key), config.get(key)
-    if old in (None, ""):
-        return "data." + key, new
-    if new in (None, ""):
-        return key, old
-    if new != old:
-        raise ValueError(
-            f"config keys data.{key}={new!r} and {key}={old!r} disagree (the same setting): set "
-            f"data.{key} only"
-        )
-    return "data." + key, new
+# Config keys bertjax 0.2 read under other names: an error naming the new key for this release.
+RENAMED_KEYS = {"vocab": "data.vocab", "do_lower_case": "data.do_lower_case"}
+
+
+def check_renamed_keys(config) -> None:
+    """One line naming the new key where ``config`` sets a key by its bertjax 0.2 name."""
+    for old, new in RENAMED_KEYS.items():
+        if old in config:
+            raise ValueError(f"config key {old} was renamed {new} in bertjax 0.3: set {new}")
 
 
 class FinetuneTask(Task):
@@ -106,14 +101,12 @@ class FinetuneTask(Task):
     def __init__(self, config, workdir):
         super().__init__(config, workdir)
         self.tokenizer = None
-        (vocab_key, self.vocab), (lower_key, self.do_lower_case) = (
-            data_setting(config, key) for key in ("vocab", "do_lower_case")
-        )
+        check_renamed_keys(config)
+        self.vocab, self.do_lower_case = config.data.vocab, config.data.get("do_lower_case")
         self.source = ModelSource(
             config.model,
             config.init_checkpoint,
             vocab=self.vocab or None,
-            keys=dict(vocab=vocab_key, do_lower_case=lower_key),
         )
         self._warned: set[str] = set()
         self.train_features: dict[str, np.ndarray] | None = None

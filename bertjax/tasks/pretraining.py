@@ -48,15 +48,7 @@ class PretrainingTask(Task):
         super().__init__(config, workdir)
         self.tokenizer = None
         self.fixed_vocab_size = vocab_size
-        self.source = ModelSource(
-            config.model,
-            config.get("init_checkpoint", ""),
-            keys=dict(
-                vocab="data.vocab",
-                do_lower_case="data.do_lower_case",
-                max_seq_length="data.max_seq_length",
-            ),
-        )
+        self.source = ModelSource(config.model, config.get("init_checkpoint", ""))
         self._warned: set[str] = set()
         d = config.data
         self.prepared_root = d.prepared_dir or os.path.join(workdir, "data")

@@ -55,7 +55,7 @@ def finetune_config(args: argparse.Namespace, mode: str):
     c = load_config_file(args.finetune_config)
     c.task = args.finetune
     c.data_dir = args.glue_dir
-    c.vocab = args.vocab
+    c.data.vocab = args.vocab
     c.model.preset = args.preset
     c.model.dtype = args.dtype
     c.model.dropout_impl = args.dropout_impl
