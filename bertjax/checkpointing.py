@@ -353,7 +353,7 @@ class BestCheckpoint:
                 "scale": "fraction",
                 "step": step,
                 "eval": metrics,
-            },  # fmt: skip
+            },
             config_json,
             force=True,
         )

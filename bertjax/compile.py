@@ -152,10 +152,12 @@ def compile_train_step(
     if mesh_devices[0].platform == "gpu":
         report.update(
             gpu_report(
-                compiled, report["analytic_flops_per_step"],
-                phase.global_batch_size * seq_len, mesh_devices,
+                compiled,
+                report["analytic_flops_per_step"],
+                phase.global_batch_size * seq_len,
+                mesh_devices,
             )
-        )  # fmt: skip
+        )
     report["largest_arrays"] = arrays[:6]
     if est_from:
         report["est_from"] = "the same step with " + " and ".join(est_from)

@@ -138,21 +138,31 @@ class ModelSource:
             tok = load_tokenizer(path)
             if do_lower_case is not None and bool(do_lower_case) != tok.do_lower_case:
                 self._warn_once(
-                    warned, "json", "config key %s=%s ignored: the normalizer of %s %s case (a "
+                    warned,
+                    "json",
+                    "config key %s=%s ignored: the normalizer of %s %s case (a "
                     "tokenizer.json decides its own casing)",
-                    key, do_lower_case, path, _casing(tok.do_lower_case),
-                )  # fmt: skip
+                    key,
+                    do_lower_case,
+                    path,
+                    _casing(tok.do_lower_case),
+                )
         else:
             follow = theirs.do_lower_case if theirs is not None else None
             lower = follow if do_lower_case is None else do_lower_case
             tok = load_tokenizer(path, do_lower_case=lower)
             if do_lower_case is not None and follow is not None and bool(do_lower_case) != follow:
                 self._warn_once(
-                    warned, "override", "config key %s=%s overrides the init checkpoint's "
+                    warned,
+                    "override",
+                    "config key %s=%s overrides the init checkpoint's "
                     "tokenizer (%s %s case): words missing from the vocabulary in that casing "
                     "become [UNK]",
-                    key, do_lower_case, theirs.vocab_file, _casing(follow),
-                )  # fmt: skip
+                    key,
+                    do_lower_case,
+                    theirs.vocab_file,
+                    _casing(follow),
+                )
         self._check_vocab(tok, path)
         return tok
 
@@ -178,8 +188,9 @@ class ModelSource:
             log.warning(
                 "init checkpoint %s has no vocabulary file: cannot check that it was trained "
                 "with %s",
-                self.init_checkpoint, path,
-            )  # fmt: skip
+                self.init_checkpoint,
+                path,
+            )
             return
         if theirs.vocab_file != tok.vocab_file and list(theirs.vocab) != list(tok.vocab):
             diff = [i for i, (a, b) in enumerate(zip(tok.vocab, theirs.vocab)) if a != b]
@@ -255,8 +266,10 @@ class ModelSource:
             loaded.append(head)
         log.info(
             "started from %s: heads from the checkpoint %s; initialised fresh %s",
-            source, loaded or "none", fresh or "none",
-        )  # fmt: skip
+            source,
+            loaded or "none",
+            fresh or "none",
+        )
         return params
 
     def _load_embedding_head(self, params: Any, encoder_name: str) -> Any:
@@ -278,8 +291,12 @@ class ModelSource:
                     lambda x, f: np.asarray(x).astype(f.dtype), tensors[head], params[head]
                 )
         log.info(
-            "encoder initialised from %s%s", self.init_checkpoint,
-            f"; Dense layers {heads} from it" if heads and set(heads) <= set(tensors)
-            else f"; Dense layers initialised fresh: {heads}" if heads else "",
-        )  # fmt: skip
+            "encoder initialised from %s%s",
+            self.init_checkpoint,
+            f"; Dense layers {heads} from it"
+            if heads and set(heads) <= set(tensors)
+            else f"; Dense layers initialised fresh: {heads}"
+            if heads
+            else "",
+        )
         return params

@@ -66,12 +66,23 @@ def _bertjax_logger_restored():
 # loadfile` hands each worker the next file in collection order, so a heavy file collected last
 # would run alone at the end while the other worker sits idle.
 HEAVY_FIRST = (
-    "test_train.py", "test_readme_commands.py", "test_multihost_train.py", "test_round_trips.py",
-    "test_finetune.py", "test_training_parity.py", "test_topology.py", "test_bench.py",
-    "test_crash_recovery.py", "test_continued_pretraining_bert.py", "test_gpu_program.py",
-    "test_accelerator.py", "test_modernbert_interop.py", "test_finetune_heads.py",
-    "test_packing.py", "test_packing_finetune.py",
-)  # fmt: skip
+    "test_train.py",
+    "test_readme_commands.py",
+    "test_multihost_train.py",
+    "test_round_trips.py",
+    "test_finetune.py",
+    "test_training_parity.py",
+    "test_topology.py",
+    "test_bench.py",
+    "test_crash_recovery.py",
+    "test_continued_pretraining_bert.py",
+    "test_gpu_program.py",
+    "test_accelerator.py",
+    "test_modernbert_interop.py",
+    "test_finetune_heads.py",
+    "test_packing.py",
+    "test_packing_finetune.py",
+)
 
 
 def pytest_collection_modifyitems(items):

@@ -157,11 +157,19 @@ def _one_step(num_devices: int, arch: str):
     from bertjax.tools import bench
 
     preset = "tiny" if arch == "bert" else "modernbert-tiny"
-    args = bench.parse_args([
-        f"--architecture={arch}", f"--preset={preset}", "--attention_impl=auto", "--seq=64",
-        "--batch=8", "--vocab_size=512", "--dropout=0.1", "--attention_dropout=0",
-        f"--devices={num_devices}",
-    ])  # fmt: skip
+    args = bench.parse_args(
+        [
+            f"--architecture={arch}",
+            f"--preset={preset}",
+            "--attention_impl=auto",
+            "--seq=64",
+            "--batch=8",
+            "--vocab_size=512",
+            "--dropout=0.1",
+            "--attention_dropout=0",
+            f"--devices={num_devices}",
+        ]
+    )
     config = bench.bench_config(args)
     with tempfile.TemporaryDirectory() as workdir:
         task = PretrainingTask(config, workdir, vocab_size=args.vocab_size)
@@ -228,10 +236,15 @@ def test_make_pretrain_end_to_end(tmp_path):
     env = dict(os.environ)
     env.pop("JAX_PLATFORMS", None)
     cmd = [
-        sys.executable, "-m", "bertjax.cli", "pretrain", "--config=configs/demo.py",
-        f"--workdir={tmp_path / 'run'}", "--config.train.steps=20",
+        sys.executable,
+        "-m",
+        "bertjax.cli",
+        "pretrain",
+        "--config=configs/demo.py",
+        f"--workdir={tmp_path / 'run'}",
+        "--config.train.steps=20",
         "--config.optimizer.warmup_steps=5",
-    ]  # fmt: skip
+    ]
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -247,9 +260,15 @@ def test_an_attention_kernel_that_dropout_bypasses_is_named_in_a_warning(tmp_pat
     from bertjax.tools import bench
 
     args = bench.parse_args(
-        ["--preset=tiny", "--attention_impl=dot_product", "--seq=32", "--batch=8", "--devices=1",
-         "--vocab_size=512"]
-    )  # fmt: skip
+        [
+            "--preset=tiny",
+            "--attention_impl=dot_product",
+            "--seq=32",
+            "--batch=8",
+            "--devices=1",
+            "--vocab_size=512",
+        ]
+    )
     for attention_dropout, warned in ((0.1, True), (0.0, False)):
         args.attention_dropout = attention_dropout
         config = bench.bench_config(args)

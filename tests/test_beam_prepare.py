@@ -64,9 +64,14 @@ def test_direct_runner_multi_process_equals_the_local_path(tmp_path, tok, option
     os.environ.update(env)
     try:
         beam = prepare.prepare(
-            paths, str(tmp_path / "beam"), tok, show_progress=False, runner="DirectRunner",
-            beam_args=beam_args, **kw,
-        )  # fmt: skip
+            paths,
+            str(tmp_path / "beam"),
+            tok,
+            show_progress=False,
+            runner="DirectRunner",
+            beam_args=beam_args,
+            **kw,
+        )
     finally:
         os.environ.clear()
         os.environ.update(old)

@@ -224,9 +224,15 @@ def test_prepare_compared_with_the_original_script(tmp_path):
     vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *words]) + "\n")
     (tmp_path / "cpd.py").write_text(_FAKE_ORIGINAL)
     args = bench.parse_args(
-        [f"--corpus={corpus}", f"--vocab={vocab}", f"--cache_dir={tmp_path / 'cache'}",
-         f"--original_script={tmp_path / 'cpd.py'}", "--seq=32", "--prepare_workers=1"]
-    )  # fmt: skip
+        [
+            f"--corpus={corpus}",
+            f"--vocab={vocab}",
+            f"--cache_dir={tmp_path / 'cache'}",
+            f"--original_script={tmp_path / 'cpd.py'}",
+            "--seq=32",
+            "--prepare_workers=1",
+        ]
+    )
     c = bench_data.compare_with_original(args)
     converted = (tmp_path / "cache" / "corpus-bert-format" / "novel.txt").read_text()
     assert converted.startswith("It was a dark night.\nThe wind blew hard.\nNobody came.\n")

@@ -109,10 +109,20 @@ def test_keys_a_run_ignores_are_refused_and_keys_it_reads_are_settable(tmp_path)
 
     def finetune(*overrides):
         return subprocess.run(
-            [sys.executable, "-m", "bertjax.cli", "finetune", "--config=configs/glue.py",
-             *overrides, f"--workdir={tmp_path}"],
-            capture_output=True, text=True, cwd=REPO, timeout=300,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "bertjax.cli",
+                "finetune",
+                "--config=configs/glue.py",
+                *overrides,
+                f"--workdir={tmp_path}",
+            ],
+            capture_output=True,
+            text=True,
+            cwd=REPO,
+            timeout=300,
+        )
 
     bad = finetune("--config.train.eval_steps=5")
     assert bad.returncode != 0

@@ -56,12 +56,24 @@ def test_compile_refuses_the_flags_only_plan_reads():
 @pytest.mark.parametrize(
     "module,argv,expected",
     [
-        ("score", ["retrieval", "--chekpoint=x", "--data=y"], 'unknown --chekpoint (did you mean "--checkpoint"?)'),
-        ("embed", ["--ouput=x", "--input=y", "--checkpoint=z"], 'unknown --ouput (did you mean "--output"?)'),
-        ("score", ["glue", "--taks=x", "--labels=y", "--predictions=z"], 'unknown --taks (did you mean "--task"?)'),
+        (
+            "score",
+            ["retrieval", "--chekpoint=x", "--data=y"],
+            'unknown --chekpoint (did you mean "--checkpoint"?)',
+        ),
+        (
+            "embed",
+            ["--ouput=x", "--input=y", "--checkpoint=z"],
+            'unknown --ouput (did you mean "--output"?)',
+        ),
+        (
+            "score",
+            ["glue", "--taks=x", "--labels=y", "--predictions=z"],
+            'unknown --taks (did you mean "--task"?)',
+        ),
         ("mine", ["--corpus_fil=x"], 'did you mean "--corpus'),
     ],
-)  # fmt: skip
+)
 def test_tool_commands_name_the_option_meant(module, argv, expected, capsys):
     """embed, evaluate and mine-negatives: a misspelt option is one line with the closest known
     option, whether argparse reports it unrecognized or a required option missing first."""

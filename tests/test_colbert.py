@@ -56,8 +56,11 @@ def test_token_vectors_equal_pylate_encode(models, reference, kind):
     assert detect_format(str(DATA / kind)) == "pylate" and model.late_interaction
     s = model.embedding
     assert (s.query_prefix, s.document_prefix, s.query_length, s.document_length) == (
-        "[Q] ", "[D] ", 12, 20,
-    )  # fmt: skip
+        "[Q] ",
+        "[D] ",
+        12,
+        20,
+    )
     queries = model.embed_queries(TEXTS, batch_size=4)
     assert all(q.shape == (12, 16) for q in queries)  # padded with [MASK] to query_length
     assert _max_diff(queries, _pylate(reference, kind, "query")) < TOL

@@ -55,9 +55,16 @@ def test_a_beir_folder_trains_evaluates_and_exports(beir_dir, tmp_path, architec
 
 
 def _one_step_params(beir_dir, tmp_path, accum, **overrides):  # noqa: F811
-    c = _config(beir_dir, **{"train.steps": 1, "train.grad_accum_steps": accum,
-                             "train.global_batch_size": 8, "retrieval.eval": False,
-                             **overrides})  # fmt: skip
+    c = _config(
+        beir_dir,
+        **{
+            "train.steps": 1,
+            "train.grad_accum_steps": accum,
+            "train.global_batch_size": 8,
+            "retrieval.eval": False,
+            **overrides,
+        },
+    )
     task = train.prepared_task(c, str(tmp_path))
     setup = train.build(c, str(tmp_path), task)
     state = setup.init_state(jax.random.key_data(jax.random.key(0)))
@@ -84,13 +91,21 @@ def test_the_cached_step_over_micro_batches_is_the_whole_batch_step(beir_dir, tm
 
 def _scored_rows(path):
     rows = [
-        {"query": "w1 w2", "positive": "w1 w2 w3", "negatives": ["w9 w8", "w7"],
-         "scores": [9.0, 2.0, 1.0]},
+        {
+            "query": "w1 w2",
+            "positive": "w1 w2 w3",
+            "negatives": ["w9 w8", "w7"],
+            "scores": [9.0, 2.0, 1.0],
+        },
         {"query": "w4 w5", "positive": "w4 w5 w6", "negatives": ["w1 w2 w3"], "scores": [5, 4]},
-        {"query": "w10", "positive": "w10 w11", "negatives": ["w12", "w13 w14"],
-         "scores": [3.0, 0.5, -1.0]},
+        {
+            "query": "w10",
+            "positive": "w10 w11",
+            "negatives": ["w12", "w13 w14"],
+            "scores": [3.0, 0.5, -1.0],
+        },
         {"query": "w12", "positive": "w12 w13", "negatives": ["w1"], "scores": [1.0, 0.0]},
-    ] * 2  # fmt: skip
+    ] * 2
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
 
@@ -134,10 +149,17 @@ def test_training_starts_from_a_pylate_model(beir_dir, tmp_path):  # noqa: F811
     c.init_checkpoint = str(source)
     c = set_keys(
         c,
-        {"colbert.dim": 16, "colbert.query_length": 12, "colbert.document_length": 20,
-         "train.global_batch_size": 4, "train.steps": 1, "retrieval.eval": False,
-         "mesh.num_devices": 1, "tensorboard": False},
-    )  # fmt: skip
+        {
+            "colbert.dim": 16,
+            "colbert.query_length": 12,
+            "colbert.document_length": 20,
+            "train.global_batch_size": 4,
+            "train.steps": 1,
+            "retrieval.eval": False,
+            "mesh.num_devices": 1,
+            "tensorboard": False,
+        },
+    )
     task = train.prepared_task(c, str(tmp_path))
     s = task.settings()
     assert (s.query_prefix, s.document_prefix) == ("[Q] ", "[D] ")

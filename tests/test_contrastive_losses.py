@@ -22,8 +22,10 @@ def _reference(queries, documents, **kwargs):
         warnings.simplefilter("ignore")
         fn = st_losses.MultipleNegativesRankingLoss(torch.nn.Module(), **kwargs)
     q = torch.tensor(queries, dtype=torch.float64, requires_grad=True)
-    cols = [torch.tensor(documents[:, j], dtype=torch.float64, requires_grad=True)
-            for j in range(documents.shape[1])]  # fmt: skip
+    cols = [
+        torch.tensor(documents[:, j], dtype=torch.float64, requires_grad=True)
+        for j in range(documents.shape[1])
+    ]
     loss = fn.compute_loss_from_embeddings([q, *cols], None)
     loss.backward()
     return float(loss.detach()), q.grad.numpy(), np.stack([c.grad.numpy() for c in cols], axis=1)

@@ -515,9 +515,13 @@ def test_convert_of_a_bertjax_checkpoint_prints_no_orbax_warning(tmp_path):
     (tmp_path / "hf").mkdir()
     vocab = write_vocab(tmp_path / "hf" / "vocab.txt")
     config = transformers.BertConfig(
-        vocab_size=len(vocab.read_text().split()), hidden_size=16, num_hidden_layers=1,
-        num_attention_heads=2, intermediate_size=32, max_position_embeddings=32,
-    )  # fmt: skip
+        vocab_size=len(vocab.read_text().split()),
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=32,
+        max_position_embeddings=32,
+    )
     transformers.BertForPreTraining(config).save_pretrained(tmp_path / "hf")
     convert_main(["--from=hf", str(tmp_path / "hf"), "--to=bertjax", str(tmp_path / "bj")])
     cmd = [str(REPO / ".venv" / "bin" / "bertjax"), "convert", "--from=bertjax"]

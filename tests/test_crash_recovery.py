@@ -50,16 +50,21 @@ def xla_cache(tmp_path_factory):
     cc.reset_cache()
 
 
-def _bertjax(root, workdir, *args, env=None, command="pretrain", config="tiny_pretrain_config",
-             log=None):  # fmt: skip
+def _bertjax(
+    root, workdir, *args, env=None, command="pretrain", config="tiny_pretrain_config", log=None
+):
     cmd = [sys.executable, str(REPO / "tests" / "fault_inject.py"), command]
     cmd += [f"--config={REPO}/tests/{config}.py:{root}", f"--workdir={workdir}"]
     env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
     out = open(log, "w") if log else subprocess.PIPE  # noqa: SIM115  (the process's to close)
     return subprocess.Popen(
-        [*cmd, *args], cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT if log else out,
+        [*cmd, *args],
+        cwd=REPO,
+        env=env,
+        stdout=out,
+        stderr=subprocess.STDOUT if log else out,
         text=True,
-    )  # fmt: skip
+    )
 
 
 def _wait_for(predicate, proc, timeout=300):
@@ -186,21 +191,32 @@ def test_kill9_of_prepare_at_a_random_point_then_rerun_equals_an_uninterrupted_r
     corpus = _corpus(tmp_path, vocab)
     options = dict(dupe_factor=2, num_shards=3, eval_fraction=0.1, random_document_buffer=20)
     tok = load_tokenizer(str(vocab), do_lower_case=True)
-    ref = prepare.prepare([str(c) for c in corpus], str(tmp_path / "ref"), tok, num_workers=1,
-                          show_progress=False, **options)  # fmt: skip
+    ref = prepare.prepare(
+        [str(c) for c in corpus],
+        str(tmp_path / "ref"),
+        tok,
+        num_workers=1,
+        show_progress=False,
+        **options,
+    )
     out = tmp_path / "out"
     args = ["--input", ",".join(map(str, corpus)), "--output_dir", str(out), "--vocab", str(vocab)]
     args += ["--num_workers=2", "--no_progress", "--dupe_factor=2", "--num_shards=3"]
     args += ["--eval_fraction=0.1", "--random_document_buffer=20"]
-    proc = subprocess.Popen([sys.executable, "-m", "bertjax.cli", "prepare", *args], cwd=REPO,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "bertjax.cli", "prepare", *args],
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     _wait_for(lambda: bool(list(out.glob(".prepare-tmp-*"))), proc)
     time.sleep(float(np.random.default_rng(SEED).uniform(0.5, 3.0)))
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert not (out / "metadata.json").exists() or proc.returncode == 0
-    meta = prepare.prepare([str(c) for c in corpus], str(out), tok, num_workers=2,
-                           show_progress=False, **options)  # fmt: skip
+    meta = prepare.prepare(
+        [str(c) for c in corpus], str(out), tok, num_workers=2, show_progress=False, **options
+    )
     assert meta["examples"] == ref["examples"] and meta["shards"] == ref["shards"]
     for name in ref["shards"]:
         assert (out / name).read_bytes() == (tmp_path / "ref" / name).read_bytes(), name
@@ -213,8 +229,9 @@ FT_WRITES = ("best/3", "sst2-dev.tsv", "SST-2.tsv", "eval_results.json")  # kill
 
 
 def _finetune(root, workdir, env, log=None):
-    return _bertjax(root, workdir, env=env, command="finetune", config="tiny_finetune_config",
-                    log=log)  # fmt: skip
+    return _bertjax(
+        root, workdir, env=env, command="finetune", config="tiny_finetune_config", log=log
+    )
 
 
 def _rows(workdir, split):

@@ -32,8 +32,11 @@ def test_dry_run_checks_selection_plan_and_schema_without_tensorflow(tmp_path):
     out = tmp_path / "report"
     proc = subprocess.run(
         ["bash", str(REPO / "launch" / "device_check.sh"), "--dry", "--out", str(out)],
-        env=_env(PYTHON=sys.executable), capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        env=_env(PYTHON=sys.executable),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((out / "device_report.json").read_text())
     assert not device_report.check_schema(report)
@@ -53,18 +56,33 @@ def test_without_an_accelerator_the_script_says_use_dry(tmp_path):
         pytest.skip("this machine has nvidia-smi")
     proc = subprocess.run(
         ["bash", str(REPO / "launch" / "device_check.sh"), "--out", str(tmp_path)],
-        env=_env(PYTHON=sys.executable), capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        env=_env(PYTHON=sys.executable),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 2
     assert proc.stderr.strip() == "device_check.sh: no NVIDIA GPU or TPU on this machine; use --dry"
 
 
 def test_a_spent_budget_skips_every_benchmark_with_its_reason(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "bertjax.tools.device_check", "--allow_cpu", "--skip_tests",
-         "--budget_s", "1", "--out", str(tmp_path)],
-        env=_env(), capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "bertjax.tools.device_check",
+            "--allow_cpu",
+            "--skip_tests",
+            "--budget_s",
+            "1",
+            "--out",
+            str(tmp_path),
+        ],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads((tmp_path / "device_report.json").read_text())
     skipped = {s["what"]: s["why"] for s in report["skipped"]}
@@ -79,11 +97,23 @@ def test_the_real_path_on_cpu_with_tiny_models_without_tensorflow(tmp_path):
     subprocesses that cannot import TensorFlow; the report has their figures. The budget is far
     beyond what they need, so that a busy machine does not turn them into skips."""
     proc = subprocess.run(
-        [sys.executable, "-m", "bertjax.tools.device_check", "--allow_cpu", "--plan=tiny",
-         "--tests_k=checkpoint or pretrain", "--budget_s=3600", "--tests_s=3000",
-         "--out", str(tmp_path)],
-        env=_env(), capture_output=True, text=True, timeout=1200,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "bertjax.tools.device_check",
+            "--allow_cpu",
+            "--plan=tiny",
+            "--tests_k=checkpoint or pretrain",
+            "--budget_s=3600",
+            "--tests_s=3000",
+            "--out",
+            str(tmp_path),
+        ],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((tmp_path / "device_report.json").read_text())
     assert not device_report.check_schema(report)
@@ -110,8 +140,12 @@ def test_parse_junit_and_schema(tmp_path):
     )
     result = device_check.parse_junit(str(xml))
     assert (result["passed"], result["failed"], result["skipped"]) == (1, 1, 1)
-    assert result["cases"][1] == {"test": "a::bad", "outcome": "failed", "seconds": 0.0,
-                                  "message": "boom"}  # fmt: skip
+    assert result["cases"][1] == {
+        "test": "a::bad",
+        "outcome": "failed",
+        "seconds": 0.0,
+        "message": "boom",
+    }
     assert device_report.check_schema({"platform": "gpu"}) == [
         "missing key 'device_kind'",
         "missing key 'tests'",

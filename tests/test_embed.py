@@ -46,8 +46,12 @@ def st_dirs(tmp_path_factory):
     CLS pooling and a prompt."""
     root = tmp_path_factory.mktemp("embed_models")
     bert = _st_dir(root / "st_bert", _tiny_hf(root / "bert", "bert"), "mean", normalize=True)
-    modern = _st_dir(root / "st_modernbert", _tiny_hf(root / "modernbert", "modernbert"), "cls",
-                     prompts={"query": "query: "})  # fmt: skip
+    modern = _st_dir(
+        root / "st_modernbert",
+        _tiny_hf(root / "modernbert", "modernbert"),
+        "cls",
+        prompts={"query": "query: "},
+    )
     return {"bert": bert, "modernbert": modern}
 
 
@@ -76,8 +80,14 @@ def test_vectors_equal_sentence_transformers(st_dirs, tmp_path, kind):
     corpus = _write_jsonl(tmp_path / "corpus.jsonl")
     out = tmp_path / "out"
     prompt = ["--prompt_name=query"] if kind == "modernbert" else []
-    _run(f"--checkpoint={st_dirs[kind]}", f"--input={corpus}", f"--output={out}",
-         "--shard_size=3", "--batch_size=2", *prompt)  # fmt: skip
+    _run(
+        f"--checkpoint={st_dirs[kind]}",
+        f"--input={corpus}",
+        f"--output={out}",
+        "--shard_size=3",
+        "--batch_size=2",
+        *prompt,
+    )
     ids, matrix = load_embeddings(out)
     assert ids == [d for d, _, _ in DOCS]
     extra = {"prompt_name": "query"} if prompt else {}
@@ -93,8 +103,11 @@ def test_an_empty_document_is_embedded_as_sentence_transformers_embeds_it(st_dir
     """A BEIR corpus record with an empty text (Cranfield has one) is a document: its vector is
     sentence-transformers' for the empty text, as `evaluate retrieval` and training embed it."""
     corpus = tmp_path / "corpus.jsonl"
-    rows = [{"_id": "a", "title": "", "text": "lazy dog"}, {"_id": "b", "title": "", "text": ""},
-            {"_id": "c", "text": "  "}]  # fmt: skip
+    rows = [
+        {"_id": "a", "title": "", "text": "lazy dog"},
+        {"_id": "b", "title": "", "text": ""},
+        {"_id": "c", "text": "  "},
+    ]
     corpus.write_text("".join(json.dumps(r) + "\n" for r in rows))
     _run(f"--checkpoint={st_dirs['bert']}", f"--input={corpus}", f"--output={tmp_path / 'out'}")
     ids, matrix = load_embeddings(tmp_path / "out")
@@ -106,15 +119,24 @@ def test_an_empty_document_is_embedded_as_sentence_transformers_embeds_it(st_dir
 def test_parquet_in_and_out_fp16_and_text_files(st_dirs, tmp_path, capsys):
     pa = pytest.importorskip("pyarrow")
     pq = pytest.importorskip("pyarrow.parquet")
-    table = pa.table({
-        "doc": [d for d, _, _ in DOCS],
-        "body": [t for _, _, t in DOCS],
-        "title": [ti for _, ti, _ in DOCS],
-    })  # fmt: skip
+    table = pa.table(
+        {
+            "doc": [d for d, _, _ in DOCS],
+            "body": [t for _, _, t in DOCS],
+            "title": [ti for _, ti, _ in DOCS],
+        }
+    )
     pq.write_table(table, tmp_path / "corpus.parquet")
     model = st_dirs["bert"]
-    _run(f"--checkpoint={model}", f"--input={tmp_path / 'corpus.parquet'}", "--text_field=body",
-         "--id_field=doc", f"--output={tmp_path / 'pq'}", "--format=parquet", "--dtype=float16")  # fmt: skip
+    _run(
+        f"--checkpoint={model}",
+        f"--input={tmp_path / 'corpus.parquet'}",
+        "--text_field=body",
+        "--id_field=doc",
+        f"--output={tmp_path / 'pq'}",
+        "--format=parquet",
+        "--dtype=float16",
+    )
     ids, matrix = load_embeddings(tmp_path / "pq")
     assert ids == [d for d, _, _ in DOCS] and matrix.dtype == np.float16
     stored = pq.read_table(tmp_path / "pq" / "embeddings-00000-of-00001.parquet")
@@ -142,7 +164,7 @@ def test_parquet_in_and_out_fp16_and_text_files(st_dirs, tmp_path, capsys):
         (
             ['{"_id": "a", "text": "ok"}', '{"_id": "a", "text": "again"}'],
             ":2: id 'a' again (first at ",
-        ),  # fmt: skip
+        ),
         (['{"_id": "a", "text": "ok"}', '{"_id": "b", "text": "ok"'], ":2: invalid JSON"),
         (['{"text": "no id"}'], ":1: no '_id' key (--id_field)"),
         (['{"_id": "a", "text": 3}'], ":1: 'text' is int, not a string"),
@@ -152,8 +174,9 @@ def test_bad_input_is_one_line_naming_file_and_line(st_dirs, tmp_path, capsys, l
     corpus = tmp_path / "corpus.jsonl"
     corpus.write_text("\n".join(lines) + "\n")
     with pytest.raises(SystemExit) as exited:
-        embed_tool.main([f"--checkpoint={st_dirs['bert']}", f"--input={corpus}",
-                         f"--output={tmp_path / 'out'}"])  # fmt: skip
+        embed_tool.main(
+            [f"--checkpoint={st_dirs['bert']}", f"--input={corpus}", f"--output={tmp_path / 'out'}"]
+        )
     err = capsys.readouterr().err.strip().splitlines()
     assert exited.value.code == 2 and len(err) == 1, err
     assert err[0].startswith(f"bertjax embed: error: {corpus}{expected}"), err
@@ -190,7 +213,7 @@ def test_another_model_input_or_setting_is_refused(st_dirs, tmp_path, capsys):
         (
             [f"--checkpoint={st_dirs['bert']}", f"--input={other_input}", *base[1:]],
             "another input",
-        ),  # fmt: skip
+        ),
         ([f"--checkpoint={st_dirs['bert']}", *base, "--dtype=float16"], "dtype='float32', not"),
         ([f"--checkpoint={st_dirs['bert']}", *base[:2], "--shard_size=3"], "shard_size=4, not 3"),
     ]
@@ -205,8 +228,15 @@ def test_another_model_input_or_setting_is_refused(st_dirs, tmp_path, capsys):
 
 def test_bucketed_lengths():
     assert [embed_corpus.padded_length(n, 512) for n in (1, 16, 17, 100, 129, 192, 193, 600)] == [
-        16, 16, 32, 128, 192, 192, 256, 512,
-    ]  # fmt: skip
+        16,
+        16,
+        32,
+        128,
+        192,
+        192,
+        256,
+        512,
+    ]
     assert embed_corpus.padded_length(200, 160) == 160
     # one batch at 64 is not worth a compile: it takes the 128 before it; three at 32 are
     assert embed_corpus.batch_lengths([100, 90, 60, 30, 30, 30], 512) == [128, 128, 128, 32, 32, 32]
@@ -221,10 +251,16 @@ def _cli(args, env=None):
 @pytest.mark.slow
 def test_killed_run_resumes_to_the_same_bytes(st_dirs, tmp_path):
     corpus = _write_jsonl(tmp_path / "corpus.jsonl")
-    common = [f"--checkpoint={st_dirs['modernbert']}", f"--input={corpus}", "--shard_size=3",
-              "--batch_size=2", "--format=parquet"]  # fmt: skip
-    killed = _cli([*common, f"--output={tmp_path / 'resumed'}"],
-                  {embed_tool.FAULT_AFTER_SHARDS: "1"})  # fmt: skip
+    common = [
+        f"--checkpoint={st_dirs['modernbert']}",
+        f"--input={corpus}",
+        "--shard_size=3",
+        "--batch_size=2",
+        "--format=parquet",
+    ]
+    killed = _cli(
+        [*common, f"--output={tmp_path / 'resumed'}"], {embed_tool.FAULT_AFTER_SHARDS: "1"}
+    )
     assert killed.returncode == 17, killed.stderr[-2000:]
     first = tmp_path / "resumed" / "embeddings-00000-of-00003.parquet"
     assert first.exists() and not (tmp_path / "resumed" / "manifest.json").exists()
@@ -263,10 +299,15 @@ def test_four_devices_and_two_processes_match_sentence_transformers(st_dirs, tmp
                                              process_index=index, process_count=2)
             print(index, done.shards_embedded, done.manifest)
     """)
-    environ = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT,
-               "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}  # fmt: skip
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          env=environ, timeout=600)  # fmt: skip
+    environ = {
+        **os.environ,
+        "JAX_PLATFORMS": "cpu",
+        "PYTHONPATH": ROOT,
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=environ, timeout=600
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split("\n")[:2] == ["1 2 False", "0 2 True"], done.stdout
     ids, matrix = load_embeddings(tmp_path / "out")
@@ -279,11 +320,25 @@ def test_two_processes_through_launch_local(st_dirs, tmp_path):
     """Two real JAX processes (launch/local.sh, bertjax.distributed), two CPU devices each: each
     embeds every other shard, process 0 writes the manifest once both are done."""
     corpus = _write_jsonl(tmp_path / "corpus.jsonl")
-    environ = {**os.environ, "LOG_DIR": str(tmp_path / "logs"), "PYTHONPATH": ROOT,
-               "BERTJAX_CMD": f"{sys.executable} -m bertjax.cli"}  # fmt: skip
-    cmd = [os.path.join(ROOT, "launch", "local.sh"), "2", "--devices_per_process", "2", "--",
-           "embed", f"--checkpoint={st_dirs['modernbert']}", f"--input={corpus}",
-           f"--output={tmp_path / 'out'}", "--shard_size=2", "--batch_size=2"]  # fmt: skip
+    environ = {
+        **os.environ,
+        "LOG_DIR": str(tmp_path / "logs"),
+        "PYTHONPATH": ROOT,
+        "BERTJAX_CMD": f"{sys.executable} -m bertjax.cli",
+    }
+    cmd = [
+        os.path.join(ROOT, "launch", "local.sh"),
+        "2",
+        "--devices_per_process",
+        "2",
+        "--",
+        "embed",
+        f"--checkpoint={st_dirs['modernbert']}",
+        f"--input={corpus}",
+        f"--output={tmp_path / 'out'}",
+        "--shard_size=2",
+        "--batch_size=2",
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, env=environ, timeout=600)
     logs = "".join(p.read_text() for p in sorted((tmp_path / "logs").glob("*.log")))
     assert done.returncode == 0, done.stderr[-2000:] + logs[-2000:]

@@ -21,8 +21,15 @@ WORD_START = np.random.default_rng(1).random(VOCAB) < 0.7
 
 
 def _consts(whole_word):
-    return dict(vocab_size=VOCAB, mask_id=MASK, cls_id=CLS, sep_id=SEP, pad_id=PAD,
-                special_ids=(CLS, SEP, PAD), word_start=WORD_START if whole_word else None)  # fmt: skip
+    return dict(
+        vocab_size=VOCAB,
+        mask_id=MASK,
+        cls_id=CLS,
+        sep_id=SEP,
+        pad_id=PAD,
+        special_ids=(CLS, SEP, PAD),
+        word_start=WORD_START if whole_word else None,
+    )
 
 
 def _varint(data, i):

@@ -18,11 +18,19 @@ def test_two_hosts_split_the_records_of_one_shard(tmp_path, shuffle):
     root = write_prepared(tmp_path / "one", shard_sizes=(9,))
     hosts = [
         pipeline.PretrainingData(
-            root, "train", 2, seed=3, process_index=i, process_count=2, shuffle=shuffle,
-            shuffle_buffer=4, repeat=False, drop_remainder=False,
+            root,
+            "train",
+            2,
+            seed=3,
+            process_index=i,
+            process_count=2,
+            shuffle=shuffle,
+            shuffle_buffer=4,
+            repeat=False,
+            drop_remainder=False,
         )
         for i in range(2)
-    ]  # fmt: skip
+    ]
     seen = [np.concatenate([example_ids(b) for b in host]) for host in hosts]
     assert sorted(len(s) for s in seen) == [4, 5]
     assert sorted(np.concatenate(seen).tolist()) == list(range(9))  # a partition of the records
@@ -60,8 +68,10 @@ def test_streamed_global_batches_have_the_same_rows_on_any_host_count(tmp_path, 
     kw = dict(num_streams=4, seed=2, shuffle=shuffle, shuffle_buffer=3)
     runs = {}
     for hosts in (1, 2, 4):
-        readers = [StreamedData(root, "train", 8, process_index=i, process_count=hosts, **kw)
-                   for i in range(hosts)]  # fmt: skip
+        readers = [
+            StreamedData(root, "train", 8, process_index=i, process_count=hosts, **kw)
+            for i in range(hosts)
+        ]
         runs[hosts] = [
             np.concatenate([example_ids(next(r)) for r in readers]).tolist() for _ in range(5)
         ]
@@ -74,8 +84,9 @@ def test_a_corrupted_shard_is_named_when_streamed(tmp_path):
     data = bytearray(path.read_bytes())
     data[len(data) // 2 : len(data) // 2 + 8] = b"\xff" * 8
     path.write_bytes(bytes(data))
-    streamed = StreamedData(root, "train", 8, num_streams=2, seed=0, process_index=0,
-                            process_count=1, shuffle=False)  # fmt: skip
+    streamed = StreamedData(
+        root, "train", 8, num_streams=2, seed=0, process_index=0, process_count=1, shuffle=False
+    )
     with pytest.raises(pipeline.ShardCorruptedError, match="train-00001-of-00002.tfrecord"):
         for _ in range(20):
             next(streamed)
@@ -96,8 +107,9 @@ def test_a_record_that_does_not_parse_names_its_shard_and_record(tmp_path, fault
     with tf.io.TFRecordWriter(str(path)) as writer:
         for example in records:
             writer.write(example.SerializeToString())
-    data = pipeline.PretrainingData(root, "train", 4, seed=0, process_index=0, process_count=1,
-                                    shuffle=False, repeat=False)  # fmt: skip
+    data = pipeline.PretrainingData(
+        root, "train", 4, seed=0, process_index=0, process_count=1, shuffle=False, repeat=False
+    )
     with pytest.raises(pipeline.ShardCorruptedError) as info:
         list(data)
     message = str(info.value)

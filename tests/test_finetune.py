@@ -557,8 +557,11 @@ def test_bad_inputs_give_one_line_errors(files, tmp_path):
         get_task(c.task, c, str(tmp_path)).after_prepare()
     # warmup_steps next to the default warmup_proportion used to be ignored without a word
     c = small_config(glue_config.get_config(), files, "glue", **{"optimizer.warmup_steps": 100})
-    with pytest.raises(ValueError, match=r"^config keys optimizer.warmup_proportion=0.1 and "
-                       r"optimizer.warmup_steps=100: set one of them"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"^config keys optimizer.warmup_proportion=0.1 and "
+        r"optimizer.warmup_steps=100: set one of them",
+    ):
         get_task(c.task, c, str(tmp_path)).warmup_steps(1000)
 
 

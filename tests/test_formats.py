@@ -162,10 +162,17 @@ def test_prepare_cli_and_vocab_read_parquet(tmp_path, tok):
     _write_parquet(tmp_path / "c.parquet", _documents(20))
     out = tmp_path / "out"
     argv = [
-        f"--input={tmp_path}/c.parquet", f"--output_dir={out}", f"--vocab={tok.vocab_file}",
-        "--format=parquet", "--text_column=body", "--max_seq_length=32", "--num_shards=1",
-        "--dupe_factor=1", "--no_progress", "--num_workers=1",
-    ]  # fmt: skip
+        f"--input={tmp_path}/c.parquet",
+        f"--output_dir={out}",
+        f"--vocab={tok.vocab_file}",
+        "--format=parquet",
+        "--text_column=body",
+        "--max_seq_length=32",
+        "--num_shards=1",
+        "--dupe_factor=1",
+        "--no_progress",
+        "--num_workers=1",
+    ]
     assert prepare.main(argv) == 0
     meta = json.loads((out / "metadata.json").read_text())
     assert meta["documents"]["train"] == 20 and meta["examples"]["train"] > 0
@@ -192,24 +199,44 @@ def test_a_missing_text_column_names_the_callers_setting(tmp_path, tok, fmt):
     for num_workers in (1, 2):
         with pytest.raises(ValueError) as err:
             prepare.prepare(
-                f"{corpus_file},{corpus_file}", str(tmp_path / f"out{num_workers}"), tok,
-                max_seq_length=32, num_shards=1, show_progress=False, num_workers=num_workers, **kw,
-            )  # fmt: skip
+                f"{corpus_file},{corpus_file}",
+                str(tmp_path / f"out{num_workers}"),
+                tok,
+                max_seq_length=32,
+                num_shards=1,
+                show_progress=False,
+                num_workers=num_workers,
+                **kw,
+            )
         message = str(err.value)
         assert "'text' (data.text_column); the " in message and "--text_column" not in message
         assert corpus_file in message and "\n" not in message
     with pytest.raises(ValueError, match=r"'text' \(data.text_column\); the "):
         vocab.train_vocab(corpus_file, str(tmp_path / "v.txt"), 50, **kw)
     meta = prepare.prepare(  # the label is no setting of the prepared data
-        corpus_file, str(tmp_path / "ok"), tok, max_seq_length=32, num_shards=1,
-        show_progress=False, num_workers=1, corpus_format=fmt, text_column="body",
-    )  # fmt: skip
+        corpus_file,
+        str(tmp_path / "ok"),
+        tok,
+        max_seq_length=32,
+        num_shards=1,
+        show_progress=False,
+        num_workers=1,
+        corpus_format=fmt,
+        text_column="body",
+    )
     assert "text_column_setting" not in meta
     again = prepare.prepare(
-        corpus_file, str(tmp_path / "ok"), tok, max_seq_length=32, num_shards=1,
-        show_progress=False, num_workers=1, corpus_format=fmt, text_column="body",
+        corpus_file,
+        str(tmp_path / "ok"),
+        tok,
+        max_seq_length=32,
+        num_shards=1,
+        show_progress=False,
+        num_workers=1,
+        corpus_format=fmt,
+        text_column="body",
         text_column_setting="data.text_column",
-    )  # fmt: skip
+    )
     assert again == meta  # the same settings: skipped, not "written for other settings"
 
 

@@ -231,8 +231,20 @@ def test_evaluate_glue_cli(shared_data, tmp_path, capsys):
     preds = [1 - y if i % 5 == 0 else y for i, y in enumerate(gold)]
     # write_glue_predictions names test files; an evaluation file can have any name.
     path = g.write_glue_predictions(tmp_path, "mrpc", "test", preds)
-    assert evaluate.main(["glue", "--task", "MRPC", "--labels", str(shared_data / "glue" / "MRPC"),
-                          "--predictions", str(path)]) == 0  # fmt: skip
+    assert (
+        evaluate.main(
+            [
+                "glue",
+                "--task",
+                "MRPC",
+                "--labels",
+                str(shared_data / "glue" / "MRPC"),
+                "--predictions",
+                str(path),
+            ]
+        )
+        == 0
+    )
     out = json.loads(capsys.readouterr().out)
     from sklearn.metrics import accuracy_score, f1_score
 
@@ -241,8 +253,17 @@ def test_evaluate_glue_cli(shared_data, tmp_path, capsys):
     bad = tmp_path / "short.tsv"
     bad.write_text("index\tprediction\n0\t1\n")
     with pytest.raises(SystemExit, match="2"):
-        evaluate.main(["glue", "--task", "mrpc", "--labels", str(shared_data / "glue" / "MRPC"),
-                       "--predictions", str(bad)])  # fmt: skip
+        evaluate.main(
+            [
+                "glue",
+                "--task",
+                "mrpc",
+                "--labels",
+                str(shared_data / "glue" / "MRPC"),
+                "--predictions",
+                str(bad),
+            ]
+        )
     assert "1 predictions for 408 examples" in capsys.readouterr().err
 
 

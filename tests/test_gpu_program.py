@@ -85,8 +85,12 @@ def test_bert_base_h100_program():
     """The shipped BERT-base recipe (256 x 128, dropout 0.1) in bf16 with cuDNN attention."""
     from configs import bert_base
 
-    overrides = {"model.dtype": "bfloat16", "model.attention_impl": "auto",
-                 "model.dropout_impl": "kernel", "model.num_layers": LAYERS}  # fmt: skip
+    overrides = {
+        "model.dtype": "bfloat16",
+        "model.attention_impl": "auto",
+        "model.dropout_impl": "kernel",
+        "model.num_layers": LAYERS,
+    }
     config = with_overrides(bert_base.get_config(), overrides)
     report = compile_train_step(config, None, devices=gpu_topology.devices(topology.parse("h100")))
     kernels = report["kernels"]
@@ -132,17 +136,36 @@ def test_compile_topology_h100_8_from_the_command_line(tmp_path):
     """`bertjax compile --topology=h100-8 --json`: the report keys a user reads, from a tiny
     config, with no data and no credentials (the config's vocabulary is a bucket path)."""
     out = subprocess.run(
-        [sys.executable, "-m", "bertjax.cli", "compile", "--config=configs/bert_base.py",
-         "--topology=h100-8", "--json", "--config.model.preset=tiny",
-         "--config.model.dtype=bfloat16", "--config.train.global_batch_size=64"],
-        cwd=REPO, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "bertjax.cli",
+            "compile",
+            "--config=configs/bert_base.py",
+            "--topology=h100-8",
+            "--json",
+            "--config.model.preset=tiny",
+            "--config.model.dtype=bfloat16",
+            "--config.train.global_batch_size=64",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     report = json.loads(out.stdout)
     for key in (
-        "devices", "device_kind", "hbm_bytes_per_device", "hbm_capacity_bytes", "fits",
-        "est_step_seconds", "est_tokens_per_sec_per_chip", "est_mfu", "kernels",
-    ):  # fmt: skip
+        "devices",
+        "device_kind",
+        "hbm_bytes_per_device",
+        "hbm_capacity_bytes",
+        "fits",
+        "est_step_seconds",
+        "est_tokens_per_sec_per_chip",
+        "est_mfu",
+        "kernels",
+    ):
         assert key in report, key
     assert report["devices"] == 8 and report["fits"]
     assert report["kernels"]["collectives"], "8 GPUs with fsdp exchange gradients and parameters"
@@ -177,9 +200,13 @@ def test_kernel_dropout_where_cudnn_does_not_run_is_one_line(attention):
 
     config = with_overrides(
         bert_base.get_config(),
-        {"model.preset": "tiny", "model.dropout_impl": "kernel",
-         "model.attention_impl": attention, "train.global_batch_size": 8},
-    )  # fmt: skip
+        {
+            "model.preset": "tiny",
+            "model.dropout_impl": "kernel",
+            "model.attention_impl": attention,
+            "train.global_batch_size": 8,
+        },
+    )
     with pytest.raises(
         ValueError, match=r"model.dropout_impl=kernel .* needs cuDNN attention"
     ) as e:

@@ -345,10 +345,21 @@ def test_prepare_and_pretrain_with_a_bpe_tokenizer_json(modernbert_dir, train_te
     tok = load_tokenizer(str(modernbert_dir / "tokenizer.json"))
     assert tok.kind == "hf"
     meta = prepare.prepare(
-        str(corpus), str(tmp_path / "data"), tok, corpus_format="bert", max_seq_length=32,
-        max_predictions_per_seq=10, masked_lm_prob=0.3, nsp=False, whole_word_mask=True,
-        dupe_factor=1, num_shards=1, eval_fraction=0.1, num_workers=1, show_progress=False,
-    )  # fmt: skip
+        str(corpus),
+        str(tmp_path / "data"),
+        tok,
+        corpus_format="bert",
+        max_seq_length=32,
+        max_predictions_per_seq=10,
+        masked_lm_prob=0.3,
+        nsp=False,
+        whole_word_mask=True,
+        dupe_factor=1,
+        num_shards=1,
+        eval_fraction=0.1,
+        num_workers=1,
+        show_progress=False,
+    )
     assert meta["vocab_size"] == tok.vocab_size and meta["examples"]["train"] > 20
     starts = tok.word_start_table()
     record = next(

@@ -92,21 +92,33 @@ QA = "data[0].paragraphs[0].qas[1]"
     "edit, message",
     [
         (lambda d: d["data"][0].pop("paragraphs"), "data[0] has no 'paragraphs'"),
-        (lambda d: d["data"][0]["paragraphs"][0].pop("context"),
-         "data[0].paragraphs[0] has no 'context'"),
+        (
+            lambda d: d["data"][0]["paragraphs"][0].pop("context"),
+            "data[0].paragraphs[0] has no 'context'",
+        ),
         (lambda d: d["data"][0]["paragraphs"][0].pop("qas"), "data[0].paragraphs[0] has no 'qas'"),
-        (lambda d: d["data"][0]["paragraphs"][0]["qas"][1]["answers"][0].pop("text"),
-         f"question q1 ({QA}.answers[0]) has no 'text'"),
-        (lambda d: d["data"][0]["paragraphs"][0]["qas"][1]["answers"][0].pop("answer_start"),
-         f"question q1 ({QA}.answers[0]) has no 'answer_start'"),
-        (lambda d: d["data"][0]["paragraphs"][0]["qas"][1]["answers"][0].update(answer_start="13"),
-         f"question q1 ({QA}.answers[0]): 'answer_start' is \"13\", not an integer"),
-        (lambda d: d["data"][0]["paragraphs"][0]["qas"][1].update(answers=None),
-         f"question q1 ({QA}): 'answers' is null, not a list"),
+        (
+            lambda d: d["data"][0]["paragraphs"][0]["qas"][1]["answers"][0].pop("text"),
+            f"question q1 ({QA}.answers[0]) has no 'text'",
+        ),
+        (
+            lambda d: d["data"][0]["paragraphs"][0]["qas"][1]["answers"][0].pop("answer_start"),
+            f"question q1 ({QA}.answers[0]) has no 'answer_start'",
+        ),
+        (
+            lambda d: d["data"][0]["paragraphs"][0]["qas"][1]["answers"][0].update(
+                answer_start="13"
+            ),
+            f"question q1 ({QA}.answers[0]): 'answer_start' is \"13\", not an integer",
+        ),
+        (
+            lambda d: d["data"][0]["paragraphs"][0]["qas"][1].update(answers=None),
+            f"question q1 ({QA}): 'answers' is null, not a list",
+        ),
         (lambda d: d.update(data={"title": "t"}), "'data' is a dict, not a list of articles"),
         (lambda d: d["data"].append("x"), "data[1] is a str, not a article object"),
     ],
-)  # fmt: skip
+)
 def test_squad_file_without_a_key_names_the_place_and_the_key(tmp_path, edit, message):
     path = tmp_path / "train-v1.1.json"
     path.write_text(json.dumps(_squad_edit(edit)))
@@ -145,8 +157,14 @@ def hf_dir(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("hf")
     (root / "vocab.txt").write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "a"]))
-    config = BertConfig(vocab_size=6, hidden_size=8, num_layers=1, num_heads=2,
-                        intermediate_size=16, max_position_embeddings=16)  # fmt: skip
+    config = BertConfig(
+        vocab_size=6,
+        hidden_size=8,
+        num_layers=1,
+        num_heads=2,
+        intermediate_size=16,
+        max_position_embeddings=16,
+    )
     ids = np.zeros((1, 4), np.int32)
     params = nn.meta.unbox(BertModel(config).init(jax.random.key(0), ids)["params"])
     tensors = {k: np.asarray(v) for k, v in flatten_params({"bert": params}).items()}
@@ -214,8 +232,14 @@ def test_a_corrupted_bertjax_checkpoint_is_one_line_naming_the_step(hf_dir, tmp_
 
 def _bertjax(*args, cwd=REPO, timeout=300):
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.run([sys.executable, "-m", "bertjax.cli", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=timeout)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "bertjax.cli", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     return proc.returncode, proc.stderr.strip().splitlines()
 
 
@@ -224,14 +248,21 @@ def _bertjax(*args, cwd=REPO, timeout=300):
     [
         (None, "bertjax: error: --config={config}: no such config file"),
         ("def get_config(:\n", "bertjax: error: {config}:1: invalid config file: invalid syntax"),
-        ("def other():\n    pass\n", "bertjax: error: {config}: the config file defines no get_config()"),
-        ("def get_config():\n    x = 1\n    raise ValueError('no such preset: huge')\n",
-         "bertjax: error: {config}:3: get_config() failed: ValueError: no such preset: huge"),
-        ("def get_config():\n    open('/nonexistent/x')\n",  # reported when the config is used
-         "bertjax: error: Configuration is not available because of an earlier failure to load: "
-         "[Errno 2] No such file or directory: '/nonexistent/x'"),
+        (
+            "def other():\n    pass\n",
+            "bertjax: error: {config}: the config file defines no get_config()",
+        ),
+        (
+            "def get_config():\n    x = 1\n    raise ValueError('no such preset: huge')\n",
+            "bertjax: error: {config}:3: get_config() failed: ValueError: no such preset: huge",
+        ),
+        (
+            "def get_config():\n    open('/nonexistent/x')\n",  # reported when the config is used
+            "bertjax: error: Configuration is not available because of an earlier failure to load: "
+            "[Errno 2] No such file or directory: '/nonexistent/x'",
+        ),
     ],
-)  # fmt: skip
+)
 def test_a_config_file_that_does_not_load_is_one_line(tmp_path, body, expected):
     config = tmp_path / "configs" / "mine.py"
     if body is not None:
@@ -243,8 +274,14 @@ def test_a_config_file_that_does_not_load_is_one_line(tmp_path, body, expected):
 
 def test_local_sh_without_a_command_stops_before_starting_processes(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "BERTJAX_CMD"}
-    proc = subprocess.run([str(REPO / "launch" / "local.sh"), "2", "--"], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    proc = subprocess.run(
+        [str(REPO / "launch" / "local.sh"), "2", "--"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 2
     assert proc.stderr.strip() == (
         "local.sh: error: no bertjax command after '--' (e.g. -- pretrain --config=... --workdir=...)"

@@ -129,9 +129,14 @@ def test_run_dry_run_quotes_args_for_the_remote_shell():
     start = remote.index("setsid nohup ")
     launch = shlex.split(remote[start : remote.index(" > logs/pretrain.log")])
     assert launch == [
-        "setsid", "nohup", "make", "pretrain", "CONFIG=configs/bert_base.py",
-        "WORKDIR=gs://bkt/run_1", f"ARGS={args}",
-    ]  # fmt: skip
+        "setsid",
+        "nohup",
+        "make",
+        "pretrain",
+        "CONFIG=configs/bert_base.py",
+        "WORKDIR=gs://bkt/run_1",
+        f"ARGS={args}",
+    ]
     assert remote.startswith("cd bertjax && mkdir -p logs || exit 1;")
     assert "2>&1 < /dev/null & echo $! > logs/pretrain.pid;" in remote
 
@@ -242,10 +247,18 @@ def test_sbatch_builds_the_srun_line(tmp_path, tasks_per_node, expected_extra):
     assert proc.returncode == 0, proc.stderr
     srun_args = (tmp_path / "srun.args").read_text().splitlines()
     assert srun_args == [
-        "--kill-on-bad-exit=1", "--label", sys.executable, "-m", "bertjax.cli", "pretrain",
-        "--config=cfg.py", "--workdir=/shared/w", "--config.total_steps=10", "--config.seed=3",
+        "--kill-on-bad-exit=1",
+        "--label",
+        sys.executable,
+        "-m",
+        "bertjax.cli",
+        "pretrain",
+        "--config=cfg.py",
+        "--workdir=/shared/w",
+        "--config.total_steps=10",
+        "--config.seed=3",
         *expected_extra,
-    ]  # fmt: skip
+    ]
 
 
 def test_sbatch_outside_slurm_fails_with_one_line():
@@ -315,9 +328,14 @@ def pid_alive(pid: int) -> bool:
 
 def test_local_two_processes_agree_on_a_cross_process_sum(tmp_path):
     run = LocalRun(
-        tmp_path, 2, f"{sys.executable} {PROBE}", "--devices_per_process", "2", "--",
+        tmp_path,
+        2,
+        f"{sys.executable} {PROBE}",
+        "--devices_per_process",
+        "2",
+        "--",
         "--distributed.timeout_s=300",
-    )  # fmt: skip
+    )
     assert run.wait(timeout=600) == 0, run.console[-3000:]
     assert "local.sh: all 2 processes finished OK" in run.console
     assert "PROBE_RESULT " in run.console  # process 0 is echoed to the console
@@ -339,9 +357,15 @@ def test_local_two_processes_agree_on_a_cross_process_sum(tmp_path):
 def test_local_stops_everyone_when_one_process_is_killed(tmp_path):
     # Process 0 would stay up for an hour after its result: only local.sh can end it this soon.
     run = LocalRun(
-        tmp_path, 2, f"{sys.executable} {PROBE}", "--devices_per_process=2", "--",
-        "--sleep_s=3600", "--distributed.timeout_s=300", extra_env={"STOP_GRACE_S": "2"},
-    )  # fmt: skip
+        tmp_path,
+        2,
+        f"{sys.executable} {PROBE}",
+        "--devices_per_process=2",
+        "--",
+        "--sleep_s=3600",
+        "--distributed.timeout_s=300",
+        extra_env={"STOP_GRACE_S": "2"},
+    )
     log1 = tmp_path / "logs" / "process_1.log"
     deadline = time.monotonic() + 600
     while not (log1.exists() and "PROBE_RESULT" in log1.read_text()):

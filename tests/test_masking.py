@@ -118,10 +118,15 @@ def test_numpy_statistics(whole_word):
     samples = []
     for _ in range(1500):
         m = masking.create_masked_lm_predictions(
-            ids[:50], gen, vocab_size=VOCAB, mask_id=MASK, special_ids=SPECIALS,
-            masked_lm_prob=0.15, max_predictions_per_seq=20,
+            ids[:50],
+            gen,
+            vocab_size=VOCAB,
+            mask_id=MASK,
+            special_ids=SPECIALS,
+            masked_lm_prob=0.15,
+            max_predictions_per_seq=20,
             word_start=WORD_START if whole_word else None,
-        )  # fmt: skip
+        )
         samples.append((np.concatenate([m.input_ids, ids[50:]]), m.positions, m.labels))
     budget = masking.num_to_predict(50, 0.15, 20)  # 8 of 47 candidates: ~15% of the sequence
     fractions = _check_stats(samples, ids, mask, budget, whole_word)
@@ -136,10 +141,17 @@ def test_tf_statistics_and_determinism(whole_word):
 
     def run(seed):
         out = masking.tf_mask_tokens(
-            tf.constant(ids), tf.constant(mask), tf.constant(seed, tf.int64), WORD_START,
-            vocab_size=VOCAB, mask_id=MASK, special_ids=SPECIALS, masked_lm_prob=0.15,
-            max_predictions_per_seq=20, whole_word=whole_word,
-        )  # fmt: skip
+            tf.constant(ids),
+            tf.constant(mask),
+            tf.constant(seed, tf.int64),
+            WORD_START,
+            vocab_size=VOCAB,
+            mask_id=MASK,
+            special_ids=SPECIALS,
+            masked_lm_prob=0.15,
+            max_predictions_per_seq=20,
+            whole_word=whole_word,
+        )
         k = int(out["masked_lm_weights"].numpy().sum())
         return (
             out["input_ids"].numpy(),
@@ -162,7 +174,7 @@ def test_tf_statistics_and_determinism(whole_word):
             masked_lm_prob=0.15,
             max_predictions_per_seq=20,
             whole_word=whole_word,
-        )  # fmt: skip
+        )
     )
     samples = []
     for out in ds.as_numpy_iterator():
@@ -188,7 +200,7 @@ def test_tf_batched_pipeline_with_int32_ids_and_no_candidates():
             mask_id=MASK,
             special_ids=SPECIALS,
             max_predictions_per_seq=3,
-        )  # fmt: skip
+        )
     ).batch(2)
     out = next(iter(ds))
     assert out["input_ids"].dtype == tf.int32 and out["masked_lm_positions"].shape == (2, 3)
@@ -207,8 +219,12 @@ def test_create_masked_lm_predictions_equals_the_reference_on_the_same_draws(who
         ids[0], ids[-1] = CLS, SEP
         if n > 6 and trial % 2:
             ids[int(rng.integers(1, n - 1))] = SEP
-        kw = dict(mask_id=MASK, special_ids=SPECIALS, masked_lm_prob=float(rng.choice([0.15, 0.5])),
-                  max_predictions_per_seq=int(rng.integers(1, 25)))  # fmt: skip
+        kw = dict(
+            mask_id=MASK,
+            special_ids=SPECIALS,
+            masked_lm_prob=float(rng.choice([0.15, 0.5])),
+            max_predictions_per_seq=int(rng.integers(1, 25)),
+        )
         ws = WORD_START if whole_word else None
         seed = int(rng.integers(1 << 30))
         out = masking.create_masked_lm_predictions(

@@ -63,8 +63,10 @@ class Contrastive(Task):
         return Encoder(model_config.rate)
 
     def init_batch(self, phase, batch_size):
-        return {"query": np.zeros((batch_size, FEATURES), np.float32), "document": np.zeros(
-            (batch_size, FEATURES), np.float32)}  # fmt: skip
+        return {
+            "query": np.zeros((batch_size, FEATURES), np.float32),
+            "document": np.zeros((batch_size, FEATURES), np.float32),
+        }
 
     def model_inputs(self, batch):
         return {"x": batch["query"]}
@@ -158,8 +160,10 @@ def test_cached_step_equals_the_whole_batch_gradient_and_plain_accumulation_does
 
     grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
     _, _, summed = jax.jit(lambda p: microbatch.accumulate(grad_fn, p, micro, rng, K))(params)
-    gaps = [np.abs(a - b).max() / np.abs(b).max() for a, b in zip(jax.tree.leaves(summed),
-                                                                 jax.tree.leaves(want))]  # fmt: skip
+    gaps = [
+        np.abs(a - b).max() / np.abs(b).max()
+        for a, b in zip(jax.tree.leaves(summed), jax.tree.leaves(want))
+    ]
     assert max(gaps) > 0.05, gaps
 
 

@@ -85,15 +85,25 @@ def reference(monkeypatch):
     def mine(pairs, model, corpus, output_format="n-tuple", **kwargs):
         dataset = _Table({"query": [q for q, _ in pairs], "positive": [p for _, p in pairs]})
         out = hard_negatives.mine_hard_negatives(
-            dataset, model, corpus=corpus, output_format=output_format, output_scores=True,
-            use_faiss=False, verbose=False, **kwargs,
-        )  # fmt: skip
+            dataset,
+            model,
+            corpus=corpus,
+            output_format=output_format,
+            output_scores=True,
+            use_faiss=False,
+            verbose=False,
+            **kwargs,
+        )
         names = [c for c in out.column_names if c.startswith("negative")]
         return [
-            {"query": row["query"], "positive": row["positive"],
-             "negatives": [row[c] for c in names], "scores": row["scores"]}
+            {
+                "query": row["query"],
+                "positive": row["positive"],
+                "negatives": [row[c] for c in names],
+                "scores": row["scores"],
+            }
             for row in out
-        ]  # fmt: skip
+        ]
 
     return mine
 
@@ -233,9 +243,11 @@ def test_a_plain_embed_function_gives_the_same_rows(models, data, reference):
     pairs, corpus = data
     kwargs = dict(range_min=1, range_max=12, num_negatives=3)
     got = mining.mine_hard_negatives(
-        pairs, lambda texts, batch_size: st_model.encode(texts, batch_size=batch_size),
-        corpus=corpus, **kwargs,
-    )  # fmt: skip
+        pairs,
+        lambda texts, batch_size: st_model.encode(texts, batch_size=batch_size),
+        corpus=corpus,
+        **kwargs,
+    )
     want = reference(pairs, st_model, corpus, **kwargs)
     _assert_same(got.rows, want)
     for a, b in zip(got.rows, want):
@@ -269,26 +281,48 @@ def test_mined_rows_train_the_retrieval_task(models, tmp_path, capsys, kind):
     docs = [" ".join(rng.choice(words, 6)) for _ in range(30)]
     folder = _beir(tmp_path / "beir", docs, [" ".join(d.split()[:3]) for d in docs[:12]])
     out = tmp_path / "rows.jsonl"
-    mine_tool.main([f"--checkpoint={directory}", f"--data={folder}", f"--output={out}",
-                    "--num_negatives=2", "--range_min=1", "--batch_size=8"])  # fmt: skip
+    mine_tool.main(
+        [
+            f"--checkpoint={directory}",
+            f"--data={folder}",
+            f"--output={out}",
+            "--num_negatives=2",
+            "--range_min=1",
+            "--batch_size=8",
+        ]
+    )
     err = capsys.readouterr().err
     assert "1 judged documents of train are not in the corpus" in err
     assert f"wrote 8 rows (n-tuple) to {out}" in err and "mean score: positive" in err
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     pairs, corpus, missing = mining.beir_pairs(str(folder), "train")
     assert missing == 1 and len(pairs) == 8
-    want = mining.mine_hard_negatives(pairs, model, corpus=corpus, num_negatives=2, range_min=1,
-                                      batch_size=8)  # fmt: skip
+    want = mining.mine_hard_negatives(
+        pairs, model, corpus=corpus, num_negatives=2, range_min=1, batch_size=8
+    )
     assert rows == json.loads(json.dumps(want.rows))
     c = retrieval_config.get_config()
-    set_keys(c, {
-        "init_checkpoint": str(directory), "data_dir": str(folder), "data.train_file": str(out),
-        "data.num_negatives": 2, "data.max_seq_length": 24, "data.max_query_length": 16,
-        "train.global_batch_size": 4, "train.steps": 2, "train.log_every": 1,
-        "train.checkpoint_every": 100, "train.async_checkpoints": False,
-        "optimizer.warmup_proportion": 0.0, "optimizer.warmup_steps": 0,
-        "optimizer.learning_rate": 1e-3, "tensorboard": False, "mesh.num_devices": 1,
-    })  # fmt: skip
+    set_keys(
+        c,
+        {
+            "init_checkpoint": str(directory),
+            "data_dir": str(folder),
+            "data.train_file": str(out),
+            "data.num_negatives": 2,
+            "data.max_seq_length": 24,
+            "data.max_query_length": 16,
+            "train.global_batch_size": 4,
+            "train.steps": 2,
+            "train.log_every": 1,
+            "train.checkpoint_every": 100,
+            "train.async_checkpoints": False,
+            "optimizer.warmup_proportion": 0.0,
+            "optimizer.warmup_steps": 0,
+            "optimizer.learning_rate": 1e-3,
+            "tensorboard": False,
+            "mesh.num_devices": 1,
+        },
+    )
     task = train.prepared_task(c, str(tmp_path / "run"))
     assert task.train_features["doc_valid"].sum() == 8 * 3  # every row: positive + 2 negatives
     result = train.train_and_evaluate(c, str(tmp_path / "run"))
@@ -310,10 +344,12 @@ def _write(path, lines):
         (["", "{not json"], r"pairs.jsonl:2: invalid JSON"),
         (["[1, 2]"], r"pairs.jsonl:1: expected a JSON object"),
         ([""], r"pairs.jsonl: no \(query, positive\) pairs"),
-        ([{"query": "a", "positive": "b"}, {"query": "a", "positive": "z"}],
-         r"pairs.jsonl:2: the positive is not a document of .*corpus.jsonl"),
+        (
+            [{"query": "a", "positive": "b"}, {"query": "a", "positive": "z"}],
+            r"pairs.jsonl:2: the positive is not a document of .*corpus.jsonl",
+        ),
     ],
-)  # fmt: skip
+)
 def test_bad_pairs_are_one_line_errors_naming_the_line(tmp_path, lines, message):
     corpus = mining.read_corpus(_write(tmp_path / "corpus.jsonl", [{"text": "b"}, {"text": "c"}]))
     with pytest.raises(ValueError, match=message):
@@ -361,11 +397,21 @@ def test_the_command_writes_rows_atomically_from_pairs(models, tmp_path, capsys)
     docs = ["the lazy dog", "quick brown fox", "a red bird", "blue moon", "sun and tree", "fish"]
     records = [{"_id": str(i), "text": d} for i, d in enumerate(docs)]
     corpus = _write(tmp_path / "corpus.jsonl", records)
-    pairs = _write(tmp_path / "pairs.jsonl", [{"query": "dog", "positive": docs[0]},
-                                              {"query": "fox", "positive": docs[1]}])  # fmt: skip
+    pairs = _write(
+        tmp_path / "pairs.jsonl",
+        [{"query": "dog", "positive": docs[0]}, {"query": "fox", "positive": docs[1]}],
+    )
     out = tmp_path / "sub" / "rows.jsonl"
-    mine_tool.main([f"--checkpoint={directory}", f"--pairs={pairs}", f"--corpus={corpus}",
-                    f"--output={out}", "--num_negatives=2", "--format=triplet"])  # fmt: skip
+    mine_tool.main(
+        [
+            f"--checkpoint={directory}",
+            f"--pairs={pairs}",
+            f"--corpus={corpus}",
+            f"--output={out}",
+            "--num_negatives=2",
+            "--format=triplet",
+        ]
+    )
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(rows) == 4 and {r["query"] for r in rows} == {"dog", "fox"}
     assert all(r["negatives"][0] not in (docs[0], docs[1]) for r in rows)

@@ -400,7 +400,9 @@ def test_config_presets_and_validation():
     names = modernbert.preset_names()
     presets = ["modernbert-tiny", "modernbert-mini", "modernbert-base", "modernbert-large"]
     assert names == presets
-    with pytest.raises(ValueError, match="^ModernBERT preset 'base' is now named 'modernbert-base'"):
+    with pytest.raises(
+        ValueError, match="^ModernBERT preset 'base' is now named 'modernbert-base'"
+    ):
         modernbert.get_preset("base")  # bertjax 0.2's short name: BERT-base's name
     base, large = (
         modernbert.get_preset("modernbert-base"),

@@ -152,9 +152,16 @@ def test_evaluate_mlm_compares_checkpoints_on_the_same_records(tmp_path):
     data = write_prepared(tmp_path / "prepared")
     got = evaluate_mlm(str(tmp_path / "hf"), str(data), batch_size=8)
     batches = pipeline.PretrainingData(
-        str(data), "eval", 8, seed=0, process_index=0, process_count=1,
-        repeat=False, shuffle=False, drop_remainder=False,
-    )  # fmt: skip
+        str(data),
+        "eval",
+        8,
+        seed=0,
+        process_index=0,
+        process_count=1,
+        repeat=False,
+        shuffle=False,
+        drop_remainder=False,
+    )
     nll, weight = 0.0, 0.0
     for b in batches:
         logits = _torch_logits(model, b["input_ids"].astype(np.int64), b["input_mask"])

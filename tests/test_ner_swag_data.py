@@ -8,8 +8,31 @@ from bertjax.tasks import metrics
 from bertjax.tasks import ner_data as td
 from bertjax.tasks import swag_data as cd
 
-WORDS = ["eu", "rejects", "german", "call", "to", "boycott", "british", "lamb", ".", "peter", "black",
-         "##burn", "he", "runs", "a", "man", "is", "sitting", "on", "the", "roof", "then", "jumps"]  # fmt: skip
+WORDS = [
+    "eu",
+    "rejects",
+    "german",
+    "call",
+    "to",
+    "boycott",
+    "british",
+    "lamb",
+    ".",
+    "peter",
+    "black",
+    "##burn",
+    "he",
+    "runs",
+    "a",
+    "man",
+    "is",
+    "sitting",
+    "on",
+    "the",
+    "roof",
+    "then",
+    "jumps",
+]
 TOK = TinyTokenizer(WORDS)
 
 # CoNLL-2003 layout (IOB1 tags as in the original release), last sentence without a blank line.
@@ -41,8 +64,16 @@ def test_read_conll_and_labels(tmp_path):
     assert [len(s.words) for s in sentences] == [9, 2, 2]
     assert sentences[1] == td.TaggedSentence(("Peter", "Blackburn"), ("I-PER", "I-PER"))
     assert td.iob1_to_bio(sentences[0].tags) == [
-        "B-ORG", "O", "B-MISC", "O", "O", "O", "B-MISC", "O", "O"
-    ]  # fmt: skip
+        "B-ORG",
+        "O",
+        "B-MISC",
+        "O",
+        "O",
+        "O",
+        "B-MISC",
+        "O",
+        "O",
+    ]
     assert td.iob1_to_bio(["I-LOC", "B-LOC", "I-LOC", "I-PER"]) == [
         "B-LOC",
         "B-LOC",

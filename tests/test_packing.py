@@ -126,9 +126,14 @@ def test_packed_row_equals_the_sequences_run_separately(impl):
     params = model.init(jax.random.key(0), jnp.asarray(ids))["params"]
     apply = jax.jit(model.apply)
     out = apply(
-        {"params": params}, ids, types, None, position_ids=positions, pack_ids=pack_ids,
+        {"params": params},
+        ids,
+        types,
+        None,
+        position_ids=positions,
+        pack_ids=pack_ids,
         pool_positions=starts[None],
-    )  # fmt: skip
+    )
     assert out.pooled_output.shape == (1, 3, cfg.hidden_size)
     # Each sequence alone, padded to 12 with attention_mask (one batch), and the first unpadded.
     padded = [np.stack([np.pad(x, (0, 12 - len(x))) for x in xs]) for xs in zip(*seqs)]
@@ -172,10 +177,14 @@ def test_packed_mlm_loss_is_the_weighted_mean_of_the_separate_losses(tmp_path):
     ids = ids.copy()
     ids[0, flat] = 4  # [MASK]
     batch = dict(
-        input_ids=ids, segment_ids=types, input_mask=(pack_ids > 0).astype(np.int32),
-        pack_ids=pack_ids, position_ids=positions, next_sentence_labels=np.zeros(1, np.int32),
+        input_ids=ids,
+        segment_ids=types,
+        input_mask=(pack_ids > 0).astype(np.int32),
+        pack_ids=pack_ids,
+        position_ids=positions,
+        next_sentence_labels=np.zeros(1, np.int32),
         **mlm,
-    )  # fmt: skip
+    )
     params = model.init(jax.random.key(0), jnp.asarray(ids))["params"]
 
     def loss_fn(task):
@@ -192,13 +201,14 @@ def test_packed_mlm_loss_is_the_weighted_mean_of_the_separate_losses(tmp_path):
         masked = np.pad(s, (0, 16 - len(s)))
         masked[pick] = 4
         one = dict(
-            input_ids=masked[None], segment_ids=np.pad(t, (0, 16 - len(t)))[None],
+            input_ids=masked[None],
+            segment_ids=np.pad(t, (0, 16 - len(t)))[None],
             input_mask=(np.arange(16) < len(s)).astype(np.int32)[None],
             masked_lm_positions=np.pad(pick, (0, 3 - len(pick)))[None],
             masked_lm_ids=np.pad(s[pick], (0, 3 - len(pick)))[None],
             masked_lm_weights=(np.arange(3) < len(pick)).astype(np.float32)[None],
             next_sentence_labels=np.zeros(1, np.int32),
-        )  # fmt: skip
+        )
         losses.append(float(plain(one)))
         counts.append(len(pick))
     packed = packed(batch)
@@ -237,9 +247,14 @@ def corpus(tmp_path_factory):
 def _prepare(corpus, out, **kw):
     tok = load_tokenizer(str(corpus / "vocab.txt"), do_lower_case=True)
     opts = dict(
-        max_seq_length=48, max_predictions_per_seq=8, nsp=False, dupe_factor=1, num_shards=2,
-        num_workers=1, show_progress=False,
-    )  # fmt: skip
+        max_seq_length=48,
+        max_predictions_per_seq=8,
+        nsp=False,
+        dupe_factor=1,
+        num_shards=2,
+        num_workers=1,
+        show_progress=False,
+    )
     return tok, prepare.prepare(f"{corpus}/part-*.txt", str(out), tok, **{**opts, **kw})
 
 
@@ -317,9 +332,13 @@ def test_packed_prepare_is_the_same_for_any_worker_count(corpus, tmp_path):
 def test_dynamic_masking_never_masks_the_special_tokens_of_packed_sequences(corpus, tmp_path):
     tok, meta = _prepare(corpus, tmp_path / "dyn", packing=True, masking="dynamic")
     ds = pipeline.pretraining_dataset(
-        str(tmp_path / "dyn"), "train", 8, seed=0, repeat=False,
+        str(tmp_path / "dyn"),
+        "train",
+        8,
+        seed=0,
+        repeat=False,
         dynamic_masking=pipeline.dynamic_masking_config(meta, None),
-    )  # fmt: skip
+    )
     plain = {tuple(r["input_ids"]): r for r in _records(tmp_path / "dyn", meta)}
     batches = 0
     for batch in ds.as_numpy_iterator():
@@ -369,28 +388,37 @@ def test_evaluate_mlm_runs_packed_rows_as_their_sequences():
 
     cfg = get_preset("tiny", vocab_size=VOCAB, max_position_embeddings=32)
     rng = np.random.default_rng(2)
-    seqs = [(np.array([CLS, *rng.integers(5, VOCAB, n - 2), SEP]), np.zeros(n, np.int32))
-            for n in (7, 10, 5)]  # fmt: skip
+    seqs = [
+        (np.array([CLS, *rng.integers(5, VOCAB, n - 2), SEP]), np.zeros(n, np.int32))
+        for n in (7, 10, 5)
+    ]
     (ids, types, pack_ids, positions), starts = _packed_row(seqs, 24)
     local = [np.array([1, 3]), np.array([2, 5, 8]), np.array([1])]  # masked positions per sequence
     targets = [rng.integers(5, VOCAB, len(p)) for p in local]
     model = PreTrainingModel(cfg, nsp=False)
-    params = model.init(jax.random.key(0), jnp.asarray(ids), masked_lm_positions=jnp.zeros((1, 6), jnp.int32))["params"]  # fmt: skip
+    params = model.init(
+        jax.random.key(0), jnp.asarray(ids), masked_lm_positions=jnp.zeros((1, 6), jnp.int32)
+    )["params"]
     packed = {
-        "input_ids": ids, "segment_ids": types, "input_mask": (ids > 0).astype(np.int32),
-        "pack_ids": pack_ids, "position_ids": positions,
+        "input_ids": ids,
+        "segment_ids": types,
+        "input_mask": (ids > 0).astype(np.int32),
+        "pack_ids": pack_ids,
+        "position_ids": positions,
         "masked_lm_positions": np.concatenate([p + s for p, s in zip(local, starts)])[None],
         "masked_lm_ids": np.concatenate(targets)[None].astype(np.int32),
         "masked_lm_weights": np.ones((1, 6), np.float32),
-    }  # fmt: skip
+    }
     got = np.asarray(masked_lm_sums(model, params, packed))
     want = np.zeros(3)
     for (s, t), p, y in zip(seqs, local, targets):
         alone = {
-            "input_ids": s[None].astype(np.int32), "segment_ids": t[None],
+            "input_ids": s[None].astype(np.int32),
+            "segment_ids": t[None],
             "input_mask": np.ones((1, len(s)), np.int32),
-            "masked_lm_positions": p[None].astype(np.int32), "masked_lm_ids": y[None].astype(np.int32),
+            "masked_lm_positions": p[None].astype(np.int32),
+            "masked_lm_ids": y[None].astype(np.int32),
             "masked_lm_weights": np.ones((1, len(p)), np.float32),
-        }  # fmt: skip
+        }
         want += np.asarray(masked_lm_sums(model, params, alone))
     np.testing.assert_allclose(got, want, rtol=1e-5)

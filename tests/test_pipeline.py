@@ -441,15 +441,31 @@ def test_records_prepared_from_real_text(shared_data, uncased_vocab, tmp_path, m
     (tmp_path / "novel.txt").write_text("\n".join(lines), encoding="utf-8")
     tok = load_tokenizer(str(uncased_vocab))
     meta = prepare.prepare(
-        str(tmp_path / "novel.txt"), str(tmp_path / "out"), tok, corpus_format="text",
-        max_seq_length=64, max_predictions_per_seq=10, dupe_factor=1, num_shards=2,
-        masking=masking, whole_word_mask=True, num_workers=1, show_progress=False,
-    )  # fmt: skip
+        str(tmp_path / "novel.txt"),
+        str(tmp_path / "out"),
+        tok,
+        corpus_format="text",
+        max_seq_length=64,
+        max_predictions_per_seq=10,
+        dupe_factor=1,
+        num_shards=2,
+        masking=masking,
+        whole_word_mask=True,
+        num_workers=1,
+        show_progress=False,
+    )
     dynamic = pipeline.dynamic_masking_config(meta, tok.word_start_table())
     data = pipeline.PretrainingData(
-        tmp_path / "out", "train", 8, seed=0, process_index=0, process_count=1, repeat=False,
-        dynamic_masking=dynamic if masking == "dynamic" else None, drop_remainder=False,
-    )  # fmt: skip
+        tmp_path / "out",
+        "train",
+        8,
+        seed=0,
+        process_index=0,
+        process_count=1,
+        repeat=False,
+        dynamic_masking=dynamic if masking == "dynamic" else None,
+        drop_remainder=False,
+    )
     batches = list(data)
     assert sum(b["input_ids"].shape[0] for b in batches) == meta["examples"]["train"] > 50
     for b in batches:

@@ -31,10 +31,21 @@ def _report(config) -> dict:
     """compile_train_step's report for a candidate: remat=none runs out of memory the way the TPU
     compiler refuses it (a lower bound of 650 GiB); any other candidate fits in 3 GiB."""
     if config.model.remat == "none":
-        return {"fits": False, "hbm_bytes_per_device": None, "hbm_bytes_at_least": 650 * GIB,
-                "hbm_capacity_bytes": 16 * GIB, "compile_error": HBM_REFUSAL}  # fmt: skip
-    return {"fits": True, "hbm_bytes_per_device": 3 * GIB, "hbm_capacity_bytes": 16 * GIB,
-            "est_step_seconds": 0.012, "est_mfu": 0.4, "est_tokens_per_sec_per_chip": 1e5}  # fmt: skip
+        return {
+            "fits": False,
+            "hbm_bytes_per_device": None,
+            "hbm_bytes_at_least": 650 * GIB,
+            "hbm_capacity_bytes": 16 * GIB,
+            "compile_error": HBM_REFUSAL,
+        }
+    return {
+        "fits": True,
+        "hbm_bytes_per_device": 3 * GIB,
+        "hbm_capacity_bytes": 16 * GIB,
+        "est_step_seconds": 0.012,
+        "est_mfu": 0.4,
+        "est_tokens_per_sec_per_chip": 1e5,
+    }
 
 
 @pytest.fixture
@@ -93,9 +104,9 @@ def test_a_rejected_candidate_shows_needed_against_available_memory(config, scri
 
 
 @pytest.mark.parametrize(
-    "flag,value", [("budget_seconds", 0), ("budget_seconds", -5.0), ("max_candidates", 0),
-                   ("jobs", 0)],
-)  # fmt: skip
+    "flag,value",
+    [("budget_seconds", 0), ("budget_seconds", -5.0), ("max_candidates", 0), ("jobs", 0)],
+)
 def test_a_limit_that_allows_no_compile_is_an_error_naming_its_flag(config, scripted, flag, value):
     with pytest.raises(ValueError, match=f"^--{flag}={value}: must be positive$"):
         search(config, [BASE], **{flag: value})
@@ -134,14 +145,27 @@ def test_compile_without_a_slice_or_workdir_is_an_error(config):
 
 
 def test_the_compile_report_says_where_its_estimate_and_memory_come_from():
-    report = {"devices": 4, "device_kind": "TPU v5 lite", "mesh": {"data": 4}, "phase": 0,
-              "global_batch_size": 16, "hbm_bytes_per_device": 22967296,
-              "argument_size_in_bytes": 1543168, "temp_size_in_bytes": 11225088,
-              "generated_code_size_in_bytes": 10193920, "hbm_capacity_bytes": 16 * GIB,
-              "fits": True, "hbm_headroom_bytes": 16 * GIB - 22967296, "est_step_seconds": 0.001,
-              "est_tokens_per_sec_per_chip": 5e5, "est_mfu": 0.1, "compile_seconds": 25.9,
-              "est_from": "the same step with no sliced prefetches (the cost model gives them no "
-              "cost on this chip)", "largest_arrays": []}  # fmt: skip
+    report = {
+        "devices": 4,
+        "device_kind": "TPU v5 lite",
+        "mesh": {"data": 4},
+        "phase": 0,
+        "global_batch_size": 16,
+        "hbm_bytes_per_device": 22967296,
+        "argument_size_in_bytes": 1543168,
+        "temp_size_in_bytes": 11225088,
+        "generated_code_size_in_bytes": 10193920,
+        "hbm_capacity_bytes": 16 * GIB,
+        "fits": True,
+        "hbm_headroom_bytes": 16 * GIB - 22967296,
+        "est_step_seconds": 0.001,
+        "est_tokens_per_sec_per_chip": 5e5,
+        "est_mfu": 0.1,
+        "compile_seconds": 25.9,
+        "est_from": "the same step with no sliced prefetches (the cost model gives them no "
+        "cost on this chip)",
+        "largest_arrays": [],
+    }
     lines = aot.format_report(report).splitlines()
     assert (
         "            (arguments 1.5 MiB, temporaries 10.7 MiB, code 9.7 MiB: as the compiler lays "
@@ -164,14 +188,24 @@ def test_the_plan_command_fails_when_nothing_fits_and_needs_no_workdir(
 
     monkeypatch.setattr(aot, "compile_train_step", lambda *a, **k: _report_refused())
     flags = types.SimpleNamespace(
-        topology="v5e-4", num_slices=1, phase=0, budget_seconds=60.0, max_candidates=2, jobs=1,
+        topology="v5e-4",
+        num_slices=1,
+        phase=0,
+        budget_seconds=60.0,
+        max_candidates=2,
+        jobs=1,
         json=False,
-    )  # fmt: skip
+    )
     with pytest.raises(plan.NothingFits):
         cli._aot_command("plan", config, None, flags)
     assert "raise --max_candidates to try them" in capsys.readouterr().out  # the table's verdict
 
 
 def _report_refused() -> dict:
-    return {"fits": False, "hbm_bytes_per_device": None, "hbm_bytes_at_least": 650 * GIB,
-            "hbm_capacity_bytes": 16 * GIB, "compile_error": HBM_REFUSAL}  # fmt: skip
+    return {
+        "fits": False,
+        "hbm_bytes_per_device": None,
+        "hbm_bytes_at_least": 650 * GIB,
+        "hbm_capacity_bytes": 16 * GIB,
+        "compile_error": HBM_REFUSAL,
+    }

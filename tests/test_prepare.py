@@ -158,9 +158,13 @@ def test_instances_equal_the_original_algorithm():
     for index in range(len(docs)):
         for seed in range(3):
             ours = prepare.create_instances_from_document(
-                docs, index, max_seq_length=64, short_seq_prob=0.3, nsp=True,
+                docs,
+                index,
+                max_seq_length=64,
+                short_seq_prob=0.3,
+                nsp=True,
                 rng=np.random.default_rng([seed, index]),
-            )  # fmt: skip
+            )
             ref = _original_instances(
                 docs, index, 64, 0.3, _OriginalRandom(np.random.default_rng([seed, index]))
             )
@@ -230,10 +234,17 @@ def _check_static_record(rec, meta, tok):
 def test_prepare_static_records(tmp_path, tok):
     paths = _write_corpus(tmp_path / "corpus")
     meta = prepare.prepare(
-        f"{tmp_path}/corpus/*.txt", str(tmp_path / "out"), tok, max_seq_length=48,
-        max_predictions_per_seq=6, dupe_factor=2, num_shards=3, eval_fraction=0.2,
-        num_workers=1, show_progress=False,
-    )  # fmt: skip
+        f"{tmp_path}/corpus/*.txt",
+        str(tmp_path / "out"),
+        tok,
+        max_seq_length=48,
+        max_predictions_per_seq=6,
+        dupe_factor=2,
+        num_shards=3,
+        eval_fraction=0.2,
+        num_workers=1,
+        show_progress=False,
+    )
     names = sorted(os.listdir(tmp_path / "out"))
     assert names == ["eval-00000-of-00001.tfrecord", "metadata.json"] + [
         f"train-{i:05d}-of-00003.tfrecord" for i in range(3)
@@ -306,10 +317,19 @@ def test_prepare_reuses_same_settings_and_rejects_others(tmp_path, tok):
 def test_prepare_dynamic_mlm_only_whole_word(tmp_path, tok):
     _write_corpus(tmp_path / "corpus", num_files=1)
     meta = prepare.prepare(
-        str(tmp_path / "corpus" / "part-0.txt"), str(tmp_path / "out"), tok, max_seq_length=40,
-        nsp=False, masking="dynamic", whole_word_mask=True, dupe_factor=1, short_seq_prob=0.0,
-        num_shards=1, num_workers=1, show_progress=False,
-    )  # fmt: skip
+        str(tmp_path / "corpus" / "part-0.txt"),
+        str(tmp_path / "out"),
+        tok,
+        max_seq_length=40,
+        nsp=False,
+        masking="dynamic",
+        whole_word_mask=True,
+        dupe_factor=1,
+        short_seq_prob=0.0,
+        num_shards=1,
+        num_workers=1,
+        show_progress=False,
+    )
     records = _read(str(tmp_path / "out" / "train-00000-of-00001.tfrecord"), meta, static=False)
     raw = next(
         iter(tf.data.TFRecordDataset(str(tmp_path / "out" / "train-00000-of-00001.tfrecord")))
@@ -339,7 +359,7 @@ def test_prepare_dynamic_mlm_only_whole_word(tmp_path, tok):
             special_ids=(CLS, SEP, PAD),
             max_predictions_per_seq=6,
             whole_word=True,
-        )  # fmt: skip
+        )
     )
     for out, rec in zip(ds.as_numpy_iterator(), records):
         k = int(out["masked_lm_weights"].sum())
@@ -367,9 +387,15 @@ def test_prepare_errors(tmp_path, tok):
             str(tmp_path / "one.txt"), str(tmp_path / "o2"), tok, num_workers=1, show_progress=False
         )
     meta = prepare.prepare(
-        str(tmp_path / "one.txt"), str(tmp_path / "o3"), tok, nsp=False, dupe_factor=1, num_shards=1,
-        num_workers=1, show_progress=False,
-    )  # fmt: skip
+        str(tmp_path / "one.txt"),
+        str(tmp_path / "o3"),
+        tok,
+        nsp=False,
+        dupe_factor=1,
+        num_shards=1,
+        num_workers=1,
+        show_progress=False,
+    )
     assert meta["examples"]["train"] == 1
     with pytest.raises(FileNotFoundError, match="missing.txt does not exist"):
         prepare.prepare(
@@ -382,11 +408,29 @@ def test_prepare_errors(tmp_path, tok):
 
 def test_cli(tmp_path, tiny_vocab, capsys):
     _write_corpus(tmp_path / "corpus", num_files=2, docs_per_file=4)
-    rc = prepare.main([
-        "--input", f"{tmp_path}/corpus/part-0.txt,{tmp_path}/corpus/part-1.txt", "--output_dir", str(tmp_path / "out"),
-        "--vocab", tiny_vocab, "--max_seq_length", "32", "--dupe_factor", "1", "--num_shards", "2",
-        "--masking", "dynamic", "--nsp", "false", "--num_workers", "1", "--no_progress",
-    ])  # fmt: skip
+    rc = prepare.main(
+        [
+            "--input",
+            f"{tmp_path}/corpus/part-0.txt,{tmp_path}/corpus/part-1.txt",
+            "--output_dir",
+            str(tmp_path / "out"),
+            "--vocab",
+            tiny_vocab,
+            "--max_seq_length",
+            "32",
+            "--dupe_factor",
+            "1",
+            "--num_shards",
+            "2",
+            "--masking",
+            "dynamic",
+            "--nsp",
+            "false",
+            "--num_workers",
+            "1",
+            "--no_progress",
+        ]
+    )
     assert rc == 0 and "examples" in capsys.readouterr().out
     meta = json.loads((tmp_path / "out" / "metadata.json").read_text())
     assert (meta["masking"], meta["nsp"], meta["max_seq_length"], meta["dupe_factor"]) == (
@@ -406,9 +450,15 @@ def test_real_gutenberg_sample(tmp_path, uncased_vocab, shared_data):
     (tmp_path / "sample.txt").write_bytes(src.read_bytes()[:300_000].rsplit(b"\n", 1)[0])
     tokenizer = load_tokenizer(str(uncased_vocab), do_lower_case=True)
     meta = prepare.prepare(
-        str(tmp_path / "sample.txt"), str(tmp_path / "out"), tokenizer, corpus_format="text",
-        dupe_factor=1, num_shards=1, num_workers=1, show_progress=False,
-    )  # fmt: skip
+        str(tmp_path / "sample.txt"),
+        str(tmp_path / "out"),
+        tokenizer,
+        corpus_format="text",
+        dupe_factor=1,
+        num_shards=1,
+        num_workers=1,
+        show_progress=False,
+    )
     records = _read(str(tmp_path / "out" / "train-00000-of-00001.tfrecord"), meta)
     assert len(records) == meta["examples"]["train"] > 400 and meta["documents"]["train"] >= 20
     lengths = np.array([r["input_mask"].sum() for r in records])
@@ -426,9 +476,16 @@ def test_prepare_empty_eval_split_writes_empty_shards_and_metadata(tmp_path, tok
     _write_corpus(tmp_path / "corpus", num_files=1, docs_per_file=4)
     with caplog.at_level("WARNING"):
         meta = prepare.prepare(
-            f"{tmp_path}/corpus/*.txt", str(tmp_path / "out"), tok, max_seq_length=32,
-            dupe_factor=1, num_shards=2, eval_fraction=0.02, num_workers=1, show_progress=False,
-        )  # fmt: skip
+            f"{tmp_path}/corpus/*.txt",
+            str(tmp_path / "out"),
+            tok,
+            max_seq_length=32,
+            dupe_factor=1,
+            num_shards=2,
+            eval_fraction=0.02,
+            num_workers=1,
+            show_progress=False,
+        )
     assert meta["documents"]["eval"] == 0 and meta["examples"] == {
         "train": meta["examples"]["train"],
         "eval": 0,

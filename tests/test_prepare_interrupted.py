@@ -64,9 +64,15 @@ def test_kill9_of_prepare_ends_its_workers_and_the_next_run_cleans_up(tmp_path, 
     caplog.set_level("INFO")
     tok = load_tokenizer(str(vocab), do_lower_case=True)
     meta = prepare.prepare(
-        [str(c) for c in corpus], str(out), tok, dupe_factor=1, num_shards=2, num_workers=1,
-        show_progress=False, random_document_buffer=10,
-    )  # fmt: skip
+        [str(c) for c in corpus],
+        str(out),
+        tok,
+        dupe_factor=1,
+        num_shards=2,
+        num_workers=1,
+        show_progress=False,
+        random_document_buffer=10,
+    )
     assert meta["examples"]["train"] > 0 and not list(out.glob(".prepare-tmp-*"))
     # The killed run's folder is either resumed (a unit had finished before the kill: prepare is
     # fast enough for that now) or removed as stale; either way it is gone afterwards.

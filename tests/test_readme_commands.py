@@ -147,8 +147,10 @@ SKIPPED = {  # a command is skipped when it is, or starts with, a key (then a sp
 # Commands that fail today, each with the error it gives (the test fails once one is fixed, so that
 # it moves to the commands that must pass).
 KNOWN_BROKEN: dict[str, str] = {}
-TINY_FT = ("--config.train.steps=2 --config.train.global_batch_size=8 --config.data.max_seq_length=32"
-           " --config.data.eval_batch_size=8")  # fmt: skip
+TINY_FT = (
+    "--config.train.steps=2 --config.train.global_batch_size=8 --config.data.max_seq_length=32"
+    " --config.data.eval_batch_size=8"
+)
 
 
 def _readme_commands() -> list[str]:
@@ -180,8 +182,14 @@ def test_every_readme_command_is_run_or_skipped_with_a_reason():
     assert set(run) == set(_RUNS), sorted(set(run) ^ set(_RUNS))
     env = {**os.environ, "MAKEFLAGS": ""}
     for target, expect in (("test", "pytest -q"), ("install JAX_EXTRA=cpu", '-e ".[cpu]"')):
-        out = subprocess.run(["make", "-n", "-B", *target.split()], cwd=REPO, env=env,
-                             capture_output=True, text=True, check=True).stdout  # fmt: skip
+        out = subprocess.run(
+            ["make", "-n", "-B", *target.split()],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
         assert expect in out, out
 
 
@@ -257,11 +265,19 @@ def _write_task_data(here: pathlib.Path) -> None:
     test_head = "index\t#1 ID\t#2 ID\t#1 String\t#2 String\n"
     (here / "glue" / "MRPC" / "test.tsv").write_text(test_head + "0\t1\t2\tgood\tbad film\n")
     context = "the film was good and the plot was not dull ."
-    qas = [{"id": f"q{i}", "question": "was the film good ?", "is_impossible": False,
-            "answers": [{"text": "good", "answer_start": context.index("good")}]}
-           for i in range(4)]  # fmt: skip
-    squad = {"version": "v2.0", "data": [{"title": "t", "paragraphs": [
-        {"context": context, "qas": qas}]}]}  # fmt: skip
+    qas = [
+        {
+            "id": f"q{i}",
+            "question": "was the film good ?",
+            "is_impossible": False,
+            "answers": [{"text": "good", "answer_start": context.index("good")}],
+        }
+        for i in range(4)
+    ]
+    squad = {
+        "version": "v2.0",
+        "data": [{"title": "t", "paragraphs": [{"context": context, "qas": qas}]}],
+    }
     (here / "squad").mkdir()
     for name in ("train-v2.0.json", "dev-v2.0.json"):
         (here / "squad" / name).write_text(json.dumps(squad))
@@ -288,8 +304,9 @@ def test_readme_make_and_bertjax_commands_run_as_written(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "XLA_FLAGS")}
     for command in _RUNS:
         run = _as_run(command, here)
-        proc = subprocess.run(["bash", "-c", run], cwd=here, env=env, capture_output=True,
-                              text=True, timeout=900)  # fmt: skip
+        proc = subprocess.run(
+            ["bash", "-c", run], cwd=here, env=env, capture_output=True, text=True, timeout=900
+        )
         if command in KNOWN_BROKEN:
             assert proc.returncode != 0 and KNOWN_BROKEN[command] in proc.stderr, (run, proc.stderr)
             continue

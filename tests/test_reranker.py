@@ -48,8 +48,9 @@ def hf_dirs(tmp_path_factory):
 def cross_encoder_dir(path, hf_dir, activation_fn=None):
     """``CrossEncoder(hf_dir, num_labels=1).save(path)`` with O(1) random head weights."""
     torch.manual_seed(0)
-    model = CrossEncoder(str(hf_dir), num_labels=1, max_length=MAX_LEN, device="cpu",
-                         activation_fn=activation_fn)  # fmt: skip
+    model = CrossEncoder(
+        str(hf_dir), num_labels=1, max_length=MAX_LEN, device="cpu", activation_fn=activation_fn
+    )
     randomize(model.model, seed=5, only=("classifier", "head", "bert.pooler"))
     model.save(str(path))
     return path
@@ -59,8 +60,9 @@ def _classifier_dir(tmp_path, kind, num_labels, seed):
     """A random transformers ``*ForSequenceClassification`` with its tokenizer in tmp_path/clf
     (no sentence-transformers files); returns the model and the tokenizer."""
     hf = _tiny_hf(tmp_path / "hf", kind)
-    cls = getattr(transformers, f"{'Bert' if kind == 'bert' else 'ModernBert'}"
-                                f"ForSequenceClassification")  # fmt: skip
+    cls = getattr(
+        transformers, f"{'Bert' if kind == 'bert' else 'ModernBert'}ForSequenceClassification"
+    )
     model = cls.from_pretrained(hf, num_labels=num_labels).eval()
     randomize(model, seed=seed)
     model.save_pretrained(tmp_path / "clf")
@@ -120,8 +122,11 @@ def test_the_saved_activation_applies(hf_dirs, tmp_path):
     model = bertjax.load_pretrained(str(directory))
     assert model.cross_encoder.activation == "Identity"
     assert max(_differences(directory)) < TOL
-    np.testing.assert_allclose(model.predict(PAIRS, activation="Sigmoid"),
-                               1 / (1 + np.exp(-model.rerank_scores(PAIRS))), rtol=1e-6)  # fmt: skip
+    np.testing.assert_allclose(
+        model.predict(PAIRS, activation="Sigmoid"),
+        1 / (1 + np.exp(-model.rerank_scores(PAIRS))),
+        rtol=1e-6,
+    )
     with pytest.raises(ValueError, match="activation='Softmax' is not one of"):
         model.predict(PAIRS, activation="Softmax")
 
@@ -135,8 +140,9 @@ def test_pairs_are_truncated_as_the_tokenizer_truncates_them(hf_dirs, budget):
     texts = [" ".join((WORDS * 2)[:n]) for n in range(1, 13)]
     pairs = [(a, b) for a in texts for b in texts]
     rows = rerank.pair_rows(ours, pairs, budget + 3)
-    want = reference([a for a, _ in pairs], [b for _, b in pairs], truncation=True,
-                     max_length=budget + 3)  # fmt: skip
+    want = reference(
+        [a for a, _ in pairs], [b for _, b in pairs], truncation=True, max_length=budget + 3
+    )
     for (ids, types), ref_ids, ref_types in zip(rows, want["input_ids"], want["token_type_ids"]):
         assert (ids, types) == (ref_ids, ref_types)
 
@@ -144,8 +150,9 @@ def test_pairs_are_truncated_as_the_tokenizer_truncates_them(hf_dirs, budget):
 def test_batches_and_order_do_not_change_scores(hf_dirs, tmp_path):
     model = bertjax.load_pretrained(str(cross_encoder_dir(tmp_path / "ce", hf_dirs["bert"])))
     whole = model.rerank_scores(PAIRS, batch_size=32)
-    np.testing.assert_allclose(model.rerank_scores(PAIRS[::-1], batch_size=2)[::-1], whole,
-                               atol=1e-6)  # fmt: skip
+    np.testing.assert_allclose(
+        model.rerank_scores(PAIRS[::-1], batch_size=2)[::-1], whole, atol=1e-6
+    )
     assert model.rerank_scores([]).shape == (0,)
     with pytest.raises(TypeError, match="a text or a \\(text, text\\) pair"):
         model.rerank_scores([("one", "two", "three")])
@@ -190,22 +197,37 @@ def test_pair_files_in_every_format(tmp_path):
 @pytest.mark.parametrize(
     "name, text, message",
     [
-        ("a.jsonl", '{"query": "q", "passage": "p", "label": 1}\n{"query": "q", "passage": "p"}\n',
-         r"a.jsonl:2: no 'label' key"),
-        ("b.jsonl", '\n{"query": "q", "passage": "p", "label": 1.5}\n',
-         r"b.jsonl:2: label 1.5 is outside \[0, 1\]"),
+        (
+            "a.jsonl",
+            '{"query": "q", "passage": "p", "label": 1}\n{"query": "q", "passage": "p"}\n',
+            r"a.jsonl:2: no 'label' key",
+        ),
+        (
+            "b.jsonl",
+            '\n{"query": "q", "passage": "p", "label": 1.5}\n',
+            r"b.jsonl:2: label 1.5 is outside \[0, 1\]",
+        ),
         ("c.tsv", "q\tp\t1\nq\tp\t-1\n", r"c.tsv:2: label -1.0 is outside \[0, 1\]"),
-        ("d.tsv", "q\tp\t1\nq only\t1\n",
-         r"d.tsv:2: expected 3 tab-separated fields \(query, passage, label\), found 2"),
+        (
+            "d.tsv",
+            "q\tp\t1\nq only\t1\n",
+            r"d.tsv:2: expected 3 tab-separated fields \(query, passage, label\), found 2",
+        ),
         ("e.tsv", "q\tp\tyes\n", r"e.tsv:1: label 'yes' is not a number"),
         ("f.jsonl", '{"query": " ", "passage": "p", "label": 1}\n', r"f.jsonl:1: 'query' is empty"),
-        ("g.jsonl", '{"query": "q", "positive": "p", "negatives": ["n", 3]}\n',
-         r"g.jsonl:1: negatives\[1\] is not a non-empty string"),
-        ("h.jsonl", '{"query": "q", "passage": "p", "label": 1}\n{"query": \n',
-         r"h.jsonl:2: invalid JSON"),
+        (
+            "g.jsonl",
+            '{"query": "q", "positive": "p", "negatives": ["n", 3]}\n',
+            r"g.jsonl:1: negatives\[1\] is not a non-empty string",
+        ),
+        (
+            "h.jsonl",
+            '{"query": "q", "passage": "p", "label": 1}\n{"query": \n',
+            r"h.jsonl:2: invalid JSON",
+        ),
         ("i.tsv", "", r"i.tsv: no \(query, passage, label\) pairs"),
     ],
-)  # fmt: skip
+)
 def test_bad_pairs_are_one_line_errors(tmp_path, name, text, message):
     (tmp_path / name).write_text(text)
     with pytest.raises(ValueError, match=message) as err:
@@ -218,8 +240,13 @@ def test_bad_pairs_are_one_line_errors(tmp_path, name, text, message):
 def test_beir_pairs_take_the_top_unjudged_negatives():
     from bertjax.retrieval.beir import BeirSet
 
-    data = BeirSet(["d1", "d2", "d3", "d4"], ["one", "two", "three", "four"], ["q1"], ["query"],
-                   {"q1": {"d1": 1, "d2": 0}})  # fmt: skip
+    data = BeirSet(
+        ["d1", "d2", "d3", "d4"],
+        ["one", "two", "three", "four"],
+        ["q1"],
+        ["query"],
+        {"q1": {"d1": 1, "d2": 0}},
+    )
     negatives = {"q1": {"d1": 5.0, "d2": 4.0, "d3": 3.0, "q1": 2.5, "d4": 2.0}}
     assert beir_pairs(data, negatives, 1) == [
         ("query", "one", 1.0),

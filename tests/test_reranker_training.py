@@ -95,12 +95,14 @@ def _bce(model, batch, modern):
 def test_reranker_steps_equal_torch_and_export_to_cross_encoder(hf_dirs, tmp_path, kind):  # noqa: F811
     source = cross_encoder_dir(tmp_path / "ce", hf_dirs[kind])
     dev = _pairs(1, 10)
-    c = _config(**{
-        "init_checkpoint": str(source),
-        "data.train_file": _write_jsonl(tmp_path / "train.jsonl", _pairs(0, 12)),
-        "data.dev_file": _write_jsonl(tmp_path / "dev.jsonl", dev),
-        "train.eval_every": STEPS,  # one evaluation, of the final weights
-    })  # fmt: skip
+    c = _config(
+        **{
+            "init_checkpoint": str(source),
+            "data.train_file": _write_jsonl(tmp_path / "train.jsonl", _pairs(0, 12)),
+            "data.dev_file": _write_jsonl(tmp_path / "dev.jsonl", dev),
+            "train.eval_every": STEPS,  # one evaluation, of the final weights
+        }
+    )
     workdir = str(tmp_path / "run")
     train.train_and_evaluate(c, workdir)
     ours = [r["loss"] for r in read_metrics(workdir)]
@@ -111,8 +113,10 @@ def test_reranker_steps_equal_torch_and_export_to_cross_encoder(hf_dirs, tmp_pat
     lrs = [float(setup.schedule(step)) for step in range(STEPS)]
     mask = jax.tree.leaves(optim.weight_decay_mask(setup.abstract_state.params))
     sizes = [int(np.prod(x.shape)) for x in jax.tree.leaves(setup.abstract_state.params)]
-    tensors = (sorted(n for n, m in zip(sizes, mask) if m),
-               sorted(n for n, m in zip(sizes, mask) if not m))  # fmt: skip
+    tensors = (
+        sorted(n for n, m in zip(sizes, mask) if m),
+        sorted(n for n, m in zip(sizes, mask) if not m),
+    )
 
     model = transformers.AutoModelForSequenceClassification.from_pretrained(source).eval()
     groups = _param_groups(model, c.optimizer.weight_decay, tensors)
@@ -130,9 +134,12 @@ def test_reranker_steps_equal_torch_and_export_to_cross_encoder(hf_dirs, tmp_pat
     got = exported.state_dict()
     assert set(got) == set(want)
     diff = max(float((got[k] - want[k]).abs().max()) for k in want)
-    moved = max(float((want[k] - v).abs().max()) for k, v in
-                transformers.AutoModelForSequenceClassification.from_pretrained(source)
-                .state_dict().items())  # fmt: skip
+    moved = max(
+        float((want[k] - v).abs().max())
+        for k, v in transformers.AutoModelForSequenceClassification.from_pretrained(source)
+        .state_dict()
+        .items()
+    )
     print(f"{kind}: max |param difference| {diff:.2e} (the steps moved them by {moved:.2e})")
     assert diff < PARAM_ATOL and moved > 1e-3
 
@@ -188,15 +195,17 @@ def _evaluate(*argv) -> dict:
 
 def test_a_beir_folder_trains_reranks_and_evaluate_rerank_agrees(hf_dirs, beir_dir, tmp_path):  # noqa: F811
     source = cross_encoder_dir(tmp_path / "ce", hf_dirs["modernbert"])
-    c = _config(**{
-        "init_checkpoint": str(source),
-        "data_dir": str(beir_dir),
-        "data.negatives_file": str(beir_dir / "negatives.trec"),
-        "data.num_negatives": 3,
-        "data.eval_run": str(beir_dir / "first_stage.trec"),
-        "train.steps": 2,
-        "train.eval_every": 1,
-    })  # fmt: skip
+    c = _config(
+        **{
+            "init_checkpoint": str(source),
+            "data_dir": str(beir_dir),
+            "data.negatives_file": str(beir_dir / "negatives.trec"),
+            "data.num_negatives": 3,
+            "data.eval_run": str(beir_dir / "first_stage.trec"),
+            "train.steps": 2,
+            "train.eval_every": 1,
+        }
+    )
     workdir = tmp_path / "run"
     train.train_and_evaluate(c, str(workdir))
     task = train.prepared_task(c, str(workdir))
@@ -216,10 +225,12 @@ def test_a_beir_folder_trains_reranks_and_evaluate_rerank_agrees(hf_dirs, beir_d
     # a bi-encoder searched first, then reranked: the same as reranking its written run
     bi_encoder = _st_dir(tmp_path / "bi", hf_dirs["bert"], "mean")
     run_file = tmp_path / "bi.trec"
-    _evaluate("--checkpoint", str(bi_encoder), "--data", str(beir_dir), "--output_run",
-              str(run_file))  # fmt: skip
-    searched = _evaluate(*base, "--checkpoint", str(bi_encoder), "--output_run",
-                         str(tmp_path / "reranked.trec"))  # fmt: skip
+    _evaluate(
+        "--checkpoint", str(bi_encoder), "--data", str(beir_dir), "--output_run", str(run_file)
+    )
+    searched = _evaluate(
+        *base, "--checkpoint", str(bi_encoder), "--output_run", str(tmp_path / "reranked.trec")
+    )
     assert searched == pytest.approx(_evaluate(*base, "--run", str(run_file)), abs=1e-9)
     assert len((tmp_path / "reranked.trec").read_text().splitlines()) == 4 * 12
 
@@ -229,13 +240,26 @@ def test_evaluate_rerank_refuses_bad_combinations(hf_dirs, beir_dir, tmp_path, c
     run = str(beir_dir / "first_stage.trec")
     cases = [
         (["--rerank", str(source), "--run", run], "takes --data=BEIR_DIR and one first stage"),
-        (["--rerank", str(source), "--data", str(beir_dir), "--run", run, "--checkpoint", "x"],
-         "one first stage"),
-        (["--rerank", str(hf_dirs["bert"]), "--data", str(beir_dir), "--run", run],
-         "no sequence-classification head|not a cross-encoder"),
-        (["--rerank", str(source), "--data", str(beir_dir), "--run",
-          str(beir_dir / "negatives.trec")], "no query of the run is judged"),
-    ]  # fmt: skip
+        (
+            ["--rerank", str(source), "--data", str(beir_dir), "--run", run, "--checkpoint", "x"],
+            "one first stage",
+        ),
+        (
+            ["--rerank", str(hf_dirs["bert"]), "--data", str(beir_dir), "--run", run],
+            "no sequence-classification head|not a cross-encoder",
+        ),
+        (
+            [
+                "--rerank",
+                str(source),
+                "--data",
+                str(beir_dir),
+                "--run",
+                str(beir_dir / "negatives.trec"),
+            ],
+            "no query of the run is judged",
+        ),
+    ]
     for argv, message in cases:
         with pytest.raises(SystemExit):
             score.main(["retrieval", *argv])
@@ -250,15 +274,17 @@ def test_packed_batches_give_the_unpacked_losses_and_dev_metrics(hf_dirs, tmp_pa
     source = cross_encoder_dir(tmp_path / "ce", hf_dirs["bert"])
     runs = []
     for packed in (False, True):
-        c = _config(**{
-            "init_checkpoint": str(source),
-            "data.train_file": _write_jsonl(tmp_path / "train.jsonl", _pairs(0, 12)),
-            "data.dev_file": _write_jsonl(tmp_path / "dev.jsonl", _pairs(1, 10)),
-            "data.batch_packing": packed,
-            "data.eval_packing": packed,
-            "train.steps": 2,
-            "train.eval_every": 2,
-        })  # fmt: skip
+        c = _config(
+            **{
+                "init_checkpoint": str(source),
+                "data.train_file": _write_jsonl(tmp_path / "train.jsonl", _pairs(0, 12)),
+                "data.dev_file": _write_jsonl(tmp_path / "dev.jsonl", _pairs(1, 10)),
+                "data.batch_packing": packed,
+                "data.eval_packing": packed,
+                "train.steps": 2,
+                "train.eval_every": 2,
+            }
+        )
         workdir = tmp_path / f"run_{packed}"
         train.train_and_evaluate(c, str(workdir))
         dev = json.loads((workdir / "eval_results.json").read_text())["dev"]

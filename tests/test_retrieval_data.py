@@ -93,8 +93,10 @@ def test_batches_hold_no_text_twice_as_sentence_transformers_arranges_them(seed,
     sentence-transformers' batches, one after the other, and no full batch repeats a text."""
     rng = np.random.default_rng(seed)
     pool = [f"text {i}" for i in range(30)]
-    rows = [dict(zip(("anchor", "positive", "negative"), rng.choice(pool, 3, replace=False)))
-            for _ in range(50)]  # fmt: skip
+    rows = [
+        dict(zip(("anchor", "positive", "negative"), rng.choice(pool, 3, replace=False)))
+        for _ in range(50)
+    ]
     sampler = NoDuplicatesBatchSampler(
         _Rows(rows), batch_size, drop_last=False, generator=torch.Generator(), seed=seed
     )

@@ -189,8 +189,11 @@ def test_scoring_a_run_needs_no_tensorflow(tmp_path):
     )
     proc = subprocess.run(
         [sys.executable, "-c", code, f"--qrels={tmp_path}/qrels.tsv", f"--run={tmp_path}/run.trec"],
-        env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     expected = pytrec_means({"q": {"a": 1, "b": 2}}, {"q": {"a": 2.0, "b": 1.0, "c": 3.0}})
     assert json.loads(proc.stdout) == pytest.approx(expected, abs=1e-12)

@@ -135,8 +135,14 @@ def test_training_steps_equal_sentence_transformers(tmp_path, kind):
     reference, _ = _torch_steps(st_dir, rows, order, config)
     reference.save(str(tmp_path / "torch"))
     want = bertjax.load_pretrained(str(tmp_path / "torch"), quiet=True)
-    want = _flat({**want.params, **traverse_util.unflatten_dict(
-        {tuple(k.split("/")): v for k, v in want.embedding.tensors.items()})})  # fmt: skip
+    want = _flat(
+        {
+            **want.params,
+            **traverse_util.unflatten_dict(
+                {tuple(k.split("/")): v for k, v in want.embedding.tensors.items()}
+            ),
+        }
+    )
     got, start = _flat(history[-1]), _flat(bertjax.load_pretrained(str(st_dir)).params)
     assert "dense_0/kernel" in got and set(got) <= set(want)
     moved, worst = 0, 0.0
@@ -182,8 +188,12 @@ def test_a_retrieval_runs_checkpoint_embeds_as_the_model_it_trained(tmp_path, ki
         for k in setup.model.init(jax.random.key(0), jnp.ones((1, 4), jnp.int32))["params"]
         if not k.startswith("dense")
     )
-    restored = {encoder_name: loaded.encoder_params, **traverse_util.unflatten_dict(
-        {tuple(k.split("/")): v for k, v in loaded.embedding.tensors.items()})}  # fmt: skip
+    restored = {
+        encoder_name: loaded.encoder_params,
+        **traverse_util.unflatten_dict(
+            {tuple(k.split("/")): v for k, v in loaded.embedding.tensors.items()}
+        ),
+    }
     ids = task._encode(texts, config.data.max_seq_length)
     own = setup.model.apply(
         {"params": restored}, ids["input_ids"], ids["token_type_ids"], ids["attention_mask"]

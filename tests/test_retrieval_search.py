@@ -50,9 +50,14 @@ def test_dense_dot_with_ties_equals_brute_force(n, k, chunk, batch):
     want_scores, want_idx = _brute_top_k(queries @ corpus.T, k)
     for devices in _device_sets():
         scores, idx = search.dense_search(
-            queries, corpus, k, similarity="dot", devices=devices, corpus_chunk=chunk,
+            queries,
+            corpus,
+            k,
+            similarity="dot",
+            devices=devices,
+            corpus_chunk=chunk,
             query_batch=batch,
-        )  # fmt: skip
+        )
         np.testing.assert_array_equal(idx, want_idx)
         np.testing.assert_array_equal(scores, want_scores)
 

@@ -86,9 +86,16 @@ def test_a_beir_folder_trains_and_reports_the_retrieval_measures(beir_dir, tmp_p
 
 
 def _one_step_params(beir_dir, tmp_path, accum, batch=8, **mesh):
-    c = _config(beir_dir, **{"train.steps": 1, "train.grad_accum_steps": accum,
-                             "train.global_batch_size": batch, "retrieval.eval": False,
-                             **{f"mesh.{k}": v for k, v in mesh.items()}})  # fmt: skip
+    c = _config(
+        beir_dir,
+        **{
+            "train.steps": 1,
+            "train.grad_accum_steps": accum,
+            "train.global_batch_size": batch,
+            "retrieval.eval": False,
+            **{f"mesh.{k}": v for k, v in mesh.items()},
+        },
+    )
     task = train.prepared_task(c, str(tmp_path))
     setup = train.build(c, str(tmp_path), task)
     state = setup.init_state(jax.random.key_data(jax.random.key(0)))

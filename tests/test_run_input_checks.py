@@ -52,10 +52,14 @@ def test_prepared_data_of_another_vocabulary_is_an_error(tmp_path, caplog):
 
 def _cli(tmp_path, *extra):
     cmd = [
-        sys.executable, "-m", "bertjax.cli", "pretrain",
+        sys.executable,
+        "-m",
+        "bertjax.cli",
+        "pretrain",
         f"--config={REPO}/tests/tiny_pretrain_config.py:{tmp_path}",
-        f"--workdir={tmp_path / 'run'}", *extra,
-    ]  # fmt: skip
+        f"--workdir={tmp_path / 'run'}",
+        *extra,
+    ]
     return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
 
 

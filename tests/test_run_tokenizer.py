@@ -102,10 +102,18 @@ def test_hf_export_of_a_modernbert_with_its_own_tokenizer_loads_in_transformers(
     vocab = write_vocab(tmp_path / "vocab.txt")
     tokenizer_json = _tokenizer_json(tmp_path / "tok" / "tokenizer.json", vocab, lowercase=True)
     config = transformers.ModernBertConfig(
-        vocab_size=VOCAB_SIZE, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-        intermediate_size=48, max_position_embeddings=64, pad_token_id=0, cls_token_id=2,
-        sep_token_id=3, bos_token_id=2, eos_token_id=3,
-    )  # fmt: skip
+        vocab_size=VOCAB_SIZE,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=48,
+        max_position_embeddings=64,
+        pad_token_id=0,
+        cls_token_id=2,
+        sep_token_id=3,
+        bos_token_id=2,
+        eos_token_id=3,
+    )
     torch.manual_seed(0)
     transformers.ModernBertForMaskedLM(config).save_pretrained(tmp_path / "hf")
     ckpt = convert.load_checkpoint(str(tmp_path / "hf"))

@@ -83,8 +83,9 @@ def _st_dir(path, hf_dir, mode, dense=None, normalize=False, include_prompt=True
     modules = [Transformer(str(hf_dir), max_seq_length=MAX_LEN)]
     modules.append(Pooling(32, pooling_mode=mode, include_prompt=include_prompt))
     if dense:
-        modules.append(Dense(32 * (len(mode) if isinstance(mode, tuple) else 1), 12,
-                             activation_function=dense))  # fmt: skip
+        modules.append(
+            Dense(32 * (len(mode) if isinstance(mode, tuple) else 1), 12, activation_function=dense)
+        )
     if normalize:
         modules.append(Normalize())
     SentenceTransformer(modules=modules, prompts=prompts, device="cpu").save(str(path))
@@ -139,8 +140,7 @@ def test_dense_and_normalize_match_sentence_transformers(
 )
 def test_prompts_and_include_prompt_match_sentence_transformers(hf_dirs, tmp_path, kind, mode):
     prompts = {"query": "query: ", "passage": "passage: the lazy dog "}
-    directory = _st_dir(tmp_path / "st", hf_dirs[kind], mode, include_prompt=False,
-                        prompts=prompts)  # fmt: skip
+    directory = _st_dir(tmp_path / "st", hf_dirs[kind], mode, include_prompt=False, prompts=prompts)
     pair = _load(directory)
     model = pair[1]
     assert model.embedding.prompts["query"] == "query: " and not model.embedding.head.include_prompt
@@ -204,8 +204,15 @@ def test_bertjax_checkpoint_converts_and_sentence_transformers_loads_it(hf_dirs,
 
 @pytest.mark.parametrize("kind", ["bert", "modernbert"])
 def test_sentence_transformers_round_trip_keeps_dense_normalize_prompts(hf_dirs, tmp_path, kind):
-    source = _st_dir(tmp_path / "src", hf_dirs[kind], "max", torch.nn.GELU(), True,
-                     include_prompt=False, prompts={"query": "query: "})  # fmt: skip
+    source = _st_dir(
+        tmp_path / "src",
+        hf_dirs[kind],
+        "max",
+        torch.nn.GELU(),
+        True,
+        include_prompt=False,
+        prompts={"query": "query: "},
+    )
     convert_main([str(source), "--to=sentence-transformers", str(tmp_path / "out")])
     want = SentenceTransformer(str(source), device="cpu").encode(TEXTS, prompt_name="query")
     got = SentenceTransformer(str(tmp_path / "out"), device="cpu").encode(

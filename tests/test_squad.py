@@ -102,8 +102,20 @@ def test_sliding_window_features_by_hand(tmp_path):
         examples, tok, max_seq_length=12, doc_stride=4, max_query_length=8
     )
     assert len(feats) == 4 and feats.doc_span_index.tolist() == [0, 1, 2, 3]
-    assert feats.tokens[1] == ["[CLS]", "where", "?", "[SEP]", ".", "epsilon", "zeta", "eta", "theta",
-                               "iota", "kappa", "[SEP]"]  # fmt: skip
+    assert feats.tokens[1] == [
+        "[CLS]",
+        "where",
+        "?",
+        "[SEP]",
+        ".",
+        "epsilon",
+        "zeta",
+        "eta",
+        "theta",
+        "iota",
+        "kappa",
+        "[SEP]",
+    ]
     # The answer (pieces 9, 10) lies whole in spans 1 and 2: position = piece - span start + 4.
     assert feats.start_positions.tolist() == [0, 9, 5, 0]
     assert feats.end_positions.tolist() == [0, 10, 6, 0]
@@ -154,12 +166,26 @@ def test_compute_predictions_v1_and_v2(tmp_path):
     assert [e["start_logit"] + e["end_logit"] for e in nbest] == [5.0, 3.5]
     assert nbest[0]["probability"] == pytest.approx(1 / (1 + np.exp(-1.5)))
     assert v1.null_odds is None
-    v2 = sp.compute_predictions(examples, feats, start, end, n_best_size=3, version_2_with_negative=True,
-                                basic_tokenize=basic_split)  # fmt: skip
+    v2 = sp.compute_predictions(
+        examples,
+        feats,
+        start,
+        end,
+        n_best_size=3,
+        version_2_with_negative=True,
+        basic_tokenize=basic_split,
+    )
     assert v2.null_odds == {"q": 2.5 - 5.0} and v2.predictions == {"q": "iota kappa"}
     assert [e["text"] for e in v2.nbest["q"]] == ["iota kappa", "mu", ""]
-    high = sp.compute_predictions(examples, feats, start, end, version_2_with_negative=True,
-                                  null_score_diff_threshold=-3.0, basic_tokenize=basic_split)  # fmt: skip
+    high = sp.compute_predictions(
+        examples,
+        feats,
+        start,
+        end,
+        version_2_with_negative=True,
+        null_score_diff_threshold=-3.0,
+        basic_tokenize=basic_split,
+    )
     assert high.predictions == {"q": ""}
     assert sp.predictions_at_threshold(v2.best_non_null, v2.null_odds, -3.0) == {"q": ""}
     with pytest.raises(ValueError, match="do not match 4 features"):
@@ -168,8 +194,9 @@ def test_compute_predictions_v1_and_v2(tmp_path):
 
 def test_write_predictions_official_format(tmp_path):
     examples, feats, start, end = _hand_case(tmp_path, True)
-    preds = sp.compute_predictions(examples, feats, start, end, version_2_with_negative=True,
-                                   basic_tokenize=basic_split)  # fmt: skip
+    preds = sp.compute_predictions(
+        examples, feats, start, end, version_2_with_negative=True, basic_tokenize=basic_split
+    )
     paths = sp.write_predictions(tmp_path / "out", preds)
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
         "nbest_predictions.json",
@@ -232,8 +259,12 @@ def test_round_trip_real_dev_v1(shared_data, uncased_vocab, tmp_path, capsys):
     paths = sp.write_predictions(tmp_path, preds)
     subset_path = tmp_path / "dev_subset.json"
     subset_path.write_text(json.dumps({"version": "1.1", "data": _subset(dataset, qids)}))
-    assert evaluate.main(["squad", "--dataset", str(subset_path), "--predictions",
-                          str(paths["predictions"])]) == 0  # fmt: skip
+    assert (
+        evaluate.main(
+            ["squad", "--dataset", str(subset_path), "--predictions", str(paths["predictions"])]
+        )
+        == 0
+    )
     assert json.loads(capsys.readouterr().out) == pytest.approx(result)
 
 
@@ -254,11 +285,29 @@ def test_round_trip_v2_with_impossible_questions(shared_data, uncased_vocab, tmp
     feats = sd.convert_examples_to_features(examples, tok)
     assert feats.is_impossible.sum() >= len(examples) // 3
     start, end = _perfect_logits(feats)
-    preds = sp.compute_predictions(examples, feats, start, end, version_2_with_negative=True,
-                                   basic_tokenize=tokenization.basic_tokenize)  # fmt: skip
+    preds = sp.compute_predictions(
+        examples,
+        feats,
+        start,
+        end,
+        version_2_with_negative=True,
+        basic_tokenize=tokenization.basic_tokenize,
+    )
     paths = sp.write_predictions(tmp_path, preds)
-    assert evaluate.main(["squad", "--dataset", str(path), "--predictions", str(paths["predictions"]),
-                          "--na_prob_file", str(paths["null_odds"])]) == 0  # fmt: skip
+    assert (
+        evaluate.main(
+            [
+                "squad",
+                "--dataset",
+                str(path),
+                "--predictions",
+                str(paths["predictions"]),
+                "--na_prob_file",
+                str(paths["null_odds"]),
+            ]
+        )
+        == 0
+    )
     out = json.loads(capsys.readouterr().out)
     assert out["NoAns_exact"] == 100.0 and out["HasAns_exact"] >= 95.0
     assert out["best_f1"] >= out["f1"] and out["total"] == len(examples)
@@ -297,8 +346,10 @@ def test_evaluate_squad_cli_errors(tmp_path, capsys):
 
 
 def test_evaluate_squad_warns_with_the_count_of_unanswered_questions(tmp_path, capsys):
-    qas = [{"id": f"q{i}", "question": "?", "answers": [{"text": "a", "answer_start": 0}]}
-           for i in range(10)]  # fmt: skip
+    qas = [
+        {"id": f"q{i}", "question": "?", "answers": [{"text": "a", "answer_start": 0}]}
+        for i in range(10)
+    ]
     data = {"version": "1.1", "data": [{"paragraphs": [{"context": "a b", "qas": qas}]}]}
     (tmp_path / "dev.json").write_text(json.dumps(data))
     (tmp_path / "pred.json").write_text(json.dumps({"q0": "a", "q1": "a", "zz": "a"}))

@@ -86,16 +86,45 @@ def test_squad_v1_tfds_matches_json_reader(tmp_path):
     assert tr_skipped == ev_skipped == []
     # Grouped back into the official JSON layout: article by title, paragraph by context.
     assert data == [
-        {"title": "Cats", "paragraphs": [{"context": CTX1, "qas": [
-            {"id": "d1", "question": "Who sat?", "answers": [
-                {"text": "The cat", "answer_start": 0}, {"text": "cat", "answer_start": 4}]},
-            {"id": "d2", "question": "Mood?", "answers": [{"text": "happy", "answer_start": 32}]},
-        ]}]},
-        {"title": "Paris", "paragraphs": [{"context": CTX2, "qas": [
-            {"id": "d3", "question": "What is Paris?",
-             "answers": [{"text": "the capital of France", "answer_start": 9}]},
-        ]}]},
-    ]  # fmt: skip
+        {
+            "title": "Cats",
+            "paragraphs": [
+                {
+                    "context": CTX1,
+                    "qas": [
+                        {
+                            "id": "d1",
+                            "question": "Who sat?",
+                            "answers": [
+                                {"text": "The cat", "answer_start": 0},
+                                {"text": "cat", "answer_start": 4},
+                            ],
+                        },
+                        {
+                            "id": "d2",
+                            "question": "Mood?",
+                            "answers": [{"text": "happy", "answer_start": 32}],
+                        },
+                    ],
+                }
+            ],
+        },
+        {
+            "title": "Paris",
+            "paragraphs": [
+                {
+                    "context": CTX2,
+                    "qas": [
+                        {
+                            "id": "d3",
+                            "question": "What is Paris?",
+                            "answers": [{"text": "the capital of France", "answer_start": 9}],
+                        },
+                    ],
+                }
+            ],
+        },
+    ]
     # The same examples as the JSON reader gives for the same data written as a file.
     for records, examples, training in ((tr_data, tr, True), (data, ev, False)):
         path = tmp_path / f"{training}.json"
@@ -115,10 +144,16 @@ def test_squad_v2_tfds_keeps_impossible_questions(tmp_path):
     dev = [
         _squad_record("a", "Paris", CTX2, "Capital of?", [("France", 24)], v2=True),
         _squad_record(
-            "b", "Paris", CTX2, "Capital of Spain?", [], v2=True, impossible=True,
+            "b",
+            "Paris",
+            CTX2,
+            "Capital of Spain?",
+            [],
+            v2=True,
+            impossible=True,
             plausible=[("France", 24)],
         ),
-    ]  # fmt: skip
+    ]
     as_dataset, _ = _mock({"train": dev, "validation": dev})
     with tfds.testing.mock_data(as_dataset_fn=as_dataset):
         tr, _, _ = sd.load_squad_tfds("2.0", "train", True, data_dir=tmp_path)
@@ -159,11 +194,12 @@ def test_conll2003_tfds_gives_bio_tagged_sentences(tmp_path):
         got = {split: td.load_conll2003_tfds(split, data_dir=tmp_path) for split in records}
     assert [s for _, _, s in seen] == ["train", "dev", "test"]
     assert got == {
-        "train": [td.TaggedSentence(("EU", "rejects", "German", "call"),
-                                    ("B-ORG", "O", "B-MISC", "O"))],
+        "train": [
+            td.TaggedSentence(("EU", "rejects", "German", "call"), ("B-ORG", "O", "B-MISC", "O"))
+        ],
         "dev": [td.TaggedSentence(("Peter", "Blackburn"), ("B-PER", "I-PER"))],
         "test": [td.TaggedSentence(("in", "New", "York"), ("O", "B-LOC", "I-LOC"))],
-    }  # fmt: skip
+    }
     with pytest.raises(ValueError, match="split 'valid' is not one of"):
         td.load_conll2003_tfds("valid")
 

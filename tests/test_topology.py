@@ -24,11 +24,22 @@ def compile_report(
     """`bertjax compile --topology=SLICE --json` of ``config`` with ``overrides`` (a subprocess,
     as a user runs it): its JSON report; the command must succeed."""
     out = subprocess.run(
-        [sys.executable, "-m", "bertjax.cli", "compile", f"--config={config}",
-         f"--workdir={workdir}", f"--topology={slice_name}", "--json",
-         *(f"--config.{k}={v}" for k, v in overrides.items())],
-        cwd=REPO, capture_output=True, text=True, timeout=timeout,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "bertjax.cli",
+            "compile",
+            f"--config={config}",
+            f"--workdir={workdir}",
+            f"--topology={slice_name}",
+            "--json",
+            *(f"--config.{k}={v}" for k, v in overrides.items()),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     return json.loads(out.stdout)
 
@@ -141,8 +152,11 @@ def test_a_step_larger_than_hbm_is_a_report_that_it_does_not_fit(tmp_path):
     def run(message, workdir=""):
         return subprocess.run(
             [sys.executable, "-c", REFUSED_COMPILE, json.dumps(TINY), message, workdir],
-            cwd=REPO, capture_output=True, text=True, timeout=300,
-        )  # fmt: skip
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
 
     out = run(HBM_REFUSAL)  # no workdir
     assert out.returncode == 0, out.stderr[-2000:]
@@ -165,8 +179,12 @@ def test_a_v5e_step_gets_a_time_without_sliced_prefetches(tmp_path):
     # model gives those ConcatBitcast calls no cost (-1 s each); the report's time comes from the
     # same step compiled without them, and says so.
     overrides = {**TINY, "model.preset": "base", "train.global_batch_size": 32}
-    report = compile_report(tmp_path, "configs/bert_base.py", {**overrides, "model.dtype": "bfloat16"},
-                            slice_name="v5e:2x2")  # fmt: skip
+    report = compile_report(
+        tmp_path,
+        "configs/bert_base.py",
+        {**overrides, "model.dtype": "bfloat16"},
+        slice_name="v5e:2x2",
+    )
     assert report["device_kind"] == "TPU v5 lite" and "est_unavailable" not in report
     assert 0 < report["est_step_seconds"] < 0.1 and 0 < report["est_mfu"] < 1
     assert "no sliced prefetches" in report["est_from"]

@@ -66,8 +66,13 @@ def test_the_last_line_is_a_readable_summary():
         "done: step 1000 | train loss=2.3457 mlm_accuracy=0.4512 nsp_accuracy=0.5000 | "
         "eval accuracy=0.8712 loss=0.4000 | final (best params) f1=0.9100"
     )
-    finetuned = {"params": "best", "best_value": 0.9, "task": "glue/sst2", "train_steps": 30,
-                 "dev": {"accuracy": 0.9, "loss": 0.3}}  # fmt: skip
+    finetuned = {
+        "params": "best",
+        "best_value": 0.9,
+        "task": "glue/sst2",
+        "train_steps": 30,
+        "dev": {"accuracy": 0.9, "loss": 0.3},
+    }
     assert summary({"step": 30, "final": finetuned}) == (
         "done: step 30 | final (best params) accuracy=0.9000 loss=0.3000"
     )

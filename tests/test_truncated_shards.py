@@ -37,9 +37,16 @@ def test_a_cut_eval_shard_is_named_with_its_counts(tmp_path, where, repeat):
     shard = root / "eval-00000-of-00001.tfrecord"
     _cut(shard, where)
     data = pipeline.PretrainingData(
-        str(root), "eval", 4, seed=0, process_index=0, process_count=1,
-        repeat=repeat, shuffle=False, drop_remainder=not repeat,
-    )  # fmt: skip
+        str(root),
+        "eval",
+        4,
+        seed=0,
+        process_index=0,
+        process_count=1,
+        repeat=repeat,
+        shuffle=False,
+        drop_remainder=not repeat,
+    )
     with pytest.raises(pipeline.ShardCorruptedError) as err:
         for _ in range(8):
             next(data)
@@ -51,9 +58,13 @@ def test_evaluate_mlm_on_a_cut_shard_is_one_line(tmp_path, capsys):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     config = transformers.BertConfig(
-        vocab_size=VOCAB_SIZE, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
-        intermediate_size=32, max_position_embeddings=32,
-    )  # fmt: skip
+        vocab_size=VOCAB_SIZE,
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=32,
+        max_position_embeddings=32,
+    )
     torch.manual_seed(0)
     transformers.BertForMaskedLM(config).save_pretrained(tmp_path / "hf")
     root = write_prepared(tmp_path / "data")

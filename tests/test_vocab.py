@@ -108,8 +108,21 @@ def test_sentencepiece_vocab_and_tokenizer(sp_model, held_out):
 def test_cli_cased_wordpiece(shared_data, tmp_path, capsys):
     out = str(tmp_path / "cased.txt")
     src = _gutenberg(shared_data)
-    vocab.main(["--input", src, "--input", f"{src},{src}", "--output", out, "--vocab_size", "600",
-                "--nolower_case", "--max_lines", "500"])  # fmt: skip
+    vocab.main(
+        [
+            "--input",
+            src,
+            "--input",
+            f"{src},{src}",
+            "--output",
+            out,
+            "--vocab_size",
+            "600",
+            "--nolower_case",
+            "--max_lines",
+            "500",
+        ]
+    )
     assert "600 tokens, do_lower_case=False" in capsys.readouterr().out
     tok = load_tokenizer(out)
     assert not tok.do_lower_case and "The" in tok.vocab

@@ -352,8 +352,13 @@ def load_hf(directory: str) -> Checkpoint:
     return Checkpoint(config, tensors, vocab, _do_lower_case(directory), weights)
 
 
-_SPECIAL = (("pad", "pad_id"), ("unk", "unk_id"), ("cls", "cls_id"), ("sep", "sep_id"),
-            ("mask", "mask_id"))  # fmt: skip
+_SPECIAL = (
+    ("pad", "pad_id"),
+    ("unk", "unk_id"),
+    ("cls", "cls_id"),
+    ("sep", "sep_id"),
+    ("mask", "mask_id"),
+)
 
 
 def _special_tokens(ckpt: Checkpoint) -> tuple[Any, dict[str, str]]:
@@ -388,10 +393,14 @@ def _write_tokenizer_files(ckpt: Checkpoint, directory: str, tokenizer, tokens) 
             from tokenizers.implementations import BertWordPieceTokenizer
 
             wordpiece = BertWordPieceTokenizer(
-                ckpt.vocab_file, lowercase=tokenizer.do_lower_case, unk_token=tokens.get("unk", "[UNK]"),
-                sep_token=tokens.get("sep", "[SEP]"), cls_token=tokens.get("cls", "[CLS]"),
-                pad_token=tokens.get("pad", "[PAD]"), mask_token=tokens.get("mask", "[MASK]"),
-            )  # fmt: skip
+                ckpt.vocab_file,
+                lowercase=tokenizer.do_lower_case,
+                unk_token=tokens.get("unk", "[UNK]"),
+                sep_token=tokens.get("sep", "[SEP]"),
+                cls_token=tokens.get("cls", "[CLS]"),
+                pad_token=tokens.get("pad", "[PAD]"),
+                mask_token=tokens.get("mask", "[MASK]"),
+            )
             wordpiece.save(os.path.join(directory, "tokenizer.json"))
     config["model_max_length"] = getattr(ckpt.config, "max_position_embeddings", None) or 512
     for name, value in (("tokenizer_config.json", config), ("special_tokens_map.json", special)):
@@ -427,8 +436,10 @@ def write_hf(ckpt: Checkpoint, directory: str) -> None:
     if ckpt.config.architecture == "modernbert":
         cfg = ckpt.config
         if tokenizer is not None:
-            ids = {f"{role}_token_id": getattr(tokenizer, f"{role}_id", None)
-                   for role in ("pad", "cls", "sep")}  # fmt: skip
+            ids = {
+                f"{role}_token_id": getattr(tokenizer, f"{role}_id", None)
+                for role in ("pad", "cls", "sep")
+            }
             cfg = cfg.replace(**{k: v for k, v in ids.items() if v is not None})
         write_hf_dir(directory, cfg, ckpt.tensors, ckpt.heads, ckpt.hf_class)
         _write_tokenizer_files(ckpt, directory, tokenizer, tokens)

@@ -30,8 +30,9 @@ def param_layout(config, num_labels: int = 0) -> list[Entry]:
         x = np.zeros((1, h), np.float32)
         shapes = jax.eval_shape(lambda: token_head(config).init(jax.random.key(0), x))
         flat = traverse_util.flatten_dict(nn.meta.unbox(shapes["params"]), sep="/")
-        entries += [Entry(f"head/{p}", "", tuple(a.shape), "copy", "token_head")
-                    for p, a in flat.items()]  # fmt: skip
+        entries += [
+            Entry(f"head/{p}", "", tuple(a.shape), "copy", "token_head") for p, a in flat.items()
+        ]
     entries.append(Entry("qa_outputs/kernel", "", (h, 2), "copy", "qa"))
     entries.append(Entry("qa_outputs/bias", "", (2,), "copy", "qa"))
     if num_labels:

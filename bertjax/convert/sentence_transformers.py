@@ -415,8 +415,11 @@ def write_sentence_transformers(ckpt: Checkpoint, directory: str) -> None:
     for key, mode in _LEGACY_POOLING:
         pooling[key] = mode in head.pooling
     if list(head.pooling) != [m for _, m in _LEGACY_POOLING if m in head.pooling]:
-        pooling = {"embedding_dimension": hidden, "pooling_mode": list(head.pooling),
-                   "include_prompt": head.include_prompt}  # fmt: skip
+        pooling = {
+            "embedding_dimension": hidden,
+            "pooling_mode": list(head.pooling),
+            "include_prompt": head.include_prompt,
+        }
     _write_json(os.path.join(directory, "1_Pooling", "config.json"), pooling)
     for i, layer in enumerate(head.dense):
         folder = f"{len(modules)}_Dense"

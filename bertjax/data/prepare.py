@@ -156,10 +156,23 @@ def prepare(
     is what errors call the option that chose `text_column` (`--text_column`, `data.text_column`).
     """
     cfg = PrepareConfig(
-        max_seq_length, max_predictions_per_seq, masked_lm_prob, short_seq_prob, dupe_factor, nsp,
-        masking, whole_word_mask, seed, num_shards, eval_fraction, random_document_buffer,
-        corpus_format, packing, text_column, text_column_setting,
-    )  # fmt: skip
+        max_seq_length,
+        max_predictions_per_seq,
+        masked_lm_prob,
+        short_seq_prob,
+        dupe_factor,
+        nsp,
+        masking,
+        whole_word_mask,
+        seed,
+        num_shards,
+        eval_fraction,
+        random_document_buffer,
+        corpus_format,
+        packing,
+        text_column,
+        text_column_setting,
+    )
     cfg.validate()
     entries = (
         [e.strip() for e in input_spec.split(",")]
@@ -421,25 +434,40 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--num_workers", type=int, default=None, help="default: all cores")
     p.add_argument("--no_progress", action="store_true")
     p.add_argument(
-        "--runner", default=None,
+        "--runner",
+        default=None,
         help="run as an Apache Beam pipeline (DirectRunner, DataflowRunner, ...); other --flags "
         "go to Beam's pipeline options",
-    )  # fmt: skip
+    )
     args, beam_args = p.parse_known_args(argv)
     if beam_args and not args.runner:
         p.error(f"unrecognized arguments: {' '.join(beam_args)}")
     meta = prepare(
-        args.input, args.output_dir, load_tokenizer(args.vocab, args.do_lower_case),
-        corpus_format=args.format, max_seq_length=args.max_seq_length,
-        max_predictions_per_seq=args.max_predictions_per_seq, masked_lm_prob=args.masked_lm_prob,
-        short_seq_prob=args.short_seq_prob, dupe_factor=args.dupe_factor, nsp=args.nsp,
-        masking=args.masking, whole_word_mask=args.whole_word_mask, seed=args.seed,
-        num_shards=args.num_shards, eval_fraction=args.eval_fraction,
-        random_document_buffer=args.random_document_buffer, num_workers=args.num_workers,
-        tfds_data_dir=args.tfds_data_dir, show_progress=not args.no_progress, packing=args.packing,
-        text_column=args.text_column, text_column_setting="--text_column", runner=args.runner,
+        args.input,
+        args.output_dir,
+        load_tokenizer(args.vocab, args.do_lower_case),
+        corpus_format=args.format,
+        max_seq_length=args.max_seq_length,
+        max_predictions_per_seq=args.max_predictions_per_seq,
+        masked_lm_prob=args.masked_lm_prob,
+        short_seq_prob=args.short_seq_prob,
+        dupe_factor=args.dupe_factor,
+        nsp=args.nsp,
+        masking=args.masking,
+        whole_word_mask=args.whole_word_mask,
+        seed=args.seed,
+        num_shards=args.num_shards,
+        eval_fraction=args.eval_fraction,
+        random_document_buffer=args.random_document_buffer,
+        num_workers=args.num_workers,
+        tfds_data_dir=args.tfds_data_dir,
+        show_progress=not args.no_progress,
+        packing=args.packing,
+        text_column=args.text_column,
+        text_column_setting="--text_column",
+        runner=args.runner,
         beam_args=beam_args,
-    )  # fmt: skip
+    )
     print(
         f"{args.output_dir}: {meta['examples']} examples from {meta['documents']} documents, "
         f"{meta['docs_per_second']} docs/s, {meta['mb_per_second']} MB/s"

@@ -162,10 +162,14 @@ def process_unit(task) -> dict:
     index, source, cfg, tok_spec, tmp_dir = task
     tok = _tokenizer_for(tok_spec)
     consts = dict(
-        vocab_size=tok.vocab_size, mask_id=tok.mask_id, cls_id=tok.cls_id, sep_id=tok.sep_id,
-        pad_id=tok.pad_id, special_ids=(tok.cls_id, tok.sep_id, tok.pad_id),
+        vocab_size=tok.vocab_size,
+        mask_id=tok.mask_id,
+        cls_id=tok.cls_id,
+        sep_id=tok.sep_id,
+        pad_id=tok.pad_id,
+        special_ids=(tok.cls_id, tok.sep_id, tok.pad_id),
         word_start=tok.word_start_table() if cfg.whole_word_mask else None,
-    )  # fmt: skip
+    )
     shards = _Shards(cfg, index, tmp_dir)
     stats = {"documents": dict.fromkeys(SPLITS, 0), "sentences": 0, "tokens": 0, "real_next": 0}
     cache_path = os.path.join(tmp_dir, f"cache-{index:06d}.pkl")

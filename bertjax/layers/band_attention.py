@@ -45,8 +45,9 @@ def _band_bias(bias: Array, block: int) -> Array:
         keys = _blocks(bias[:, 0, 0].astype(jnp.float32), block, low)  # [b, n, 3 * block]
         return keys[:, None, :, None, :]
     # Per query (packed rows): gather the band's columns of each query block.
-    padded = jnp.pad(bias[:, 0].astype(jnp.float32), ((0, 0), (0, 0), (block, block)),
-                     constant_values=low)  # fmt: skip
+    padded = jnp.pad(
+        bias[:, 0].astype(jnp.float32), ((0, 0), (0, 0), (block, block)), constant_values=low
+    )
     padded = padded.reshape(b, n, block, seq + 2 * block)
     cols = np.arange(n)[:, None] * block + np.arange(3 * block)[None, :]  # [n, 3 * block]
     idx = jnp.broadcast_to(jnp.asarray(cols)[None, :, None, :], (b, n, block, 3 * block))

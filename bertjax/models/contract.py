@@ -17,10 +17,23 @@ _FIELD_TYPES = {"int": int, "float": float, "str": str, "bool": bool}
 
 # The fields every architecture's config has (what the trainer, heads and tools read).
 SHARED_FIELDS = (
-    "vocab_size", "hidden_size", "num_layers", "num_heads", "intermediate_size", "hidden_act",
-    "hidden_dropout", "attention_dropout", "dropout_impl", "max_position_embeddings",
-    "initializer_range", "dtype", "param_dtype", "attention_impl", "remat", "scan_layers",
-)  # fmt: skip
+    "vocab_size",
+    "hidden_size",
+    "num_layers",
+    "num_heads",
+    "intermediate_size",
+    "hidden_act",
+    "hidden_dropout",
+    "attention_dropout",
+    "dropout_impl",
+    "max_position_embeddings",
+    "initializer_range",
+    "dtype",
+    "param_dtype",
+    "attention_impl",
+    "remat",
+    "scan_layers",
+)
 
 # The heads a pretraining objective trains: masked LM ("mlm") and next-sentence prediction ("nsp").
 PRETRAINING_HEADS = ("mlm", "nsp")

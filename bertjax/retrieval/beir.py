@@ -112,8 +112,11 @@ def load(folder: str | os.PathLike, split: str = "test") -> BeirSet:
         log.warning(
             "%s: %d judgements name documents that %s lacks (first: query %r, document %r); "
             "they still count as relevant, as in pytrec_eval",
-            qrels_path, len(absent), os.path.join(folder, "corpus.jsonl"), *absent[0],
-        )  # fmt: skip
+            qrels_path,
+            len(absent),
+            os.path.join(folder, "corpus.jsonl"),
+            *absent[0],
+        )
     return BeirSet(
         doc_ids=[doc_id for doc_id, _ in corpus],
         doc_texts=[document_text(doc.get("title"), doc["text"]) for _, doc in corpus],

@@ -181,8 +181,9 @@ def mine_hard_negatives(
     doc_vectors = _vectors(embed_docs, docs)
     query_vectors = _vectors(embed_queries, queries)
     width = range_max + max_positives
-    scores, rows = search.dense_search(query_vectors, doc_vectors, width, similarity="dot",
-                                       devices=devices)  # fmt: skip
+    scores, rows = search.dense_search(
+        query_vectors, doc_vectors, width, similarity="dot", devices=devices
+    )
     if scores.shape[1] < width:  # a corpus smaller than the window
         missing = width - scores.shape[1]
         scores = np.pad(scores, ((0, 0), (0, missing)), constant_values=-np.inf)
@@ -242,8 +243,14 @@ def mine_hard_negatives(
             else:
                 groups = []
             for texts, values in groups:
-                out.append({"query": queries[q], "positive": docs[d], "negatives": texts,
-                            "scores": [positive, *values]})  # fmt: skip
+                out.append(
+                    {
+                        "query": queries[q],
+                        "positive": docs[d],
+                        "negatives": texts,
+                        "scores": [positive, *values],
+                    }
+                )
                 negative_scores += values
                 differences += [positive - v for v in values]
     return Mined(

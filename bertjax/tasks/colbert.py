@@ -141,8 +141,10 @@ class ColbertTask(RetrievalTask):
                     if not value:
                         log.warning(
                             "task colbert: the tokenizer has none of %s: colbert.%s is empty (no "
-                            "prefix token)", candidates, key,
-                        )  # fmt: skip
+                            "prefix token)",
+                            candidates,
+                            key,
+                        )
                 prefixes[key] = value
             self._settings = LateInteractionSettings(
                 head=projection_head(self._hidden_size(), int(c.dim)),
@@ -203,12 +205,15 @@ class ColbertTask(RetrievalTask):
             self.train_features["doc_valid"] = valid * scored
         self.load_eval_split()
         log.info(
-            "task colbert: %d training rows (%d documents each at most), prefixes %r / %r, "
-            "eval %s", len(rows), m, self.settings().query_prefix,
+            "task colbert: %d training rows (%d documents each at most), prefixes %r / %r, eval %s",
+            len(rows),
+            m,
+            self.settings().query_prefix,
             self.settings().document_prefix,
             f"{len(self.eval_data.query_ids)} queries x {len(self.eval_data.doc_ids)} documents"
-            if self.eval_data else "none",
-        )  # fmt: skip
+            if self.eval_data
+            else "none",
+        )
 
     def init_batch(self, phase, batch_size):
         batch = super().init_batch(phase, batch_size)

@@ -72,8 +72,10 @@ class PretrainingTask(Task):
         except OSError as err:  # e.g. gs:// without credentials
             log.warning(
                 "cannot read data.vocab %s (%s): using data.vocab_size=%d",
-                path, str(err).splitlines()[0][:120], size,
-            )  # fmt: skip
+                path,
+                str(err).splitlines()[0][:120],
+                size,
+            )
         return cls(config, workdir, vocab_size=size)
 
     def check(self) -> None:

@@ -193,8 +193,9 @@ class RerankerTask(FinetuneTask):
         run = trec_format.read_run(d.eval_run)
         queries = dict(zip(data.query_ids, data.query_texts))
         if not any(qid in queries for qid in run):
-            raise ValueError(f"{d.eval_run}: no query of the run is judged in {folder} "
-                             f"({d.eval_split})")  # fmt: skip
+            raise ValueError(
+                f"{d.eval_run}: no query of the run is judged in {folder} ({d.eval_split})"
+            )
         pairs = []
 
         def collect(found_pairs):  # rerank_run's score callback: keeps the pairs, scores 0

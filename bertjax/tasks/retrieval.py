@@ -89,8 +89,9 @@ def read_training_rows(path: str) -> list[Row]:
             for number, line in enumerate(f, 1):
                 fields = line.decode("utf-8").rstrip("\r\n").split("\t")
                 if number == 1 and [x.lower() for x in fields[:2]] in (
-                    ["query", "positive"], ["anchor", "positive"]
-                ):  # fmt: skip
+                    ["query", "positive"],
+                    ["anchor", "positive"],
+                ):
                     continue
                 if not line.strip():
                     continue

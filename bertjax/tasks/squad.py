@@ -89,8 +89,12 @@ class SquadFinetune(FinetuneTask):
         log.info(
             "task %s: %d training examples in %d features, %d dev examples in %d features (a "
             "long context gives one feature per doc_stride window)",
-            self.name, len(train), len(feats), len(dev), len(dev_feats),
-        )  # fmt: skip
+            self.name,
+            len(train),
+            len(feats),
+            len(dev),
+            len(dev_feats),
+        )
 
     def build_model(self, model_config):
         return SpanClassifier(model_config)

@@ -286,23 +286,29 @@ def main(argv: list[str]) -> None:
     """`bertjax vocab`: train a WordPiece vocab.txt or a SentencePiece model from text files."""
     parser = argparse.ArgumentParser(prog="bertjax vocab", description=main.__doc__)
     parser.add_argument(
-        "--input", action="append", required=True,
+        "--input",
+        action="append",
+        required=True,
         help="text file glob; repeat the flag or separate globs with commas",
-    )  # fmt: skip
+    )
     parser.add_argument("--output", required=True, help="vocab.txt path, or model prefix")
     parser.add_argument("--vocab_size", type=int, default=30522)
     parser.add_argument("--kind", choices=KINDS, default="wordpiece")
     parser.add_argument(
-        "--lower_case", action=argparse.BooleanOptionalAction, default=True,
+        "--lower_case",
+        action=argparse.BooleanOptionalAction,
+        default=True,
         help="lower-case and strip accents (--nolower_case / --no-lower_case to keep case)",
-    )  # fmt: skip
+    )
     parser.add_argument("--nolower_case", dest="lower_case", action="store_false")
     parser.add_argument("--max_lines", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
-        "--format", default="bert", choices=corpus.FORMATS,
+        "--format",
+        default="bert",
+        choices=corpus.FORMATS,
         help="corpus format, as for `bertjax prepare` (bert: one sentence per line)",
-    )  # fmt: skip
+    )
     parser.add_argument("--text_column", default="text", help="JSON key / Parquet column")
     args = parser.parse_args(argv)
     path = train_vocab(

@@ -66,9 +66,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--preset", default="small", help="model preset (tiny/mini/small/base/L4_H512...)"
     )
     p.add_argument(
-        "--architecture", default=models.DEFAULT, choices=sorted(models.ARCHITECTURES),
+        "--architecture",
+        default=models.DEFAULT,
+        choices=sorted(models.ARCHITECTURES),
         help="the encoder family (its pretraining heads: MLM, and NSP where it has them)",
-    )  # fmt: skip
+    )
     p.add_argument("--vocab_size", type=int, default=30522)
     p.add_argument("--batch", type=int, default=32, help="global batch size")
     p.add_argument("--seq", type=int, default=128)
@@ -85,9 +87,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--dropout_impl", default="auto", choices=("auto", "bits16", "flax", "kernel"))
     p.add_argument("--scan_layers", action="store_true")
     p.add_argument(
-        "--grad_accum_steps", type=int, default=1,
+        "--grad_accum_steps",
+        type=int,
+        default=1,
         help="micro-batches per step (the same global batch; fewer activations live at once)",
-    )  # fmt: skip
+    )
     p.add_argument("--dropout", type=float, default=0.1, help="hidden (and attention) dropout")
     p.add_argument("--attention_dropout", type=float, default=None, help="default: --dropout")
     p.add_argument("--devices", type=int, default=0, help="use the first N devices (0: all)")
@@ -103,9 +107,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--prepare_scales", default="1,4", help="corpus copies per prepare run")
     p.add_argument("--whole_word_mask", action="store_true", help="prepare with whole-word masking")
     p.add_argument(
-        "--original_script", default="",
+        "--original_script",
+        default="",
         help="google-research/bert's create_pretraining_data.py: also time it on the same corpus",
-    )  # fmt: skip
+    )
     p.add_argument("--dupe_factor", type=int, default=1, help="prepare's passes over the corpus")
     p.add_argument("--prepare_workers", type=int, default=0, help="0: all cores")
     p.add_argument("--input_batches", type=int, default=100, help="timed tf.data batches")

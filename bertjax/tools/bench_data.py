@@ -150,13 +150,21 @@ def measure_original(args, corpus_glob: str, output_dir: str) -> dict[str, Any]:
     os.makedirs(output_dir, exist_ok=True)
     out = os.path.join(output_dir, "original.tfrecord")
     argv = [
-        sys.executable, "-c", _ORIGINAL_SHIM, os.path.abspath(args.original_script),
-        f"--input_file={corpus_glob}", f"--output_file={out}", f"--vocab_file={args.vocab}",
-        "--do_lower_case=True", f"--max_seq_length={args.seq}",
-        f"--max_predictions_per_seq={args.masked}", "--masked_lm_prob=0.15",
-        f"--dupe_factor={args.dupe_factor}", "--random_seed=12345",
+        sys.executable,
+        "-c",
+        _ORIGINAL_SHIM,
+        os.path.abspath(args.original_script),
+        f"--input_file={corpus_glob}",
+        f"--output_file={out}",
+        f"--vocab_file={args.vocab}",
+        "--do_lower_case=True",
+        f"--max_seq_length={args.seq}",
+        f"--max_predictions_per_seq={args.masked}",
+        "--masked_lm_prob=0.15",
+        f"--dupe_factor={args.dupe_factor}",
+        "--random_seed=12345",
         f"--do_whole_word_mask={bool(getattr(args, 'whole_word_mask', False))}",
-    ]  # fmt: skip
+    ]
     run = _run_tree(argv, "create_pretraining_data.py")
     examples = _count_records(out)
     mb = sum(os.path.getsize(f) for p in corpus_glob.split(",") for f in glob.glob(p)) / 1e6

@@ -353,9 +353,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="PyTorch peers")
     p.add_argument("--compile", type=int, default=0, help="1: torch.compile the PyTorch model")
     p.add_argument(
-        "--dtype", default="float32", choices=("float32", "bfloat16"),
+        "--dtype",
+        default="float32",
+        choices=("float32", "bfloat16"),
         help="PyTorch peers: bfloat16 = torch.autocast mixed precision (fp32 weights, bf16 matmuls)",
-    )  # fmt: skip
+    )
     a = p.parse_args(argv)
     runners = {
         "flax": bench_flax,

@@ -43,43 +43,123 @@ TEST_MARKER = "accelerator"
 # Batch sizes fill an 80 GB H100 comfortably in bf16 without rematerialisation.
 PLAN: list[tuple[str, list[str], int]] = [
     ("bert-base-128", ["--preset=base", "--seq=128", "--batch=256"], 60),
-    ("modernbert-base-1024", ["--architecture=modernbert", "--preset=modernbert-base",
-                              "--seq=1024", "--batch=32", "--vocab_size=50368", "--dropout=0"], 90),
+    (
+        "modernbert-base-1024",
+        [
+            "--architecture=modernbert",
+            "--preset=modernbert-base",
+            "--seq=1024",
+            "--batch=32",
+            "--vocab_size=50368",
+            "--dropout=0",
+        ],
+        90,
+    ),
     ("bert-large-128", ["--preset=large", "--seq=128", "--batch=128"], 80),
     ("bert-base-128-no-dropout", ["--preset=base", "--seq=128", "--batch=256", "--dropout=0"], 60),
     ("bert-base-512", ["--preset=base", "--seq=512", "--batch=64"], 60),
     ("bert-large-512", ["--preset=large", "--seq=512", "--batch=32"], 80),
     # the attention kernels side by side (BERT's attention dropout 0: no explicit fallback)
-    ("bert-base-512-xla-attn", ["--preset=base", "--seq=512", "--batch=64",
-                                "--attention_dropout=0", "--attention_impl=xla"], 60),
-    ("bert-base-512-auto-attn", ["--preset=base", "--seq=512", "--batch=64",
-                                 "--attention_dropout=0"], 60),
-    ("modernbert-base-1024-xla-attn", ["--architecture=modernbert", "--preset=modernbert-base",
-                                       "--seq=1024", "--batch=32", "--vocab_size=50368",
-                                       "--dropout=0", "--attention_impl=xla"], 90),
+    (
+        "bert-base-512-xla-attn",
+        [
+            "--preset=base",
+            "--seq=512",
+            "--batch=64",
+            "--attention_dropout=0",
+            "--attention_impl=xla",
+        ],
+        60,
+    ),
+    (
+        "bert-base-512-auto-attn",
+        ["--preset=base", "--seq=512", "--batch=64", "--attention_dropout=0"],
+        60,
+    ),
+    (
+        "modernbert-base-1024-xla-attn",
+        [
+            "--architecture=modernbert",
+            "--preset=modernbert-base",
+            "--seq=1024",
+            "--batch=32",
+            "--vocab_size=50368",
+            "--dropout=0",
+            "--attention_impl=xla",
+        ],
+        90,
+    ),
     # BERT's attention dropout inside cuDNN's kernel (dropout_impl=kernel) against the default
-    ("bert-base-128-kernel-dropout", ["--preset=base", "--seq=128", "--batch=256",
-                                      "--dropout_impl=kernel"], 60),
-    ("bert-large-128-kernel-dropout", ["--preset=large", "--seq=128", "--batch=128",
-                                       "--dropout_impl=kernel"], 80),
-    ("bert-base-128-xla-attn", ["--preset=base", "--seq=128", "--batch=256",
-                                "--attention_impl=xla"], 60),
-    ("modernbert-base-8192", ["--architecture=modernbert", "--preset=modernbert-base",
-                              "--seq=8192", "--batch=4", "--vocab_size=50368", "--dropout=0"], 120),
+    (
+        "bert-base-128-kernel-dropout",
+        ["--preset=base", "--seq=128", "--batch=256", "--dropout_impl=kernel"],
+        60,
+    ),
+    (
+        "bert-large-128-kernel-dropout",
+        ["--preset=large", "--seq=128", "--batch=128", "--dropout_impl=kernel"],
+        80,
+    ),
+    (
+        "bert-base-128-xla-attn",
+        ["--preset=base", "--seq=128", "--batch=256", "--attention_impl=xla"],
+        60,
+    ),
+    (
+        "modernbert-base-8192",
+        [
+            "--architecture=modernbert",
+            "--preset=modernbert-base",
+            "--seq=8192",
+            "--batch=4",
+            "--vocab_size=50368",
+            "--dropout=0",
+        ],
+        120,
+    ),
     # the same steps in transformers + PyTorch on the same GPU (bf16 autocast, SDPA,
     # torch.compile): the peer's tokens/s beside bertjax's (needs torch and transformers there)
-    ("bert-base-128-vs-pytorch", ["--preset=base", "--seq=128", "--batch=256",
-                                  "--dropout_impl=kernel", "--peers", "--peer_steps=5"], 180),
-    ("modernbert-base-1024-vs-pytorch", ["--architecture=modernbert",
-                                         "--preset=modernbert-base", "--seq=1024", "--batch=32",
-                                         "--vocab_size=50368", "--dropout=0", "--peers",
-                                         "--peer_steps=5"], 200),
-]  # fmt: skip
+    (
+        "bert-base-128-vs-pytorch",
+        [
+            "--preset=base",
+            "--seq=128",
+            "--batch=256",
+            "--dropout_impl=kernel",
+            "--peers",
+            "--peer_steps=5",
+        ],
+        180,
+    ),
+    (
+        "modernbert-base-1024-vs-pytorch",
+        [
+            "--architecture=modernbert",
+            "--preset=modernbert-base",
+            "--seq=1024",
+            "--batch=32",
+            "--vocab_size=50368",
+            "--dropout=0",
+            "--peers",
+            "--peer_steps=5",
+        ],
+        200,
+    ),
+]
 # A plan of tiny models with the same code path (``--plan=tiny``: CPU self-tests of this tool).
 TINY_PLAN: list[tuple[str, list[str], int]] = [
-    ("modernbert-tiny-128", ["--architecture=modernbert", "--preset=modernbert-tiny", "--seq=128",
-                             "--batch=4", "--vocab_size=512"], 5),
-]  # fmt: skip
+    (
+        "modernbert-tiny-128",
+        [
+            "--architecture=modernbert",
+            "--preset=modernbert-tiny",
+            "--seq=128",
+            "--batch=4",
+            "--vocab_size=512",
+        ],
+        5,
+    ),
+]
 COMMON = ["--dtype=bfloat16", "--attention_impl=auto", "--skip_input", "--skip_prepare", "--json"]
 ANCHORS = {
     "bert-large-128": "MLPerf Training BERT-large on H100: about 970 samples/s per GPU (seq 512, "
@@ -126,8 +206,10 @@ def environment() -> dict[str, Any]:
     try:
         smi = subprocess.run(
             ["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
-            capture_output=True, text=True, timeout=20,
-        )  # fmt: skip
+            capture_output=True,
+            text=True,
+            timeout=20,
+        )
         if smi.returncode == 0:
             info["nvidia_smi"] = smi.stdout.strip()
     except (OSError, subprocess.TimeoutExpired):
@@ -182,14 +264,21 @@ def run_tests(report: Report, platform: str, reserve_s: float, keyword: str = ""
     t0 = time.time()
     try:
         proc = subprocess.run(
-            test_command(junit, keyword=keyword), cwd=REPO, env=test_env(platform), capture_output=True,
-            text=True, timeout=limit,
-        )  # fmt: skip
+            test_command(junit, keyword=keyword),
+            cwd=REPO,
+            env=test_env(platform),
+            capture_output=True,
+            text=True,
+            timeout=limit,
+        )
         tail = (proc.stdout + proc.stderr)[-4000:]
         timed_out = False
     except subprocess.TimeoutExpired as err:
-        tail = ((err.stdout or b"").decode(errors="replace") if isinstance(err.stdout, bytes)
-                else (err.stdout or ""))[-4000:]  # fmt: skip
+        tail = (
+            (err.stdout or b"").decode(errors="replace")
+            if isinstance(err.stdout, bytes)
+            else (err.stdout or "")
+        )[-4000:]
         timed_out = True
     tests = parse_junit(junit)
     tests["seconds"] = round(time.time() - t0, 1)
@@ -202,8 +291,15 @@ def run_tests(report: Report, platform: str, reserve_s: float, keyword: str = ""
 
 
 def bench_command(args: list[str], steps: int, warmup: int, profile_dir: str = "") -> list[str]:
-    cmd = [sys.executable, "-m", "bertjax.tools.bench", *COMMON, *args,
-           f"--steps={steps}", f"--warmup={warmup}"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "bertjax.tools.bench",
+        *COMMON,
+        *args,
+        f"--steps={steps}",
+        f"--warmup={warmup}",
+    ]
     cmd += [f"--profile_dir={profile_dir}"] if profile_dir else []
     # The peers run under this python (on the accelerator image: its torch and transformers).
     return cmd + ([f"--peers_python={sys.executable}"] if "--peers" in args else [])
@@ -211,11 +307,24 @@ def bench_command(args: list[str], steps: int, warmup: int, profile_dir: str = "
 
 def _bench_summary(name: str, result: dict) -> dict[str, Any]:
     keep = (
-        "platform", "device_kind", "num_params", "compile_s", "step_time_s", "step_time_s_min",
-        "step_time_s_pipelined", "sequences_per_sec", "tokens_per_sec", "train_flops_per_step",
-        "xla_flops_per_step", "tflops_per_sec_per_device", "peak_tflops", "peak_source", "mfu",
-        "memory", "final_loss",
-    )  # fmt: skip
+        "platform",
+        "device_kind",
+        "num_params",
+        "compile_s",
+        "step_time_s",
+        "step_time_s_min",
+        "step_time_s_pipelined",
+        "sequences_per_sec",
+        "tokens_per_sec",
+        "train_flops_per_step",
+        "xla_flops_per_step",
+        "tflops_per_sec_per_device",
+        "peak_tflops",
+        "peak_source",
+        "mfu",
+        "memory",
+        "final_loss",
+    )
     out = {k: result.get(k) for k in keep}
     out["config"] = {
         k: result.get("config", {}).get(k)
@@ -230,10 +339,20 @@ def _bench_summary(name: str, result: dict) -> dict[str, Any]:
             out[key] = result[key]
     if result.get("peers"):
         out["peers"] = {
-            name: {k: peer.get(k) for k in ("tokens_per_sec", "step_time_s", "bertjax_speedup",
-                                            "torch_compile", "error", "skipped") if k in peer}
+            name: {
+                k: peer.get(k)
+                for k in (
+                    "tokens_per_sec",
+                    "step_time_s",
+                    "bertjax_speedup",
+                    "torch_compile",
+                    "error",
+                    "skipped",
+                )
+                if k in peer
+            }
             for name, peer in result["peers"].items()
-        }  # fmt: skip
+        }
     if name in ANCHORS:
         out["anchor"] = ANCHORS[name]
     return out
@@ -262,9 +381,13 @@ def run_benchmarks(
         t0 = time.time()
         try:
             proc = subprocess.run(
-                cmd, cwd=REPO, env=test_env(platform),
-                capture_output=True, text=True, timeout=left - 5,
-            )  # fmt: skip
+                cmd,
+                cwd=REPO,
+                env=test_env(platform),
+                capture_output=True,
+                text=True,
+                timeout=left - 5,
+            )
             lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
             if proc.returncode == 0 and lines:
                 entry.update(_bench_summary(name, json.loads(lines[-1])))
@@ -280,9 +403,13 @@ def run_benchmarks(
 def dry_run(report: Report) -> int:
     """What can be checked without an accelerator: the selection, the plan, the schema."""
     proc = subprocess.run(
-        test_command("", collect_only=True), cwd=REPO, env=test_env("cpu"),
-        capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        test_command("", collect_only=True),
+        cwd=REPO,
+        env=test_env("cpu"),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     selected = [ln for ln in proc.stdout.splitlines() if "::" in ln]
     report.data["tests"]["selected"] = selected
     problems = []
@@ -294,9 +421,15 @@ def dry_run(report: Report) -> int:
         parsed = bench.parse_args([*COMMON, *args])
         config = bench.bench_config(parsed)
         report.data["benchmarks"].append(
-            {"name": name, "args": args + COMMON[:2], "planned": True,
-             "model": dict(config.model), "batch": parsed.batch, "seq": parsed.seq}
-        )  # fmt: skip
+            {
+                "name": name,
+                "args": args + COMMON[:2],
+                "planned": True,
+                "model": dict(config.model),
+                "batch": parsed.batch,
+                "seq": parsed.seq,
+            }
+        )
     report.skip("running the tests and benchmarks", "dry run (no accelerator needed)")
     problems += check_schema(
         json.loads(open(os.path.join(report.out, "device_report.json")).read())
@@ -305,8 +438,10 @@ def dry_run(report: Report) -> int:
     report.write()
     for problem in problems:
         print(f"device-check: {problem}", file=sys.stderr)
-    print(f"device-check (dry): {len(selected)} tests selected, {len(PLAN)} benchmarks planned, "
-          f"report in {report.out}" + (" - PROBLEMS" if problems else ""))  # fmt: skip
+    print(
+        f"device-check (dry): {len(selected)} tests selected, {len(PLAN)} benchmarks planned, "
+        f"report in {report.out}" + (" - PROBLEMS" if problems else "")
+    )
     return 1 if problems else 0
 
 

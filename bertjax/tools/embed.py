@@ -35,12 +35,19 @@ def _parser() -> argparse.ArgumentParser:
     add("--output", required=True, help="output folder (shards, run.json, manifest.json)")
     add("--format", default="npy", choices=store.FORMATS, help="shard files (default npy)")
     add("--dtype", default="float32", choices=store.DTYPES, help="stored dtype (default float32)")
-    add("--input_format", default="auto", choices=("auto", "jsonl", "parquet", "text"),
-        help="default: by file name (.jsonl/.json/.ndjson, .parquet, else text)")  # fmt: skip
+    add(
+        "--input_format",
+        default="auto",
+        choices=("auto", "jsonl", "parquet", "text"),
+        help="default: by file name (.jsonl/.json/.ndjson, .parquet, else text)",
+    )
     add("--text_field", default="text", help="JSONL key / Parquet column of the text")
     add("--id_field", default="_id", help="key / column of the id ('' : line or row number)")
-    add("--title_field", default="title",
-        help="optional title put before the text as BEIR/MTEB do ('' : none)")  # fmt: skip
+    add(
+        "--title_field",
+        default="title",
+        help="optional title put before the text as BEIR/MTEB do ('' : none)",
+    )
     add("--batch_size", type=int, default=32, help="texts per batch over all local devices")
     add("--shard_size", type=int, default=50_000, help="texts per output shard")
     add("--max_length", type=int, default=None, help="tokens per text (default: the model's)")

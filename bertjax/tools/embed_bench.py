@@ -55,9 +55,18 @@ def _write_corpus(source: str, count: int, folder: str) -> str:
 
 
 def _bertjax(args, corpus: str, output: str, env: dict) -> dict:
-    cmd = [sys.executable, "-m", "bertjax.cli", "embed", f"--checkpoint={args.model}",
-           f"--input={corpus}", f"--output={output}", "--title_field=",
-           f"--batch_size={args.batch_size}", f"--max_length={args.max_length}"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "bertjax.cli",
+        "embed",
+        f"--checkpoint={args.model}",
+        f"--input={corpus}",
+        f"--output={output}",
+        "--title_field=",
+        f"--batch_size={args.batch_size}",
+        f"--max_length={args.max_length}",
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
     if done.returncode:
         raise SystemExit(f"bertjax embed failed: {done.stderr[-2000:]}")
@@ -67,8 +76,16 @@ def _bertjax(args, corpus: str, output: str, env: dict) -> dict:
 
 
 def _sentence_transformers(args, corpus: str, env: dict) -> dict:
-    cmd = [sys.executable, "-c", _ST_SCRIPT, args.model, corpus, str(args.batch_size),
-           str(args.max_length), str(args.threads)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-c",
+        _ST_SCRIPT,
+        args.model,
+        corpus,
+        str(args.batch_size),
+        str(args.max_length),
+        str(args.threads),
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
     if done.returncode:
         raise SystemExit(f"sentence-transformers failed: {done.stderr[-2000:]}")

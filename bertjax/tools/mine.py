@@ -37,16 +37,31 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--range_max", type=int, default=None, help="consider this many candidates")
     p.add_argument("--max_score", type=float, default=None, help="no negative scores above this")
     p.add_argument("--min_score", type=float, default=None, help="no negative scores below this")
-    p.add_argument("--absolute_margin", type=float, default=None,
-                   help="a negative scores at least this much below the positive")  # fmt: skip
-    p.add_argument("--relative_margin", type=float, default=None,
-                   help="... at least this fraction of |positive| below it")  # fmt: skip
+    p.add_argument(
+        "--absolute_margin",
+        type=float,
+        default=None,
+        help="a negative scores at least this much below the positive",
+    )
+    p.add_argument(
+        "--relative_margin",
+        type=float,
+        default=None,
+        help="... at least this fraction of |positive| below it",
+    )
     p.add_argument("--sampling", choices=mining.SAMPLING, default="top")
     p.add_argument("--seed", type=int, default=0, help="for --sampling=random")
-    p.add_argument("--format", choices=mining.FORMATS, default="n-tuple",
-                   help="n-tuple: a row per (query, positive); triplet: per negative")  # fmt: skip
-    p.add_argument("--keep_incomplete", action="store_true",
-                   help="n-tuple: keep rows with fewer than --num_negatives negatives")  # fmt: skip
+    p.add_argument(
+        "--format",
+        choices=mining.FORMATS,
+        default="n-tuple",
+        help="n-tuple: a row per (query, positive); triplet: per negative",
+    )
+    p.add_argument(
+        "--keep_incomplete",
+        action="store_true",
+        help="n-tuple: keep rows with fewer than --num_negatives negatives",
+    )
     p.add_argument("--batch_size", type=int, default=32, help="texts per embedding batch")
     p.add_argument("--query_prompt_name", default=None, help="default: the model's 'query'")
     p.add_argument("--corpus_prompt_name", default=None, help="default: 'document'/'passage'")

@@ -48,9 +48,16 @@ def evaluate_mlm(
 
     sums = jax.jit(lambda params, batch: masked_lm_sums(model, params, batch))
     data = pipeline.PretrainingData(
-        data_dir, split, batch_size, seed=0, process_index=0, process_count=1,
-        repeat=False, shuffle=False, drop_remainder=False,
-    )  # fmt: skip
+        data_dir,
+        split,
+        batch_size,
+        seed=0,
+        process_index=0,
+        process_count=1,
+        repeat=False,
+        shuffle=False,
+        drop_remainder=False,
+    )
     totals = np.zeros(3)
     batches = 0
     for batch in data:

@@ -278,9 +278,11 @@ def _parser() -> argparse.ArgumentParser:
     retrieval.add_argument("--output_run", default=None, help="also write the run to this file")
     retrieval.add_argument("--top_k", type=int, default=100, help="documents per query (>= 100)")
     retrieval.add_argument(
-        "--similarity", choices=("cosine", "dot"), default=None,
+        "--similarity",
+        choices=("cosine", "dot"),
+        default=None,
         help="default: the model's (a sentence-transformers or bertjax retrieval model), else cosine",
-    )  # fmt: skip
+    )
     retrieval.add_argument("--batch_size", type=int, default=32, help="texts per embedding batch")
     retrieval.add_argument(
         "--rerank",
@@ -288,9 +290,11 @@ def _parser() -> argparse.ArgumentParser:
         help="cross-encoder that reranks the top --top_k (load_pretrained)",
     )
     retrieval.add_argument(
-        "--max_seq_length", type=int, default=None,
+        "--max_seq_length",
+        type=int,
+        default=None,
         help="--rerank: tokens per query/passage pair (default: the cross-encoder's)",
-    )  # fmt: skip
+    )
     return parser
 
 
