@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from train_fixtures import write_prepared
 
-from bertjax import BertForPreTraining, flops, models
+from bertjax import PreTrainingModel, flops, models
 from bertjax.models.bert import BertConfig
 from bertjax.tasks.pretraining import PretrainingTask
 from bertjax.tools import bench, bench_data, bench_peers
@@ -40,7 +40,7 @@ def test_forward_flops_agree_with_xla_count():
         intermediate_size=512,
         max_position_embeddings=64,
     )
-    model = BertForPreTraining(cfg)
+    model = PreTrainingModel(cfg)
     batch, seq, masked = 2, 64, 8
     ids = jnp.ones((batch, seq), jnp.int32)
     positions = jnp.tile(jnp.arange(masked), (batch, 1))

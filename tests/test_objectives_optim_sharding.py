@@ -161,11 +161,11 @@ def test_specs_drop_axes_that_do_not_divide_a_dimension():
 def test_fsdp_shards_parameters_and_optimizer_state():
     import flax.linen as nn
 
-    from bertjax import BertForPreTraining
+    from bertjax import PreTrainingModel
     from bertjax.models.bert import get_preset
 
     cfg = get_preset("tiny", vocab_size=1024)
-    model = BertForPreTraining(cfg)
+    model = PreTrainingModel(cfg)
     ids = jnp.zeros((2, 8), jnp.int32)
     tx = optax.adamw(1e-3)
 

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from bertjax import BertForPreTraining, losses, sharding
+from bertjax import PreTrainingModel, losses, sharding
 from bertjax.layers.splash_attention import (
     INTERPRET_ENV,
     block_size,
@@ -106,7 +106,7 @@ def test_shapes_and_backend_are_checked():
 
 
 def _pretraining_losses(cfg, params, batch):
-    out = BertForPreTraining(cfg).apply(
+    out = PreTrainingModel(cfg).apply(
         {"params": params},
         batch["input_ids"],
         batch["token_type_ids"],
@@ -133,7 +133,7 @@ def test_model_switch_computes_the_same_losses(monkeypatch):
     )
     batch = {key: jnp.asarray(value) for key, value in batch.items()}
     cfg = get_preset("tiny", vocab_size=VOCAB, hidden_dropout=0.0, attention_dropout=0.0)
-    params = BertForPreTraining(cfg).init(jax.random.key(0), batch["input_ids"])["params"]
+    params = PreTrainingModel(cfg).init(jax.random.key(0), batch["input_ids"])["params"]
     params = nn.meta.unbox(params)
     splash_cfg = cfg.replace(attention_impl="splash")
     if jax.default_backend() != "tpu":
