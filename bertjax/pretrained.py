@@ -37,7 +37,7 @@ from bertjax.models.heads import InferenceModel, SentenceEmbedder
 from bertjax.models.late_interaction import LateInteraction, LateInteractionSettings, embed_tokens
 from bertjax.retrieval import rerank
 from bertjax.sentence_embedding import embed_texts, max_length_of
-from bertjax.text import load_tokenizer
+from bertjax.text import features, load_tokenizer
 
 log = logging.getLogger("bertjax")
 
@@ -66,46 +66,26 @@ class PretrainedOutput:
     hidden_states: tuple | None = None  # embeddings, then every layer: [batch, seq, hidden] each
 
 
-def truncate_pair(a: list[int], b: list[int], max_tokens: int) -> tuple[list[int], list[int]]:
-    """Drops tokens from the end of the longer sequence until both fit (as the original BERT)."""
-    a, b = list(a), list(b)
-    while len(a) + len(b) > max_tokens:
-        (a if len(a) > len(b) else b).pop()
-    return a, b
-
-
 def encode_batch(
     tokenizer, texts_or_pairs: Sequence, max_length: int, pad_to_max_length: bool = False
 ) -> dict[str, np.ndarray]:
     """Texts or (text_a, text_b) pairs -> ``[CLS] A [SEP] (B [SEP])`` padded int32 arrays.
 
-    Returns input_ids, token_type_ids and attention_mask, each [batch, length] where length is the
-    longest sequence (or ``max_length`` when ``pad_to_max_length``). Longer inputs are truncated.
+    Returns input_ids, token_type_ids and attention_mask (the model's argument names), each
+    [batch, length] where length is the longest sequence (or ``max_length`` when
+    ``pad_to_max_length``). Longer inputs are truncated as the original BERT truncates (see
+    :mod:`bertjax.text.features`).
     """
     if max_length < 3:
         raise ValueError(f"max_length={max_length} leaves no room for [CLS] text [SEP]")
-    rows = []
-    for item in texts_or_pairs:
-        if isinstance(item, str):
-            a = tokenizer.encode(item)[: max_length - 2]
-            rows.append(([tokenizer.cls_id, *a, tokenizer.sep_id], [0] * (len(a) + 2)))
-        else:
-            text_a, text_b = item
-            a, b = truncate_pair(tokenizer.encode(text_a), tokenizer.encode(text_b), max_length - 3)
-            ids = [tokenizer.cls_id, *a, tokenizer.sep_id, *b, tokenizer.sep_id]
-            rows.append((ids, [0] * (len(a) + 2) + [1] * (len(b) + 1)))
-    length = max_length if pad_to_max_length else max((len(r[0]) for r in rows), default=1)
-    input_ids = np.full((len(rows), length), tokenizer.pad_id, np.int32)
-    token_type_ids = np.zeros((len(rows), length), np.int32)
-    attention_mask = np.zeros((len(rows), length), np.int32)
-    for i, (ids, types) in enumerate(rows):
-        input_ids[i, : len(ids)] = ids
-        token_type_ids[i, : len(ids)] = types
-        attention_mask[i, : len(ids)] = 1
+    rows = features.rows(tokenizer, list(texts_or_pairs), max_length)
+    batch = features.pad(
+        rows, max_length if pad_to_max_length else features.longest(rows), tokenizer.pad_id
+    )
     return {
-        "input_ids": input_ids,
-        "token_type_ids": token_type_ids,
-        "attention_mask": attention_mask,
+        "input_ids": batch["input_ids"],
+        "token_type_ids": batch["segment_ids"],
+        "attention_mask": batch["input_mask"],
     }
 
 

@@ -18,6 +18,7 @@ import numpy as np
 
 from bertjax.convert.sentence_transformers import EmbeddingSettings
 from bertjax.models.heads import SentenceEmbedder
+from bertjax.text import features
 
 MIN_BUCKET = 16
 
@@ -38,13 +39,25 @@ def prompt_length(tokenizer, prompt: str, max_length: int) -> int:
     return min(1 + len(tokenizer.encode(prompt)), max_length - 1) if prompt else 0
 
 
-def token_ids(tokenizer, texts: Sequence[str], max_length: int) -> list[list[int]]:
-    """``[CLS] text [SEP]`` ids per text, the text cut to ``max_length - 2`` tokens."""
+def token_rows(
+    tokenizer, texts: Sequence[str], max_length: int, *, prompt: str = "", lower: bool = False
+) -> tuple[list[features.Row], int]:
+    """``[CLS] prompt text [SEP]`` rows (the text cut to ``max_length`` tokens; ``lower``: lower-cased
+    first) and the number of leading tokens the pooling skips (see :func:`prompt_length`)."""
     if max_length < 3:
         raise ValueError(f"max_seq_length={max_length} leaves no room for [CLS] text [SEP]")
-    encode = getattr(tokenizer, "encode_batch", None)
-    rows = encode(list(texts)) if encode else [tokenizer.encode(t) for t in texts]
-    return [[tokenizer.cls_id, *row[: max_length - 2], tokenizer.sep_id] for row in rows]
+    texts = [prompt + t for t in texts]
+    if lower:
+        texts, prompt = [t.lower() for t in texts], prompt.lower()
+    rows = features.rows(tokenizer, texts, max_length)
+    return rows, prompt_length(tokenizer, prompt, max_length)
+
+
+def batch_of(tokenizer, rows: Sequence[features.Row], chosen, height: int, width: int) -> dict:
+    """The ``chosen`` rows padded to [height, width] (rows past the last: ``[CLS] [SEP]``)."""
+    filler = features.single_row(tokenizer, [], width)
+    picked = [rows[c] for c in chosen] + [filler] * (height - len(chosen))
+    return features.pad(picked, width, tokenizer.pad_id)
 
 
 def embed_texts(
@@ -68,30 +81,20 @@ def embed_texts(
     if not texts:
         return np.zeros((0, dim), np.float32)
     lower = settings.do_lower_case and not getattr(tokenizer, "do_lower_case", False)
-    texts = [prompt + t for t in texts]
-    if lower:
-        texts, prompt = [t.lower() for t in texts], prompt.lower()
-    rows = token_ids(tokenizer, texts, max_length)
-    skip = prompt_length(tokenizer, prompt, max_length)
-    order = np.argsort([-len(r) for r in rows], kind="stable")
+    rows, skip = token_rows(tokenizer, texts, max_length, prompt=prompt, lower=lower)
+    order = np.argsort([-len(r[0]) for r in rows], kind="stable")
     apply = _jitted(module)
     height = min(batch_size, 1 << max(len(rows) - 1, 0).bit_length())
     out = np.zeros((len(rows), dim), np.float32)
     for start in range(0, len(rows), height):
         chosen = order[start : start + height]
-        width = bucket_length(len(rows[chosen[0]]), max_length)
-        ids = np.full((height, width), tokenizer.pad_id, np.int32)  # [batch, seq]
-        mask = np.zeros((height, width), np.int32)
-        filler = [tokenizer.cls_id, tokenizer.sep_id]  # rows past the last text
-        for i in range(height):
-            row = rows[chosen[i]] if i < len(chosen) else filler
-            ids[i, : len(row)] = row
-            mask[i, : len(row)] = 1
+        width = bucket_length(len(rows[chosen[0]][0]), max_length)
+        batch = batch_of(tokenizer, rows, chosen, height, width)  # [batch, seq] each
         vectors = apply(
             {"params": params},
-            jnp.asarray(ids),
-            jnp.zeros_like(jnp.asarray(ids)),
-            jnp.asarray(mask),
+            jnp.asarray(batch["input_ids"]),
+            jnp.asarray(batch["segment_ids"]),
+            jnp.asarray(batch["input_mask"]),
             jnp.full((height,), skip, jnp.int32),
         )
         out[chosen] = np.asarray(vectors, np.float32)[: len(chosen)]

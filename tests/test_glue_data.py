@@ -7,6 +7,7 @@ import pytest
 from tiny_tokenizer import TinyTokenizer
 
 from bertjax.tasks import glue_data as g
+from bertjax.text import features
 from bertjax.tools import score as evaluate
 
 TOK = TinyTokenizer(["the", "cat", "sat", "on", "mat", "dog", "run", "##s", ".", "a"])
@@ -168,9 +169,7 @@ def test_encode_pair_layout_and_longest_first_truncation():
     np.testing.assert_array_equal(short["input_ids"], [2, *ids("the cat"), 3, *ids("dog run"), 3])
     single = g.encode_pair(TOK, "the cat sat on the mat", None, 5)
     np.testing.assert_array_equal(single["input_ids"], [2, *ids("the cat sat"), 3])
-    a, b = list("aaaaa"), list("bb")
-    g.truncate_seq_pair(a, b, 4)
-    assert (a, b) == (["a", "a"], ["b", "b"])
+    assert features.truncate_pair(list("aaaaa"), list("bb"), 4) == (["a", "a"], ["b", "b"])
 
 
 def test_encode_examples_arrays():

@@ -29,3 +29,6 @@ class TinyTokenizer:
 
     def convert_tokens_to_ids(self, tokens):
         return [self._ids.get(t, self.unk_id) for t in tokens]
+
+    def encode(self, text):
+        return self.convert_tokens_to_ids(self.tokenize(text))

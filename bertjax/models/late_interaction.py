@@ -36,6 +36,7 @@ import numpy as np
 from bertjax.layers.core import activation
 from bertjax.models import architecture
 from bertjax.models.pooling import DenseLayer, l2_normalize
+from bertjax.text import features
 
 Array = jax.Array
 MIN_BUCKET = 16
@@ -157,12 +158,9 @@ class TokenLayout:
 
 def _rows(tokenizer, texts: Sequence[str], length: int, prefix: int | None, lower: bool):
     """``[CLS] (prefix) tokens [SEP]`` per text, at most ``length`` tokens."""
-    texts = [t.lower() for t in texts] if lower else list(texts)
-    encode = getattr(tokenizer, "encode_batch", None)
-    pieces = encode(texts) if encode else [tokenizer.encode(t) for t in texts]
-    head = [tokenizer.cls_id] + ([] if prefix is None else [prefix])
-    room = length - len(head) - 1
-    return [[*head, *p[:room], tokenizer.sep_id] for p in pieces]
+    prefix_ids = () if prefix is None else (prefix,)
+    rows = features.rows(tokenizer, list(texts), length, prefix=prefix_ids, lower=lower)
+    return [ids for ids, _ in rows]
 
 
 def query_ids(layout: TokenLayout, tokenizer, texts: Sequence[str], width: int | None = None):

@@ -46,7 +46,8 @@ from bertjax.convert.sentence_transformers import EmbeddingSettings
 from bertjax.models.heads import SentenceEmbedder
 from bertjax.retrieval import embedding_store as store
 from bertjax.retrieval.corpus_input import Corpus
-from bertjax.sentence_embedding import max_length_of, prompt_length, token_ids
+from bertjax.sentence_embedding import batch_of, max_length_of, token_rows
+from bertjax.text import features
 
 MIN_BATCHES_PER_LENGTH = 3  # a padded length fewer batches of a shard need is not compiled
 _AXIS = "data"
@@ -144,35 +145,31 @@ class _Encoder:
         self.params = jax.device_put(params, NamedSharding(self.mesh, P()))
         self.apply = _jitted(self.module)
 
-    def token_rows(self, texts: list[str]) -> tuple[list[list[int]], int]:
+    def token_rows(self, texts: list[str]) -> tuple[list[features.Row], int]:
         """Token ids per text and the prompt's length, as ``sentence_embedding.embed_texts``."""
-        prompt = self.prompt
-        texts = [prompt + t for t in texts]
-        if self.settings.do_lower_case and not getattr(self.tokenizer, "do_lower_case", False):
-            texts, prompt = [t.lower() for t in texts], prompt.lower()
-        rows = token_ids(self.tokenizer, texts, self.max_length)
-        return rows, prompt_length(self.tokenizer, prompt, self.max_length)
+        lower = self.settings.do_lower_case and not getattr(self.tokenizer, "do_lower_case", False)
+        return token_rows(self.tokenizer, texts, self.max_length, prompt=self.prompt, lower=lower)
 
     def embed(self, texts: list[str], batch_size: int) -> np.ndarray:
         """Float32 vectors [len(texts), dim] in the order of ``texts``."""
         rows, skip = self.token_rows(texts)
-        order = np.argsort([-len(r) for r in rows], kind="stable")
+        order = np.argsort([-len(r[0]) for r in rows], kind="stable")
         height = -(-batch_size // self.mesh.size) * self.mesh.size
         starts = range(0, len(rows), height)
-        widths = batch_lengths([len(rows[order[s]]) for s in starts], self.max_length)
+        widths = batch_lengths([len(rows[order[s]][0]) for s in starts], self.max_length)
         out = np.zeros((len(rows), self.dim), np.float32)
-        filler = [self.tokenizer.cls_id, self.tokenizer.sep_id]  # rows past the last text
         pending = None
         for start, width in zip(starts, widths):
             chosen = order[start : start + height]
-            ids = np.full((height, width), self.tokenizer.pad_id, np.int32)  # [batch, seq]
-            mask = np.zeros((height, width), np.int32)
-            for i in range(height):
-                row = rows[chosen[i]] if i < len(chosen) else filler
-                ids[i, : len(row)] = row
-                mask[i, : len(row)] = 1
+            batch = batch_of(self.tokenizer, rows, chosen, height, width)  # [batch, seq] each
             arrays = jax.device_put(
-                (ids, np.zeros_like(ids), mask, np.full((height,), skip, np.int32)), self.rows
+                (
+                    batch["input_ids"],
+                    batch["segment_ids"],
+                    batch["input_mask"],
+                    np.full((height,), skip, np.int32),
+                ),
+                self.rows,
             )
             vectors = self.apply({"params": self.params}, *arrays)  # dispatched, not awaited
             if pending is not None:

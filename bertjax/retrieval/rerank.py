@@ -2,8 +2,8 @@
 as sentence-transformers' ``CrossEncoder``.
 
 A pair becomes ``[CLS] query [SEP] passage [SEP]`` (token types 0 then 1) cut to ``max_length``
-tokens by ``truncate_longest_first``, the "longest_first" truncation of Hugging Face's tokenizers
-(what ``CrossEncoder.predict`` runs): the shorter side is kept whole when the longer one can give
+tokens by the ``hf_longest_first`` truncation of :mod:`bertjax.text.features`, Hugging Face
+tokenizers' "longest_first" (what ``CrossEncoder.predict`` runs): the shorter side is kept whole when the longer one can give
 up the tokens, else both are cut to half of the budget each (the initially longer one keeps the odd
 token). ``score_pairs`` runs any jitted ``apply(ids, types, mask) -> logits`` over pairs sorted by
 length, in batches padded to a few bucketed lengths, and returns the raw logits in input order.
@@ -30,6 +30,7 @@ import numpy as np
 
 from bertjax.retrieval import trec_format
 from bertjax.sentence_embedding import bucket_length
+from bertjax.text import features
 
 Pair = tuple[str, str]
 # torch.nn activation class (the last part of its dotted name) -> NumPy function on logits
@@ -41,62 +42,19 @@ ACTIVATIONS: dict[str, Callable[[np.ndarray], np.ndarray]] = {
 SETTINGS_FILES = ("config_sentence_transformers.json", "config.json")
 
 
-def truncate_longest_first(a: list[int], b: list[int], budget: int) -> tuple[list[int], list[int]]:
-    """``a`` and ``b`` cut to at most ``budget`` tokens together, as Hugging Face tokenizers'
-    ``longest_first`` truncation of a pair (``truncate_encodings`` in tokenizers' Rust code)."""
-    if len(a) + len(b) <= budget:
-        return list(a), list(b)
-    n1, n2 = len(a), len(b)
-    swap = n1 > n2
-    if swap:
-        n1, n2 = n2, n1
-    n2 = n1 if n1 > budget else max(n1, budget - n1)
-    if n1 + n2 > budget:
-        n1 = budget // 2
-        n2 = n1 + budget % 2
-    if swap:
-        n1, n2 = n2, n1
-    return list(a[:n1]), list(b[:n2])
-
-
-def pair_rows(tokenizer, pairs: Sequence[Pair | str], max_length: int) -> list[tuple[list, list]]:
+def pair_rows(tokenizer, pairs: Sequence[Pair | str], max_length: int) -> list[features.Row]:
     """(ids, token types) of ``[CLS] query [SEP] passage [SEP]`` per pair, at most ``max_length``
-    tokens (longest-first truncation); an item that is one string is a single text, ``[CLS]
-    text [SEP]`` (a sentence classifier's input, as GLUE's single-sentence tasks)."""
+    tokens (Hugging Face tokenizers' longest-first truncation, as sentence-transformers'
+    CrossEncoder); an item that is one string is a single text, ``[CLS] text [SEP]`` (a sentence
+    classifier's input, as GLUE's single-sentence tasks)."""
     if max_length < 4:
         raise ValueError(f"max_length={max_length} leaves no room for [CLS] a [SEP] b [SEP]")
-    items = [p if isinstance(p, str) else tuple(p) for p in pairs]
-    if any(
-        not isinstance(p, str) and (len(p) != 2 or not all(isinstance(t, str) for t in p))
-        for p in items
-    ):
-        raise TypeError("each item must be a text or a (text, text) pair of strings")
-    texts = [t for item in items for t in ((item,) if isinstance(item, str) else item)]
-    encode = getattr(tokenizer, "encode_batch", None)
-    tokens = iter(encode(texts) if encode else [tokenizer.encode(t) for t in texts])
-    rows = []
-    for item in items:
-        if isinstance(item, str):
-            a = list(next(tokens))[: max_length - 2]
-            rows.append(([tokenizer.cls_id, *a, tokenizer.sep_id], [0] * (len(a) + 2)))
-            continue
-        a, b = truncate_longest_first(next(tokens), next(tokens), max_length - 3)
-        ids = [tokenizer.cls_id, *a, tokenizer.sep_id, *b, tokenizer.sep_id]
-        rows.append((ids, [0] * (len(a) + 2) + [1] * (len(b) + 1)))
-    return rows
+    return features.rows(tokenizer, pairs, max_length, truncation="hf_longest_first")
 
 
 def pair_features(tokenizer, pairs: Sequence[Pair], max_length: int) -> dict[str, np.ndarray]:
     """Pairs as [n, max_length] int32 ``input_ids``, ``segment_ids`` and ``input_mask``."""
-    rows = pair_rows(tokenizer, pairs, max_length)
-    ids = np.full((len(rows), max_length), tokenizer.pad_id, np.int32)
-    types = np.zeros((len(rows), max_length), np.int32)
-    mask = np.zeros((len(rows), max_length), np.int32)
-    for i, (row, row_types) in enumerate(rows):
-        ids[i, : len(row)] = row
-        types[i, : len(row)] = row_types
-        mask[i, : len(row)] = 1
-    return {"input_ids": ids, "segment_ids": types, "input_mask": mask}
+    return features.pad(pair_rows(tokenizer, pairs, max_length), max_length, tokenizer.pad_id)
 
 
 def score_pairs(
@@ -115,16 +73,15 @@ def score_pairs(
     for start in range(0, len(rows), height):
         chosen = order[start : start + height]
         width = bucket_length(len(rows[chosen[0]][0]), max_length)
-        ids = np.full((height, width), tokenizer.pad_id, np.int32)  # [batch, seq]
-        types = np.zeros((height, width), np.int32)
-        mask = np.zeros((height, width), np.int32)
-        filler = ([tokenizer.cls_id, tokenizer.sep_id, tokenizer.sep_id], [0, 0, 1])
-        for i in range(height):
-            row, row_types = rows[chosen[i]] if i < len(chosen) else filler
-            ids[i, : len(row)] = row
-            types[i, : len(row)] = row_types
-            mask[i, : len(row)] = 1
-        logits = np.asarray(apply(ids, types, mask), np.float32)  # [batch, labels]
+        filler = features.pair_row(tokenizer, [], [], max_length)  # [CLS] [SEP] [SEP]
+        batch = features.pad(
+            [rows[chosen[i]] if i < len(chosen) else filler for i in range(height)],
+            width,
+            tokenizer.pad_id,
+        )  # [batch, seq] each
+        logits = np.asarray(
+            apply(batch["input_ids"], batch["segment_ids"], batch["input_mask"]), np.float32
+        )  # [batch, labels]
         if out is None:
             out = np.zeros((len(rows), logits.shape[-1]), np.float32)
         out[chosen] = logits[: len(chosen)]

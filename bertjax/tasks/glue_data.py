@@ -17,6 +17,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from bertjax import atomic, fs
+from bertjax.text import features
 
 __all__ = [
     "GLUE_TASKS",
@@ -29,7 +30,6 @@ __all__ = [
     "read_glue_split",
     "read_glue_tsv",
     "read_glue_predictions",
-    "truncate_seq_pair",
     "write_glue_predictions",
 ]
 
@@ -64,43 +64,18 @@ class GlueTask:
         return self.labels is None
 
 
-def truncate_seq_pair(tokens_a: list, tokens_b: list, max_length: int) -> None:
-    """Truncate in place, one token at a time from the longer list (original BERT, longest-first)."""
-    while len(tokens_a) + len(tokens_b) > max_length:
-        if len(tokens_a) > len(tokens_b):
-            tokens_a.pop()
-        else:
-            tokens_b.pop()
-
-
 def encode_pair(
     tokenizer, text_a: str, text_b: str | None, max_seq_length: int
 ) -> dict[str, np.ndarray]:
     """BERT input for one text (pair): [CLS] a [SEP] (b [SEP]), zero-padded to `max_seq_length`.
 
-    Returns {input_ids, input_mask, segment_ids}, each int32 [max_seq_length]. A pair is cut with
-    `truncate_seq_pair` to max_seq_length - 3 word pieces, a single text to max_seq_length - 2.
+    Returns {input_ids, input_mask, segment_ids}, each int32 [max_seq_length]. A pair is cut to
+    max_seq_length - 3 word pieces by the original BERT's longest-first truncation (see
+    :mod:`bertjax.text.features`), a single text to max_seq_length - 2.
     """
-    tokens_a = tokenizer.tokenize(text_a)
-    tokens_b = tokenizer.tokenize(text_b) if text_b is not None else []
-    if text_b is not None:
-        truncate_seq_pair(tokens_a, tokens_b, max_seq_length - 3)
-    else:
-        tokens_a = tokens_a[: max_seq_length - 2]
-    ids = [tokenizer.cls_id, *tokenizer.convert_tokens_to_ids(tokens_a), tokenizer.sep_id]
-    segments = [0] * len(ids)
-    if text_b is not None:
-        ids += [*tokenizer.convert_tokens_to_ids(tokens_b), tokenizer.sep_id]
-        segments += [1] * (len(tokens_b) + 1)
-    out = {
-        "input_ids": np.full((max_seq_length,), tokenizer.pad_id, dtype=np.int32),  # [seq]
-        "input_mask": np.zeros((max_seq_length,), dtype=np.int32),  # [seq]
-        "segment_ids": np.zeros((max_seq_length,), dtype=np.int32),  # [seq]
-    }
-    out["input_ids"][: len(ids)] = ids
-    out["input_mask"][: len(ids)] = 1
-    out["segment_ids"][: len(ids)] = segments
-    return out
+    item = text_a if text_b is None else (text_a, text_b)
+    rows = features.rows(tokenizer, [item], max_seq_length)
+    return {k: v[0] for k, v in features.pad(rows, max_seq_length, tokenizer.pad_id).items()}
 
 
 _STD = {"train": "train.tsv", "dev": "dev.tsv", "test": "test.tsv"}

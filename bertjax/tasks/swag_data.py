@@ -18,7 +18,7 @@ from typing import NoReturn
 import numpy as np
 
 from bertjax import fs
-from bertjax.tasks.glue_data import truncate_seq_pair
+from bertjax.text import features
 
 NUM_SWAG_CHOICES = 4
 _REQUIRED = ("video-id", "fold-ind", "sent1", "sent2", "ending0", "ending1", "ending2", "ending3")
@@ -121,22 +121,17 @@ def encode_choices(
             raise ValueError(
                 f"example {ex.guid}: {len(ex.endings)} endings, expected {num_choices}"
             )
-        context_tokens = tokenizer.tokenize(ex.context)
-        start_tokens = tokenizer.tokenize(ex.start_ending)
-        for c, ending in enumerate(ex.endings):
-            tokens_a = list(context_tokens)
-            tokens_b = start_tokens + tokenizer.tokenize(ending)
-            truncate_seq_pair(tokens_a, tokens_b, max_seq_length - 3)
-            ids = [
-                tokenizer.cls_id,
-                *tokenizer.convert_tokens_to_ids(tokens_a),
-                tokenizer.sep_id,
-                *tokenizer.convert_tokens_to_ids(tokens_b),
-                tokenizer.sep_id,
-            ]
-            out["input_ids"][i, c, : len(ids)] = ids
-            out["input_mask"][i, c, : len(ids)] = 1
-            out["segment_ids"][i, c, len(tokens_a) + 2 : len(ids)] = 1
+        context, start, *endings = features.token_ids(
+            tokenizer, [ex.context, ex.start_ending, *ex.endings]
+        )
+        # [CLS] context [SEP] start ending [SEP] per choice: the ending is the second segment
+        rows = [
+            features.pair_row(tokenizer, context, start + ending, max_seq_length)
+            for ending in endings
+        ]
+        padded = features.pad(rows, max_seq_length, tokenizer.pad_id)
+        for key in ("input_ids", "input_mask", "segment_ids"):
+            out[key][i] = padded[key]
         if ex.label is not None:
             out["label"][i] = ex.label
     return out
