@@ -1,5 +1,8 @@
-"""Shared pytest fixtures: paths to ../shared/data (skipped when absent) and CPU device setup."""
+"""Shared pytest fixtures: paths to ../shared/data (skipped when absent), CPU device setup, and the
+fixtures several test files use (tiny transformers models, a BEIR folder, fine-tuning files in the
+official formats, a module's XLA cache); plain helpers shared by test files are in helpers.py."""
 
+import json
 import logging
 import os
 import pathlib
@@ -11,7 +14,9 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402,F401  (before the cache settings below: this process does not read them)
+import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+from helpers import tiny_hf  # noqa: E402
 
 # One persistent XLA cache for the `bertjax` subprocesses of a test session (both xdist workers'):
 # a killed run and its rerun, or two tests running the same tiny config, compile each program once.
@@ -60,6 +65,171 @@ def _bertjax_logger_restored():
     yield
     logger.handlers[:] = saved[0]
     logger.level, logger.propagate, logger.disabled = saved[1:]
+
+
+# -------------------------------------------------------------------------------------------------
+# Fixtures shared by several test files (their helpers are in helpers.py).
+# -------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def hf_dirs(tmp_path_factory):
+    """Tiny random transformers encoders (helpers.tiny_hf): {"bert": DIR, "modernbert": DIR}."""
+    root = tmp_path_factory.mktemp("hf")
+    return {kind: tiny_hf(root / kind, kind) for kind in ("bert", "modernbert")}
+
+
+@pytest.fixture(scope="module")
+def beir_dir(tmp_path_factory) -> pathlib.Path:
+    """12 documents of 6 words; query i is 3 words of document i (train: 0-7, test: 8-11)."""
+    root = tmp_path_factory.mktemp("beir")
+    vocab_words = [f"w{i}" for i in range(40)]
+    rng = np.random.default_rng(0)
+    docs = [list(rng.choice(vocab_words, 6, replace=False)) for _ in range(12)]
+    with open(root / "corpus.jsonl", "w") as f:
+        for i, words in enumerate(docs):
+            f.write(json.dumps({"_id": f"d{i}", "title": words[0], "text": " ".join(words[1:])}))
+            f.write("\n")
+    with open(root / "queries.jsonl", "w") as f:
+        for i, words in enumerate(docs):
+            f.write(json.dumps({"_id": f"q{i}", "text": " ".join(words[:3])}) + "\n")
+    (root / "qrels").mkdir()
+    for split, ids in (("train", range(8)), ("test", range(8, 12))):
+        lines = ["query-id\tcorpus-id\tscore"] + [f"q{i}\td{i}\t1" for i in ids]
+        (root / "qrels" / f"{split}.tsv").write_text("\n".join(lines) + "\n")
+    (root / "vocab.txt").write_text(
+        "\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *vocab_words]) + "\n"
+    )
+    return root
+
+
+@pytest.fixture(scope="module")
+def compilation_cache(tmp_path_factory):
+    """A persistent XLA cache for the module that uses it (test_finetune, test_finetune_heads,
+    test_round_trips): their runs share most programs (restored after)."""
+    from jax._src import compilation_cache as cc
+
+    keys = (
+        "jax_compilation_cache_dir",
+        "jax_persistent_cache_min_compile_time_secs",
+        "jax_persistent_cache_min_entry_size_bytes",
+    )
+    old = {k: getattr(jax.config, k) for k in keys}
+    cc.reset_cache()
+    jax.config.update(keys[0], str(tmp_path_factory.mktemp("xla_cache")))
+    jax.config.update(keys[1], 0.0)
+    jax.config.update(keys[2], 0)
+    yield
+    for key, value in old.items():
+        jax.config.update(key, value)
+    cc.reset_cache()
+
+
+FINETUNE_WORDS = (
+    "the a movie film was is good bad great awful fun dull plot actors it not very and "
+    "who what where when paris france city capital river seine flows through john smith "
+    "works at acme corp in london he she went to store bought milk then left car drove "
+    "home because sky blue red man woman dog cat sat on mat"
+).split()
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """Tiny GLUE (SST-2, MNLI, diagnostic), SQuAD 1.1/2.0, CoNLL NER and SWAG files in the official
+    formats, and their vocab.txt (helpers.small_config runs on them)."""
+    root = tmp_path_factory.mktemp("ft")
+    vocab = root / "vocab.txt"
+    vocab.write_text(
+        "\n".join(
+            ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", ".", ",", "?", *FINETUNE_WORDS, "##s"]
+        )
+        + "\n"
+    )
+    rng = np.random.default_rng(0)
+
+    def sentence(n=6):
+        return " ".join(rng.choice(FINETUNE_WORDS[:18], n))
+
+    glue = root / "glue"
+    (glue / "SST-2").mkdir(parents=True)
+    for split, n in (("train", 24), ("dev", 10)):
+        rows = [f"{sentence()}\t{i % 2}" for i in range(n)]
+        (glue / "SST-2" / f"{split}.tsv").write_text("sentence\tlabel\n" + "\n".join(rows) + "\n")
+    test_rows = [f"{i}\t{sentence()}" for i in range(7)]
+    (glue / "SST-2" / "test.tsv").write_text("index\tsentence\n" + "\n".join(test_rows) + "\n")
+    mnli = glue / "MNLI"
+    mnli.mkdir()
+    header = "index\tpromptID\tpairID\tgenre\tsentence1\tsentence2\tgold_label"
+    labels = ("contradiction", "entailment", "neutral")
+    for split, n in (("train", 12), ("dev_matched", 6), ("dev_mismatched", 5)):
+        rows = [
+            f"{i}\tp\tq\tfiction\t{sentence()}\t{sentence(4)}\t{labels[i % 3]}" for i in range(n)
+        ]
+        (mnli / f"{split}.tsv").write_text(header + "\n" + "\n".join(rows) + "\n")
+    (glue / "diagnostic").mkdir()
+    diag = [f"{i}\t{sentence()}\t{sentence(4)}" for i in range(4)]
+    (glue / "diagnostic" / "diagnostic.tsv").write_text(
+        "index\tsentence1\tsentence2\n" + "\n".join(diag) + "\n"
+    )
+
+    squad = root / "squad"
+    squad.mkdir()
+    context = "john smith works at acme corp in london . paris is the capital of france ."
+    qas = [
+        ("q1", "who works at acme corp ?", "john smith", 0),
+        ("q2", "where is acme corp ?", "london", context.index("london")),
+        ("q3", "what is the capital of france ?", "paris", context.index("paris")),
+        ("q4", "where does john smith work ?", "acme corp", context.index("acme")),
+    ]
+
+    def squad_json(version, impossible=()):
+        out = []
+        for qid, q, a, start in qas:
+            entry = {"id": qid, "question": q, "answers": [{"text": a, "answer_start": start}]}
+            if version == "2.0":
+                entry["is_impossible"] = False
+            out.append(entry)
+        for qid in impossible:
+            out.append(
+                {"id": qid, "question": "who drove home ?", "answers": [], "is_impossible": True}
+            )
+        return {
+            "version": version,
+            "data": [{"title": "t", "paragraphs": [{"context": context, "qas": out}]}],
+        }
+
+    for version, imp in (("1.1", ()), ("2.0", ("q5",))):
+        for split in ("train", "dev"):
+            (squad / f"{split}-v{version}.json").write_text(json.dumps(squad_json(version, imp)))
+
+    ner = root / "ner"
+    ner.mkdir()
+    sent = [
+        ("john", "B-PER"),
+        ("smith", "I-PER"),
+        ("works", "O"),
+        ("at", "O"),
+        ("acme", "B-ORG"),
+        ("corp", "I-ORG"),
+        ("in", "O"),
+        ("london", "B-LOC"),
+    ]
+    lines = ["-DOCSTART- -X- -X- O", ""]
+    for _ in range(6):
+        lines += [f"{w} NN B-NP {t}" for w, t in sent] + [""]
+    for name in ("train.txt", "valid.txt", "test.txt"):
+        (ner / name).write_text("\n".join(lines))
+
+    swag = root / "swag"
+    swag.mkdir()
+    head = ",video-id,fold-ind,startphrase,sent1,sent2,gold-source,ending0,ending1,ending2,ending3"
+    rows = [
+        f'{i},v{i},{i},x,"{sentence(4)}",{sentence(2)},gold,{sentence(3)},{sentence(3)},'
+        f"{sentence(3)},{sentence(3)},{i % 4}"
+        for i in range(12)
+    ]
+    for name in ("train.csv", "val.csv"):
+        (swag / name).write_text(head + ",label\n" + "\n".join(rows) + "\n")
+    (swag / "test.csv").write_text(head + "\n" + "\n".join(r.rsplit(",", 1)[0] for r in rows))
+    return root
 
 
 # The heaviest files first (about the order of their times on the 2-core machine): `--dist

@@ -58,13 +58,13 @@ def _features(gen, rows, length, dim, skip_ids=(5, 6)):
 
 
 def main() -> None:
+    from helpers import tiny_hf
     from pylate import losses, models, scores
-    from test_sentence_transformers import _tiny_hf
 
     out = {}
     OUT.mkdir(parents=True, exist_ok=True)
     for kind in ("bert", "modernbert"):
-        hf = _tiny_hf(OUT / f"_hf_{kind}", kind)
+        hf = tiny_hf(OUT / f"_hf_{kind}", kind)
         torch.manual_seed(0)
         model = models.ColBERT(
             str(hf),

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_retrieval_training import beir_dir, tiny_run  # noqa: F401  (beir_dir: a fixture)
+from helpers import tiny_run
 from train_fixtures import set_keys
 
 import bertjax
@@ -19,7 +19,7 @@ from bertjax.tools import score
 from configs import colbert as colbert_config
 
 
-def _config(beir_dir, **overrides):  # noqa: F811
+def _config(beir_dir, **overrides):
     c = tiny_run(colbert_config.get_config(), beir_dir)
     c.colbert.dim = 8
     c.colbert.query_length = 8
@@ -30,7 +30,7 @@ def _config(beir_dir, **overrides):  # noqa: F811
 
 @pytest.mark.slow
 @pytest.mark.parametrize("architecture", ["bert", "modernbert"])
-def test_a_beir_folder_trains_evaluates_and_exports(beir_dir, tmp_path, architecture):  # noqa: F811
+def test_a_beir_folder_trains_evaluates_and_exports(beir_dir, tmp_path, architecture):
     overrides = {} if architecture == "bert" else {"model.architecture": "modernbert"}
     run = tmp_path / "run"
     result = train.train_and_evaluate(_config(beir_dir, **overrides), str(run))
@@ -54,7 +54,7 @@ def test_a_beir_folder_trains_evaluates_and_exports(beir_dir, tmp_path, architec
         assert again[key] == pytest.approx(value, abs=1e-6), key
 
 
-def _one_step_params(beir_dir, tmp_path, accum, **overrides):  # noqa: F811
+def _one_step_params(beir_dir, tmp_path, accum, **overrides):
     c = _config(
         beir_dir,
         **{
@@ -74,7 +74,7 @@ def _one_step_params(beir_dir, tmp_path, accum, **overrides):  # noqa: F811
     return jax.device_get(new_state.params), float(metrics["loss"])
 
 
-def _assert_same_step(beir_dir, tmp_path, **overrides):  # noqa: F811
+def _assert_same_step(beir_dir, tmp_path, **overrides):
     whole, loss1 = _one_step_params(beir_dir, tmp_path / "a", 1, **overrides)
     cached, loss4 = _one_step_params(beir_dir, tmp_path / "b", 4, **overrides)
     assert loss4 == pytest.approx(loss1, rel=1e-5)
@@ -83,7 +83,7 @@ def _assert_same_step(beir_dir, tmp_path, **overrides):  # noqa: F811
 
 
 @pytest.mark.slow
-def test_the_cached_step_over_micro_batches_is_the_whole_batch_step(beir_dir, tmp_path):  # noqa: F811
+def test_the_cached_step_over_micro_batches_is_the_whole_batch_step(beir_dir, tmp_path):
     """grad_accum_steps=4 (the two-pass cached step) updates the params as one batch of 8 does:
     every query's softmax still runs over all 8 rows' documents."""
     _assert_same_step(beir_dir, tmp_path)
@@ -111,7 +111,7 @@ def _scored_rows(path):
 
 
 @pytest.mark.slow
-def test_distillation_reads_teacher_scores_and_keeps_the_whole_batch_step(beir_dir, tmp_path):  # noqa: F811
+def test_distillation_reads_teacher_scores_and_keeps_the_whole_batch_step(beir_dir, tmp_path):
     path = _scored_rows(tmp_path / "train.jsonl")
     keys = {"data.train_file": str(path), "data.num_negatives": 2, "colbert.loss": "distillation"}
     task = train.prepared_task(_config(beir_dir, **keys), str(tmp_path / "run"))
@@ -124,7 +124,7 @@ def test_distillation_reads_teacher_scores_and_keeps_the_whole_batch_step(beir_d
         train.prepared_task(_config(beir_dir, **keys), str(tmp_path / "bad"))
 
 
-def test_bad_colbert_settings_are_one_line_errors(beir_dir, tmp_path):  # noqa: F811
+def test_bad_colbert_settings_are_one_line_errors(beir_dir, tmp_path):
     with pytest.raises(ValueError, match=r"colbert.loss='mse': choose one of"):
         train.prepared_task(_config(beir_dir, **{"colbert.loss": "mse"}), str(tmp_path / "a"))
     with pytest.raises(ValueError, match=r"max_position_embeddings=32"):
@@ -140,7 +140,7 @@ def test_bad_colbert_settings_are_one_line_errors(beir_dir, tmp_path):  # noqa: 
 
 
 @pytest.mark.slow
-def test_training_starts_from_a_pylate_model(beir_dir, tmp_path):  # noqa: F811
+def test_training_starts_from_a_pylate_model(beir_dir, tmp_path):
     """init_checkpoint=a PyLate directory: its tokenizer ("[Q] ", "[D] " found by "auto"), its
     encoder and its projection are where training starts."""
     source = pathlib.Path(__file__).resolve().parent / "data" / "pylate" / "bert"

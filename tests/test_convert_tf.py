@@ -10,7 +10,7 @@ import shutil
 
 import numpy as np
 import pytest
-from test_convert_hf import TOL, make_hf_model, max_differences, sample_batch, torch_outputs
+from helpers import TOL, make_hf_model, max_differences, sample_batch, torch_outputs
 
 from bertjax.convert import load_checkpoint
 from bertjax.convert import main as convert_main

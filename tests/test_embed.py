@@ -16,7 +16,7 @@ import textwrap
 
 import numpy as np
 import pytest
-from test_sentence_transformers import _st_dir, _tiny_hf
+from helpers import st_dir, tiny_hf
 
 from bertjax import cli
 from bertjax.retrieval import corpus_input, embed_corpus
@@ -45,10 +45,10 @@ def st_dirs(tmp_path_factory):
     """sentence-transformers directories: BERT with mean pooling and Normalize, ModernBERT with
     CLS pooling and a prompt."""
     root = tmp_path_factory.mktemp("embed_models")
-    bert = _st_dir(root / "st_bert", _tiny_hf(root / "bert", "bert"), "mean", normalize=True)
-    modern = _st_dir(
+    bert = st_dir(root / "st_bert", tiny_hf(root / "bert", "bert"), "mean", normalize=True)
+    modern = st_dir(
         root / "st_modernbert",
-        _tiny_hf(root / "modernbert", "modernbert"),
+        tiny_hf(root / "modernbert", "modernbert"),
         "cls",
         prompts={"query": "query: "},
     )

@@ -4,7 +4,7 @@ import json
 
 import numpy as np
 import pytest
-from test_convert_hf import make_hf_model, sst2_sentences
+from helpers import make_hf_model, sst2_sentences
 
 from bertjax.pretrained import encode_batch
 from bertjax.text import load_tokenizer

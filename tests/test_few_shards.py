@@ -7,7 +7,7 @@ import json
 
 import numpy as np
 import pytest
-from test_pipeline import example_ids, write_prepared
+from helpers import example_ids, write_prepared
 
 from bertjax.data import pipeline
 from bertjax.data.streams import StreamedData

@@ -12,7 +12,7 @@ import shutil
 import jax
 import numpy as np
 import pytest
-from train_fixtures import set_keys
+from helpers import small_config
 
 from bertjax import multiseed as finetune
 from bertjax import train
@@ -23,154 +23,9 @@ from configs import ner as ner_config
 from configs import squad as squad_config
 from configs import swag as swag_config
 
-WORDS = (
-    "the a movie film was is good bad great awful fun dull plot actors it not very and "
-    "who what where when paris france city capital river seine flows through john smith "
-    "works at acme corp in london he she went to store bought milk then left car drove "
-    "home because sky blue red man woman dog cat sat on mat"
-).split()
-
-
-@pytest.fixture(scope="module", autouse=True)
-def compilation_cache(tmp_path_factory):
-    """A persistent XLA cache for this module: the runs below share most programs (restored after)."""
-    from jax._src import compilation_cache as cc
-
-    keys = (
-        "jax_compilation_cache_dir",
-        "jax_persistent_cache_min_compile_time_secs",
-        "jax_persistent_cache_min_entry_size_bytes",
-    )
-    old = {k: getattr(jax.config, k) for k in keys}
-    cc.reset_cache()
-    jax.config.update(keys[0], str(tmp_path_factory.mktemp("xla_cache")))
-    jax.config.update(keys[1], 0.0)
-    jax.config.update(keys[2], 0)
-    yield
-    for key, value in old.items():
-        jax.config.update(key, value)
-    cc.reset_cache()
-
-
-@pytest.fixture(scope="module")
-def files(tmp_path_factory):
-    root = tmp_path_factory.mktemp("ft")
-    vocab = root / "vocab.txt"
-    vocab.write_text(
-        "\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", ".", ",", "?", *WORDS, "##s"])
-        + "\n"
-    )
-    rng = np.random.default_rng(0)
-
-    def sentence(n=6):
-        return " ".join(rng.choice(WORDS[:18], n))
-
-    glue = root / "glue"
-    (glue / "SST-2").mkdir(parents=True)
-    for split, n in (("train", 24), ("dev", 10)):
-        rows = [f"{sentence()}\t{i % 2}" for i in range(n)]
-        (glue / "SST-2" / f"{split}.tsv").write_text("sentence\tlabel\n" + "\n".join(rows) + "\n")
-    test_rows = [f"{i}\t{sentence()}" for i in range(7)]
-    (glue / "SST-2" / "test.tsv").write_text("index\tsentence\n" + "\n".join(test_rows) + "\n")
-    mnli = glue / "MNLI"
-    mnli.mkdir()
-    header = "index\tpromptID\tpairID\tgenre\tsentence1\tsentence2\tgold_label"
-    labels = ("contradiction", "entailment", "neutral")
-    for split, n in (("train", 12), ("dev_matched", 6), ("dev_mismatched", 5)):
-        rows = [
-            f"{i}\tp\tq\tfiction\t{sentence()}\t{sentence(4)}\t{labels[i % 3]}" for i in range(n)
-        ]
-        (mnli / f"{split}.tsv").write_text(header + "\n" + "\n".join(rows) + "\n")
-    (glue / "diagnostic").mkdir()
-    diag = [f"{i}\t{sentence()}\t{sentence(4)}" for i in range(4)]
-    (glue / "diagnostic" / "diagnostic.tsv").write_text(
-        "index\tsentence1\tsentence2\n" + "\n".join(diag) + "\n"
-    )
-
-    squad = root / "squad"
-    squad.mkdir()
-    context = "john smith works at acme corp in london . paris is the capital of france ."
-    qas = [
-        ("q1", "who works at acme corp ?", "john smith", 0),
-        ("q2", "where is acme corp ?", "london", context.index("london")),
-        ("q3", "what is the capital of france ?", "paris", context.index("paris")),
-        ("q4", "where does john smith work ?", "acme corp", context.index("acme")),
-    ]
-
-    def squad_json(version, impossible=()):
-        out = []
-        for qid, q, a, start in qas:
-            entry = {"id": qid, "question": q, "answers": [{"text": a, "answer_start": start}]}
-            if version == "2.0":
-                entry["is_impossible"] = False
-            out.append(entry)
-        for qid in impossible:
-            out.append(
-                {"id": qid, "question": "who drove home ?", "answers": [], "is_impossible": True}
-            )
-        return {
-            "version": version,
-            "data": [{"title": "t", "paragraphs": [{"context": context, "qas": out}]}],
-        }
-
-    for version, imp in (("1.1", ()), ("2.0", ("q5",))):
-        for split in ("train", "dev"):
-            (squad / f"{split}-v{version}.json").write_text(json.dumps(squad_json(version, imp)))
-
-    ner = root / "ner"
-    ner.mkdir()
-    sent = [
-        ("john", "B-PER"),
-        ("smith", "I-PER"),
-        ("works", "O"),
-        ("at", "O"),
-        ("acme", "B-ORG"),
-        ("corp", "I-ORG"),
-        ("in", "O"),
-        ("london", "B-LOC"),
-    ]
-    lines = ["-DOCSTART- -X- -X- O", ""]
-    for _ in range(6):
-        lines += [f"{w} NN B-NP {t}" for w, t in sent] + [""]
-    for name in ("train.txt", "valid.txt", "test.txt"):
-        (ner / name).write_text("\n".join(lines))
-
-    swag = root / "swag"
-    swag.mkdir()
-    head = ",video-id,fold-ind,startphrase,sent1,sent2,gold-source,ending0,ending1,ending2,ending3"
-    rows = [
-        f'{i},v{i},{i},x,"{sentence(4)}",{sentence(2)},gold,{sentence(3)},{sentence(3)},'
-        f"{sentence(3)},{sentence(3)},{i % 4}"
-        for i in range(12)
-    ]
-    for name in ("train.csv", "val.csv"):
-        (swag / name).write_text(head + ",label\n" + "\n".join(rows) + "\n")
-    (swag / "test.csv").write_text(head + "\n" + "\n".join(r.rsplit(",", 1)[0] for r in rows))
-    return root
-
-
-def small_config(c, files, data_dir, **overrides):
-    """A tiny model, short sequences and a 3-step run on one device (the same programs for every
-    SST-2 run, so the compilation cache serves them)."""
-    c.data.vocab = str(files / "vocab.txt")
-    c.data.do_lower_case = True
-    c.data_dir = str(files / data_dir) if data_dir else ""
-    c.model.preset = "tiny"
-    c.model.num_layers = 1
-    c.model.hidden_size = 32
-    c.model.num_heads = 2
-    c.model.intermediate_size = 64
-    c.model.max_position_embeddings = 64
-    c.data.max_seq_length = 32
-    c.data.eval_batch_size = 8
-    c.train.steps = 3
-    c.train.global_batch_size = 8
-    c.train.log_every = 1
-    c.train.async_checkpoints = False
-    c.optimizer.learning_rate = 1e-3
-    c.mesh.num_devices = 1
-    c.tensorboard = False
-    return set_keys(c, overrides)
+# conftest.py: `files` (tiny files in the official formats) and a module-scoped XLA cache, which
+# the runs below share (most of their programs are the same).
+pytestmark = pytest.mark.usefixtures("compilation_cache")
 
 
 def _results(workdir):

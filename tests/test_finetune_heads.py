@@ -15,7 +15,7 @@ import shutil
 import jax
 import numpy as np
 import pytest
-import test_finetune
+from helpers import small_config
 from hf_random import randomize
 
 from bertjax import train
@@ -28,10 +28,9 @@ from configs import swag as swag_config
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-# test_finetune's tiny files in the official formats, its run config and its compilation cache.
-files = test_finetune.files
-compilation_cache = test_finetune.compilation_cache
-small_config = test_finetune.small_config
+# conftest.py: `files` (tiny files in the official formats) and a module-scoped XLA cache, as in
+# test_finetune; small_config (helpers.py) is their shared tiny run config.
+pytestmark = pytest.mark.usefixtures("compilation_cache")
 
 TOL = 1e-4
 NER_LABELS = 9  # CoNLL-2003's tag set (the fixture's tags are a subset of it)

@@ -19,7 +19,7 @@ from collections import Counter
 
 import numpy as np
 import pytest
-from test_sentence_transformers import WORDS, _st_dir, _tiny_hf
+from helpers import WORDS, st_dir, tiny_hf
 from train_fixtures import set_keys
 
 import bertjax
@@ -115,12 +115,12 @@ def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("mining")
     out = {}
     for kind in KINDS:
-        hf = _tiny_hf(root / f"hf_{kind}", kind)
+        hf = tiny_hf(root / f"hf_{kind}", kind)
         if kind == "bert":
-            directory = _st_dir(root / kind, hf, "mean")
+            directory = st_dir(root / kind, hf, "mean")
         else:
             prompts = {"query": "query: ", "document": "passage: "}
-            directory = _st_dir(root / kind, hf, "cls", normalize=True, prompts=prompts)
+            directory = st_dir(root / kind, hf, "cls", normalize=True, prompts=prompts)
         out[kind] = (
             SentenceTransformer(str(directory), device="cpu"),
             bertjax.load_pretrained(str(directory)),

@@ -5,85 +5,20 @@ import json
 import numpy as np
 import pytest
 import tensorflow as tf
+from helpers import (
+    CLS,
+    MASK,
+    PRED,
+    SEP,
+    SEQ,
+    SHARD_SIZES,
+    example_ids,
+    example_tokens,
+    unmask,
+    write_prepared,
+)
 
 from bertjax.data import pipeline
-
-SEQ, PRED = 12, 3
-CLS, SEP, MASK = 101, 102, 103
-SHARD_SIZES = (7, 5, 6, 4)  # 22 examples in 4 shards
-
-
-def _int_feature(values):
-    return tf.train.Feature(int64_list=tf.train.Int64List(value=[int(v) for v in values]))
-
-
-def _example_tokens(g: int) -> list[int]:
-    """The unmasked tokens of example g: [CLS] 1000+g body... [SEP]; the id sits at position 1."""
-    body = [2000 + (g * 7 + j) % 500 for j in range(2 + g % 5)]
-    return [CLS, 1000 + g, *body, SEP]
-
-
-def write_prepared(root, shard_sizes=SHARD_SIZES, masking="static", split="train", nsp=True):
-    """Writes prepared-format shards + metadata.json; example g (global) is _example_tokens(g)."""
-    root.mkdir(parents=True, exist_ok=True)
-    n, g, counts = len(shard_sizes), 0, {}
-    for i, size in enumerate(shard_sizes):
-        name = f"{split}-{i:05d}-of-{n:05d}.tfrecord"
-        counts[name] = size
-        with tf.io.TFRecordWriter(str(root / name)) as writer:
-            for _ in range(size):
-                tokens = _example_tokens(g)
-                ids = np.zeros(SEQ, np.int64)
-                ids[: len(tokens)] = tokens
-                feats = {
-                    "input_mask": _int_feature(np.arange(SEQ) < len(tokens)),
-                    "segment_ids": _int_feature(np.arange(SEQ) >= len(tokens) // 2),
-                }
-                if nsp:
-                    feats["next_sentence_labels"] = _int_feature([g % 2])
-                if masking == "static":
-                    positions = [2, 3, 0]
-                    feats["masked_lm_positions"] = _int_feature(positions)
-                    feats["masked_lm_ids"] = _int_feature([ids[2], ids[3], 0])
-                    feats["masked_lm_weights"] = tf.train.Feature(
-                        float_list=tf.train.FloatList(value=[1.0, 1.0, 0.0])
-                    )
-                    ids[2:4] = MASK
-                feats["input_ids"] = _int_feature(ids)
-                example = tf.train.Example(features=tf.train.Features(feature=feats))
-                writer.write(example.SerializeToString())
-                g += 1
-    meta = {
-        "max_seq_length": SEQ,
-        "max_predictions_per_seq": PRED,
-        "masked_lm_prob": 0.15,
-        "masking": masking,
-        "whole_word_mask": False,
-        "nsp": nsp,
-        "vocab_file": "vocab.txt",
-        "vocab_size": 3000,
-        "shards": counts,
-    }
-    (root / "metadata.json").write_text(json.dumps(meta))
-    return root
-
-
-def unmask(batch) -> np.ndarray:
-    """Original input_ids of a batch: masked positions filled back from masked_lm_ids."""
-    ids = batch["input_ids"].copy()
-    for row in range(ids.shape[0]):
-        for pos, tok, w in zip(
-            batch["masked_lm_positions"][row],
-            batch["masked_lm_ids"][row],
-            batch["masked_lm_weights"][row],
-        ):
-            if w > 0:
-                ids[row, pos] = tok
-    return ids
-
-
-def example_ids(batch) -> np.ndarray:
-    return unmask(batch)[:, 1] - 1000  # [b]
 
 
 def take(ds, n):
@@ -162,7 +97,7 @@ def test_dtypes_and_shapes(static_dir):
     assert {k: (v.shape, v.dtype) for k, v in batch.items()} == expect
     ids = example_ids(batch)
     for row, g in enumerate(ids):  # every field matches what was written for that example
-        tokens = _example_tokens(g)
+        tokens = example_tokens(g)
         np.testing.assert_array_equal(unmask(batch)[row, : len(tokens)], tokens)
         assert batch["input_mask"][row].sum() == len(tokens)
         assert batch["next_sentence_labels"][row] == g % 2
@@ -390,7 +325,7 @@ def test_dynamic_masks_fresh_per_epoch_and_identical_on_resume(dynamic_dir, whol
     masks = {}  # example id -> its masked input_ids + positions, one entry per epoch
     for batch in fresh:
         for row, g in enumerate(example_ids(batch)):
-            tokens = _example_tokens(g)
+            tokens = example_tokens(g)
             np.testing.assert_array_equal(unmask(batch)[row, : len(tokens)], tokens)
             positions = batch["masked_lm_positions"][row][batch["masked_lm_weights"][row] > 0]
             assert (0 if whole_word else 1) <= len(positions) <= PRED
@@ -421,7 +356,7 @@ def test_dynamic_masking_of_static_records_starts_from_original_tokens(static_di
     for batch in take(pipeline.pretraining_dataset(static_dir, "train", 11, **kw), 2):
         ids = unmask(batch)
         for row, g in enumerate(example_ids(batch)):
-            tokens = _example_tokens(g)
+            tokens = example_tokens(g)
             np.testing.assert_array_equal(ids[row, : len(tokens)], tokens)  # no stored [MASK] left
             positions = batch["masked_lm_positions"][row][batch["masked_lm_weights"][row] > 0]
             assert len(positions) == round(len(tokens) * 0.3)

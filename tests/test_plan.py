@@ -6,7 +6,7 @@ does with their outcomes is the subject; tests/test_topology.py compiles for rea
 import json
 
 import pytest
-from test_topology import HBM_REFUSAL, TINY
+from helpers import HBM_REFUSAL, TINY
 
 from bertjax import compile as aot
 from bertjax import plan, topology

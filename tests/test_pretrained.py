@@ -7,13 +7,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_convert_hf import make_hf_model
+from helpers import make_hf_model
 
 from bertjax import PreTrainingModel
 from bertjax.checkpointing import Checkpointer
 from bertjax.models.bert import get_preset
-from bertjax.pretrained import encode_batch, load_pretrained, truncate_pair
+from bertjax.pretrained import encode_batch, load_pretrained
 from bertjax.text import load_tokenizer
+from bertjax.text.features import truncate_pair
 
 IDS = np.array([[2, 40, 41, 42, 3, 0, 0], [2, 50, 3, 60, 61, 3, 0]], np.int32)
 TYPES = np.array([[0, 0, 0, 0, 0, 0, 0], [0, 0, 0, 1, 1, 1, 0]], np.int32)

@@ -6,15 +6,15 @@ the reranker task's readers turn bad rows into one-line errors naming the file a
 a run keeps each query's top k in the cross-encoder's order.
 
 References: sentence-transformers' ``CrossEncoder`` and transformers' tokenizer on tiny random
-models they write themselves (``test_sentence_transformers._tiny_hf``).
+models they write themselves (``helpers.tiny_hf``).
 """
 
 import json
 
 import numpy as np
 import pytest
+from helpers import LONG, PAIR_MAX_LEN, PAIRS, WORDS, cross_encoder_dir, tiny_hf
 from hf_random import randomize
-from test_sentence_transformers import WORDS, _tiny_hf
 
 import bertjax
 from bertjax.retrieval import rerank
@@ -27,46 +27,19 @@ pytest.importorskip("sentence_transformers")
 from sentence_transformers import CrossEncoder  # noqa: E402
 
 TOL = 1e-5
-MAX_LEN = 24  # tokens per pair, [CLS] and two [SEP] included
-LONG = " ".join(["the quick brown fox jumps over the lazy dog"] * 3)
-PAIRS = [
-    ("the quick fox", "lazy dog jumps"),
-    ("query", LONG),  # only the passage is cut
-    (LONG, "passage"),  # only the query is cut
-    (LONG, LONG + " twice!"),  # both are cut
-    ("Hello, world!", "x"),
-    ("jumps over everything", "the lazy dog, the quick fox."),
-]
-
-
-@pytest.fixture(scope="module")
-def hf_dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("hf")
-    return {kind: _tiny_hf(root / kind, kind) for kind in ("bert", "modernbert")}
-
-
-def cross_encoder_dir(path, hf_dir, activation_fn=None):
-    """``CrossEncoder(hf_dir, num_labels=1).save(path)`` with O(1) random head weights."""
-    torch.manual_seed(0)
-    model = CrossEncoder(
-        str(hf_dir), num_labels=1, max_length=MAX_LEN, device="cpu", activation_fn=activation_fn
-    )
-    randomize(model.model, seed=5, only=("classifier", "head", "bert.pooler"))
-    model.save(str(path))
-    return path
 
 
 def _classifier_dir(tmp_path, kind, num_labels, seed):
     """A random transformers ``*ForSequenceClassification`` with its tokenizer in tmp_path/clf
     (no sentence-transformers files); returns the model and the tokenizer."""
-    hf = _tiny_hf(tmp_path / "hf", kind)
+    hf = tiny_hf(tmp_path / "hf", kind)
     cls = getattr(
         transformers, f"{'Bert' if kind == 'bert' else 'ModernBert'}ForSequenceClassification"
     )
     model = cls.from_pretrained(hf, num_labels=num_labels).eval()
     randomize(model, seed=seed)
     model.save_pretrained(tmp_path / "clf")
-    tokenizer = transformers.AutoTokenizer.from_pretrained(hf, model_max_length=MAX_LEN)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(hf, model_max_length=PAIR_MAX_LEN)
     tokenizer.save_pretrained(tmp_path / "clf")
     return model, tokenizer
 
@@ -86,7 +59,7 @@ def _differences(directory, pairs=PAIRS, **kwargs):
 def test_a_saved_cross_encoder_predicts_as_cross_encoder(hf_dirs, tmp_path, kind):
     directory = cross_encoder_dir(tmp_path / "ce", hf_dirs[kind])
     model = bertjax.load_pretrained(str(directory))
-    assert model.cross_encoder == rerank.CrossEncoderSettings(MAX_LEN, "Sigmoid")
+    assert model.cross_encoder == rerank.CrossEncoderSettings(PAIR_MAX_LEN, "Sigmoid")
     assert max(_differences(directory)) < TOL
 
 

@@ -20,9 +20,7 @@ from contextlib import redirect_stdout
 import jax
 import numpy as np
 import pytest
-from test_reranker import MAX_LEN, PAIRS, cross_encoder_dir, hf_dirs  # noqa: F401
-from test_sentence_transformers import WORDS, _st_dir
-from test_training_parity import _param_groups, _torch_run
+from helpers import PAIR_MAX_LEN, PAIRS, WORDS, cross_encoder_dir, param_groups, st_dir, torch_run
 from train_fixtures import read_metrics, set_keys
 
 import bertjax
@@ -60,7 +58,7 @@ def _write_jsonl(path: pathlib.Path, rows) -> str:
 
 def _config(**overrides):
     c = reranker_config.get_config()
-    c.data.max_seq_length = MAX_LEN
+    c.data.max_seq_length = PAIR_MAX_LEN
     c.data.batch_packing = False
     c.data.eval_packing = False
     c.data.eval_batch_size = 8
@@ -92,7 +90,7 @@ def _bce(model, batch, modern):
 
 
 @pytest.mark.parametrize("kind", ["bert", "modernbert"])
-def test_reranker_steps_equal_torch_and_export_to_cross_encoder(hf_dirs, tmp_path, kind):  # noqa: F811
+def test_reranker_steps_equal_torch_and_export_to_cross_encoder(hf_dirs, tmp_path, kind):
     source = cross_encoder_dir(tmp_path / "ce", hf_dirs[kind])
     dev = _pairs(1, 10)
     c = _config(
@@ -119,10 +117,10 @@ def test_reranker_steps_equal_torch_and_export_to_cross_encoder(hf_dirs, tmp_pat
     )
 
     model = transformers.AutoModelForSequenceClassification.from_pretrained(source).eval()
-    groups = _param_groups(model, c.optimizer.weight_decay, tensors)
+    groups = param_groups(model, c.optimizer.weight_decay, tensors)
     opt = torch.optim.AdamW(groups, lr=lrs[0], betas=(0.9, 0.999), eps=1e-6, foreach=False)
     modern = kind == "modernbert"
-    theirs, _ = _torch_run(model, lambda m, b: _bce(m, b, modern), opt, batches, lrs, 1.0)
+    theirs, _ = torch_run(model, lambda m, b: _bce(m, b, modern), opt, batches, lrs, 1.0)
     rel = np.abs(np.subtract(ours, theirs)) / np.abs(theirs)
     print(f"{kind}: losses bertjax {ours} torch {theirs}, max relative difference {rel.max():.2e}")
     assert rel.max() < LOSS_RTOL and ours[-1] != ours[0]
@@ -193,7 +191,7 @@ def _evaluate(*argv) -> dict:
     return json.loads(out.getvalue())
 
 
-def test_a_beir_folder_trains_reranks_and_evaluate_rerank_agrees(hf_dirs, beir_dir, tmp_path):  # noqa: F811
+def test_a_beir_folder_trains_reranks_and_evaluate_rerank_agrees(hf_dirs, beir_dir, tmp_path):
     source = cross_encoder_dir(tmp_path / "ce", hf_dirs["modernbert"])
     c = _config(
         **{
@@ -223,7 +221,7 @@ def test_a_beir_folder_trains_reranks_and_evaluate_rerank_agrees(hf_dirs, beir_d
     assert first["recall@100"] <= from_run["recall@100"]
 
     # a bi-encoder searched first, then reranked: the same as reranking its written run
-    bi_encoder = _st_dir(tmp_path / "bi", hf_dirs["bert"], "mean")
+    bi_encoder = st_dir(tmp_path / "bi", hf_dirs["bert"], "mean")
     run_file = tmp_path / "bi.trec"
     _evaluate(
         "--checkpoint", str(bi_encoder), "--data", str(beir_dir), "--output_run", str(run_file)
@@ -235,7 +233,7 @@ def test_a_beir_folder_trains_reranks_and_evaluate_rerank_agrees(hf_dirs, beir_d
     assert len((tmp_path / "reranked.trec").read_text().splitlines()) == 4 * 12
 
 
-def test_evaluate_rerank_refuses_bad_combinations(hf_dirs, beir_dir, tmp_path, capsys):  # noqa: F811
+def test_evaluate_rerank_refuses_bad_combinations(hf_dirs, beir_dir, tmp_path, capsys):
     source = cross_encoder_dir(tmp_path / "ce", hf_dirs["bert"])
     run = str(beir_dir / "first_stage.trec")
     cases = [
@@ -268,7 +266,7 @@ def test_evaluate_rerank_refuses_bad_combinations(hf_dirs, beir_dir, tmp_path, c
         assert any(m in err for m in message.split("|")), err
 
 
-def test_packed_batches_give_the_unpacked_losses_and_dev_metrics(hf_dirs, tmp_path):  # noqa: F811
+def test_packed_batches_give_the_unpacked_losses_and_dev_metrics(hf_dirs, tmp_path):
     """data.batch_packing and data.eval_packing (the config's defaults) train and evaluate the
     same examples in fewer rows: the same losses and dev metrics to float rounding."""
     source = cross_encoder_dir(tmp_path / "ce", hf_dirs["bert"])

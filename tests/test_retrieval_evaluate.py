@@ -13,7 +13,7 @@ import sys
 
 import numpy as np
 import pytest
-from test_retrieval_files import write_beir
+from helpers import minilm_directory, write_beir
 
 import bertjax
 from bertjax.retrieval import beir, metrics, search, trec_format
@@ -205,7 +205,6 @@ def test_real_minilm_on_a_scifact_subset_equals_sentence_transformers(shared_dat
     """20 judged SciFact test claims against their relevant abstracts and 150 others: our
     embed + search + metrics vs sentence-transformers' encode, cosine in NumPy and pytrec_eval."""
     st = pytest.importorskip("sentence_transformers")
-    from test_convert_hf import minilm_directory
 
     folder = shared_data / "retrieval" / "scifact"
     if not folder.is_dir():

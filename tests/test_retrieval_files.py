@@ -3,18 +3,11 @@ judged queries only) and one-line errors naming the file and line."""
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pytest
+from helpers import write_beir, write_text
 
 from bertjax.retrieval import beir, trec_format
-
-
-def _write(path, text: str):
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text, encoding="utf-8")
-    return path
 
 
 def test_run_round_trip_keeps_float32_scores_exactly_in_trec_order(tmp_path):
@@ -31,8 +24,8 @@ def test_run_round_trip_keeps_float32_scores_exactly_in_trec_order(tmp_path):
 
 
 def test_qrels_beir_tsv_and_trec_formats(tmp_path):
-    beir_tsv = _write(tmp_path / "a.tsv", "query-id\tcorpus-id\tscore\nq1\td 1\t2\nq1\td2\t0\n")
-    trec = _write(tmp_path / "b.txt", "q1 0 d1 2\nq1 0 d2 0\nq2 0 d3 1\nq2 0 d3 1\n")
+    beir_tsv = write_text(tmp_path / "a.tsv", "query-id\tcorpus-id\tscore\nq1\td 1\t2\nq1\td2\t0\n")
+    trec = write_text(tmp_path / "b.txt", "q1 0 d1 2\nq1 0 d2 0\nq2 0 d3 1\nq2 0 d3 1\n")
     assert trec_format.read_qrels(beir_tsv) == {"q1": {"d 1": 2, "d2": 0}}
     assert trec_format.read_qrels(trec) == {"q1": {"d1": 2, "d2": 0}, "q2": {"d3": 1}}
     trec_format.write_qrels(tmp_path / "c.tsv", {"q": {"x": 1}})
@@ -49,7 +42,7 @@ def test_qrels_beir_tsv_and_trec_formats(tmp_path):
     ],
 )
 def test_run_errors_name_file_and_line(tmp_path, text, message):
-    path = _write(tmp_path / "run.trec", text)
+    path = write_text(tmp_path / "run.trec", text)
     with pytest.raises(ValueError, match=message):
         trec_format.read_run(path)
 
@@ -64,18 +57,11 @@ def test_run_errors_name_file_and_line(tmp_path, text, message):
     ],
 )
 def test_qrels_errors_name_file_and_line(tmp_path, text, message):
-    path = _write(tmp_path / "qrels.tsv", text)
+    path = write_text(tmp_path / "qrels.tsv", text)
     with pytest.raises(ValueError, match=message):
         trec_format.read_qrels(path)
     with pytest.raises(FileNotFoundError, match="nope.tsv: no such file"):
         trec_format.read_qrels(tmp_path / "nope.tsv")
-
-
-def write_beir(folder, corpus, queries, qrels, split="test"):
-    _write(folder / "corpus.jsonl", "".join(json.dumps(d) + "\n" for d in corpus))
-    _write(folder / "queries.jsonl", "".join(json.dumps(q) + "\n" for q in queries))
-    trec_format.write_qrels(folder / "qrels" / f"{split}.tsv", qrels)
-    return folder
 
 
 def test_beir_folder_texts_and_judged_queries(tmp_path):
@@ -114,7 +100,7 @@ def test_beir_folder_texts_and_judged_queries(tmp_path):
 )
 def test_beir_errors_name_file_and_line(tmp_path, corpus_text, message):
     folder = write_beir(tmp_path / "set", [], [{"_id": "q", "text": "t"}], {"q": {"d1": 1}})
-    _write(folder / "corpus.jsonl", corpus_text)
+    write_text(folder / "corpus.jsonl", corpus_text)
     with pytest.raises(ValueError, match=message):
         beir.load(folder)
 

@@ -13,12 +13,12 @@ model it trained.
 
 import json
 
+import helpers
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import traverse_util
-from test_sentence_transformers import _st_dir, _tiny_hf
 from train_fixtures import set_keys
 
 import bertjax
@@ -123,8 +123,8 @@ def _flat(tree):
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["bert", "modernbert"])
 def test_training_steps_equal_sentence_transformers(tmp_path, kind):
-    st_dir = _st_dir(
-        tmp_path / "st", _tiny_hf(tmp_path / "hf", kind), "mean", dense=torch.nn.Tanh()
+    st_dir = helpers.st_dir(
+        tmp_path / "st", helpers.tiny_hf(tmp_path / "hf", kind), "mean", dense=torch.nn.Tanh()
     )
     rows = _rows()
     train_file = tmp_path / "train.jsonl"
@@ -164,8 +164,8 @@ def test_a_retrieval_runs_checkpoint_embeds_as_the_model_it_trained(tmp_path, ki
     """cls pooling + Normalize configured on a model whose init has mean pooling and a Dense layer:
     the checkpoint keeps the run's head (pooling, trained Dense, Normalize); both the bertjax load
     and the sentence-transformers export embed as the run's own model."""
-    st_dir = _st_dir(
-        tmp_path / "st", _tiny_hf(tmp_path / "hf", kind), "mean", dense=torch.nn.Tanh()
+    st_dir = helpers.st_dir(
+        tmp_path / "st", helpers.tiny_hf(tmp_path / "hf", kind), "mean", dense=torch.nn.Tanh()
     )
     rows = _rows(8)
     train_file = tmp_path / "train.jsonl"

@@ -4,42 +4,17 @@ update; a row's own positive, repeated in another row, is never its negative; ev
 the retrieval measures and keeps the best nDCG@10."""
 
 import json
-import pathlib
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import tiny_run
 from train_fixtures import set_keys
 
 from bertjax import train
 from bertjax.retrieval import losses
 from configs import retrieval as retrieval_config
-
-WORDS = [f"w{i}" for i in range(40)]
-
-
-@pytest.fixture(scope="module")
-def beir_dir(tmp_path_factory) -> pathlib.Path:
-    """12 documents of 6 words; query i is 3 words of document i (train: 0-7, test: 8-11)."""
-    root = tmp_path_factory.mktemp("beir")
-    rng = np.random.default_rng(0)
-    docs = [list(rng.choice(WORDS, 6, replace=False)) for _ in range(12)]
-    with open(root / "corpus.jsonl", "w") as f:
-        for i, words in enumerate(docs):
-            f.write(json.dumps({"_id": f"d{i}", "title": words[0], "text": " ".join(words[1:])}))
-            f.write("\n")
-    with open(root / "queries.jsonl", "w") as f:
-        for i, words in enumerate(docs):
-            f.write(json.dumps({"_id": f"q{i}", "text": " ".join(words[:3])}) + "\n")
-    (root / "qrels").mkdir()
-    for split, ids in (("train", range(8)), ("test", range(8, 12))):
-        lines = ["query-id\tcorpus-id\tscore"] + [f"q{i}\td{i}\t1" for i in ids]
-        (root / "qrels" / f"{split}.tsv").write_text("\n".join(lines) + "\n")
-    (root / "vocab.txt").write_text(
-        "\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS]) + "\n"
-    )
-    return root
 
 
 def _config(beir_dir, **overrides):
@@ -47,32 +22,6 @@ def _config(beir_dir, **overrides):
     c.data.max_seq_length = 16
     c.data.max_query_length = 8
     return set_keys(c, overrides)
-
-
-def tiny_run(c, beir_dir):
-    """``c`` (a retrieval-family config) as a 2-step run of a 1-layer model on the fixture."""
-    c.data_dir = str(beir_dir)
-    c.data.vocab = str(beir_dir / "vocab.txt")
-    c.data.do_lower_case = True
-    c.model.preset = "tiny"
-    c.model.num_layers = 1
-    c.model.hidden_size = 32
-    c.model.num_heads = 2
-    c.model.intermediate_size = 64
-    c.model.max_position_embeddings = 32
-    c.model.hidden_dropout = 0.0
-    c.model.attention_dropout = 0.0
-    c.train.global_batch_size = 4
-    c.train.steps = 2
-    c.train.log_every = 1
-    c.train.checkpoint_every = 100
-    c.train.async_checkpoints = False
-    c.optimizer.warmup_proportion = 0.0
-    c.optimizer.warmup_steps = 0
-    c.optimizer.learning_rate = 1e-3
-    c.tensorboard = False
-    c.mesh.num_devices = 1
-    return c
 
 
 @pytest.mark.slow

@@ -27,7 +27,7 @@ from typing import Any
 import jax
 import numpy as np
 import pytest
-import test_finetune
+from helpers import small_config
 from train_fixtures import tiny_config, write_prepared
 
 import bertjax
@@ -43,12 +43,9 @@ from configs import swag as swag_config
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-pytestmark = pytest.mark.slow
-
-# test_finetune's tiny files in the official formats, its fine-tuning config and XLA cache.
-files = test_finetune.files
-compilation_cache = test_finetune.compilation_cache
-small_config = test_finetune.small_config
+# conftest.py: `files` (tiny files in the official formats) and a module-scoped XLA cache, as in
+# test_finetune; small_config (helpers.py) is their shared tiny run config.
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("compilation_cache")]
 
 TOL = 1e-4  # bertjax (JAX, fp32) against transformers (PyTorch, fp32)
 SAME = 1e-5  # load_pretrained against the trainer's own model (both JAX, fp32)

@@ -12,8 +12,7 @@ import json
 
 import numpy as np
 import pytest
-from hf_random import randomize
-from test_convert_hf import minilm_directory
+from helpers import VOCAB, minilm_directory, st_dir, tiny_hf
 
 import bertjax
 from bertjax.convert import load_checkpoint, save_checkpoint
@@ -23,73 +22,16 @@ transformers = pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
 st = pytest.importorskip("sentence_transformers")
 from sentence_transformers import SentenceTransformer  # noqa: E402
-from sentence_transformers.models import Dense, Normalize, Pooling, Transformer  # noqa: E402
 
 TOL = 1e-5
-MAX_LEN = 24  # tokens per text, [CLS] and [SEP] included
-WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "query", "passage"]
-LETTERS = "abcdefghijklmnopqrstuvwxyz"
-VOCAB = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *LETTERS, *("##" + c for c in LETTERS)]
-VOCAB += [*".,!?:", *WORDS]
 TEXTS = [
     "The quick brown fox.",
     "lazy dog",
     "Hello, world!",
     "x",
-    " ".join(["the quick brown fox jumps over the lazy dog"] * 4),  # longer than MAX_LEN
+    " ".join(["the quick brown fox jumps over the lazy dog"] * 4),  # longer than TEXT_MAX_LEN
     "jumps over everything, twice!",
 ]
-
-
-def _tiny_hf(path, kind: str):
-    """A random transformers encoder (BERT or ModernBERT) with a WordPiece tokenizer.json."""
-    path.mkdir(parents=True, exist_ok=True)
-    vocab = {token: i for i, token in enumerate(VOCAB)}
-    transformers.BertTokenizerFast(vocab=vocab).save_pretrained(path)
-    common = dict(vocab_size=len(VOCAB), hidden_size=32, num_hidden_layers=2, intermediate_size=40)
-    if kind == "bert":
-        config = transformers.BertConfig(
-            **common, num_attention_heads=4, max_position_embeddings=64
-        )
-        model = transformers.BertModel(config)
-    else:
-        config = transformers.ModernBertConfig(
-            **common,
-            num_attention_heads=2,
-            max_position_embeddings=64,
-            global_attn_every_n_layers=2,
-            local_attention=8,  # a window shorter than the longest input
-            pad_token_id=0,
-            cls_token_id=2,
-            sep_token_id=3,
-            bos_token_id=2,
-            eos_token_id=3,
-        )
-        model = transformers.ModernBertModel(config)
-    randomize(model.eval(), seed=3)
-    model.save_pretrained(path)
-    return path
-
-
-@pytest.fixture(scope="module")
-def hf_dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("hf")
-    return {kind: _tiny_hf(root / kind, kind) for kind in ("bert", "modernbert")}
-
-
-def _st_dir(path, hf_dir, mode, dense=None, normalize=False, include_prompt=True, prompts=None):
-    """sentence-transformers' own directory: Transformer, Pooling(mode), (Dense), (Normalize)."""
-    torch.manual_seed(0)
-    modules = [Transformer(str(hf_dir), max_seq_length=MAX_LEN)]
-    modules.append(Pooling(32, pooling_mode=mode, include_prompt=include_prompt))
-    if dense:
-        modules.append(
-            Dense(32 * (len(mode) if isinstance(mode, tuple) else 1), 12, activation_function=dense)
-        )
-    if normalize:
-        modules.append(Normalize())
-    SentenceTransformer(modules=modules, prompts=prompts, device="cpu").save(str(path))
-    return path
 
 
 def _load(directory):
@@ -111,7 +53,7 @@ def _max_diff(directory, texts=TEXTS, **prompt):
 @pytest.mark.parametrize("kind", ["bert", "modernbert"])
 @pytest.mark.parametrize("mode", ["cls", "mean", "max", "lasttoken"])
 def test_each_pooling_mode_matches_sentence_transformers(hf_dirs, tmp_path, kind, mode):
-    directory = _st_dir(tmp_path / "st", hf_dirs[kind], mode)
+    directory = st_dir(tmp_path / "st", hf_dirs[kind], mode)
     assert _max_diff(directory) < TOL
 
 
@@ -127,7 +69,7 @@ def test_each_pooling_mode_matches_sentence_transformers(hf_dirs, tmp_path, kind
 def test_dense_and_normalize_match_sentence_transformers(
     hf_dirs, tmp_path, kind, mode, activation, normalize
 ):
-    pair = _load(_st_dir(tmp_path / "st", hf_dirs[kind], mode, activation, normalize))
+    pair = _load(st_dir(tmp_path / "st", hf_dirs[kind], mode, activation, normalize))
     got = pair[1].embed(TEXTS)
     assert got.shape[1] == (12 if activation is not None else 32)
     if normalize:
@@ -140,7 +82,7 @@ def test_dense_and_normalize_match_sentence_transformers(
 )
 def test_prompts_and_include_prompt_match_sentence_transformers(hf_dirs, tmp_path, kind, mode):
     prompts = {"query": "query: ", "passage": "passage: the lazy dog "}
-    directory = _st_dir(tmp_path / "st", hf_dirs[kind], mode, include_prompt=False, prompts=prompts)
+    directory = st_dir(tmp_path / "st", hf_dirs[kind], mode, include_prompt=False, prompts=prompts)
     pair = _load(directory)
     model = pair[1]
     assert model.embedding.prompts["query"] == "query: " and not model.embedding.head.include_prompt
@@ -152,7 +94,7 @@ def test_prompts_and_include_prompt_match_sentence_transformers(hf_dirs, tmp_pat
 
 
 def test_default_prompt_name_applies_without_a_prompt(hf_dirs, tmp_path):
-    directory = _st_dir(tmp_path / "st", hf_dirs["bert"], "mean", prompts={"query": "query: "})
+    directory = st_dir(tmp_path / "st", hf_dirs["bert"], "mean", prompts={"query": "query: "})
     config_path = directory / "config_sentence_transformers.json"
     config = json.loads(config_path.read_text())
     config["default_prompt_name"] = "query"
@@ -164,7 +106,7 @@ def test_default_prompt_name_applies_without_a_prompt(hf_dirs, tmp_path):
 
 
 def test_batching_and_buckets_do_not_change_vectors(hf_dirs, tmp_path):
-    model = bertjax.load_pretrained(str(_st_dir(tmp_path / "st", hf_dirs["bert"], "mean")))
+    model = bertjax.load_pretrained(str(st_dir(tmp_path / "st", hf_dirs["bert"], "mean")))
     whole = model.embed(TEXTS, batch_size=32)  # one batch of 8 rows, 32 tokens
     np.testing.assert_allclose(model.embed(TEXTS[::-1], batch_size=2)[::-1], whole, atol=1e-6)
     assert model.embed([]).shape == (0, 32)
@@ -204,7 +146,7 @@ def test_bertjax_checkpoint_converts_and_sentence_transformers_loads_it(hf_dirs,
 
 @pytest.mark.parametrize("kind", ["bert", "modernbert"])
 def test_sentence_transformers_round_trip_keeps_dense_normalize_prompts(hf_dirs, tmp_path, kind):
-    source = _st_dir(
+    source = st_dir(
         tmp_path / "src",
         hf_dirs[kind],
         "max",
@@ -223,7 +165,7 @@ def test_sentence_transformers_round_trip_keeps_dense_normalize_prompts(hf_dirs,
 
 
 def test_unsupported_modules_and_flags_are_one_line_errors(hf_dirs, tmp_path):
-    directory = _st_dir(tmp_path / "st", hf_dirs["bert"], "mean")
+    directory = st_dir(tmp_path / "st", hf_dirs["bert"], "mean")
     listing = json.loads((directory / "modules.json").read_text())
     listing.append(
         {"idx": 2, "name": "2", "path": "2_LSTM", "type": "sentence_transformers.models.LSTM"}
@@ -282,7 +224,7 @@ def test_a_modernbert_with_a_vocab_txt_exports_a_tokenizer_transformers_loads(tm
     from bertjax.convert.hf import write_hf
     from bertjax.text import load_tokenizer
 
-    ckpt = load_checkpoint(str(_tiny_hf(tmp_path / "hf", "modernbert")))
+    ckpt = load_checkpoint(str(tiny_hf(tmp_path / "hf", "modernbert")))
     vocab = tmp_path / "vocab.txt"
     vocab.write_text("\n".join(VOCAB) + "\n")
     write_hf(dataclasses.replace(ckpt, vocab_file=str(vocab)), str(tmp_path / "out"))

@@ -3,7 +3,7 @@ ones) lowers and compiles for a simulated TPU slice (``bertjax compile --topolog
 machine: the Mosaic kernel is lowered for the slice's compile-only devices, never run here."""
 
 import pytest
-from test_topology import compile_report, needs_libtpu
+from helpers import compile_report, needs_libtpu
 
 TINY_MODERNBERT = {
     "model.preset": "modernbert-tiny",

