@@ -31,7 +31,9 @@ def _config(beir_dir, **overrides):
 @pytest.mark.slow
 @pytest.mark.parametrize("architecture", ["bert", "modernbert"])
 def test_a_beir_folder_trains_evaluates_and_exports(beir_dir, tmp_path, architecture):
-    overrides = {} if architecture == "bert" else {"model.architecture": "modernbert"}
+    overrides = {}
+    if architecture == "modernbert":
+        overrides = {"model.architecture": "modernbert", "model.preset": "modernbert-tiny"}
     run = tmp_path / "run"
     result = train.train_and_evaluate(_config(beir_dir, **overrides), str(run))
     assert result["step"] == 2 and np.isfinite(result["train"]["loss"])
