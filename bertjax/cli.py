@@ -36,14 +36,14 @@ COMMANDS = {
         "search mesh, remat, batch and kernels for a TPU slice; rank what fits",
     ),
     "prepare": ("bertjax.data.prepare:main", "turn a corpus into pretraining TFRecords"),
-    "vocab": ("bertjax.text.vocab:main", "train a WordPiece or SentencePiece vocabulary"),
-    "plot": ("bertjax.tools.plot:main", "write a PNG of a run's metric curves"),
+    "vocab": ("bertjax.data.vocab:main", "train a WordPiece or SentencePiece vocabulary"),
+    "plot": ("bertjax.commands.plot:main", "write a PNG of a run's metric curves"),
     "evaluate": (
-        "bertjax.tools.score:main",
+        "bertjax.commands.score:main",
         "official SQuAD / GLUE metrics; retrieval metrics of a run or a model (--rerank)",
     ),
     "evaluate-mlm": (
-        "bertjax.tools.mlm_eval:main",
+        "bertjax.commands.mlm_eval:main",
         "held-out MLM loss of any checkpoint on records",
     ),
     "convert": (
@@ -51,12 +51,12 @@ COMMANDS = {
         "convert checkpoints: HF, TF, bertjax, sentence-transformers, PyLate",
     ),
     "extract-features": (
-        "bertjax.tools.extract_features:main",
+        "bertjax.commands.extract_features:main",
         "per-token vectors of chosen layers",
     ),
-    "embed": ("bertjax.tools.embed:main", "embed a corpus into resumable shards of vectors"),
+    "embed": ("bertjax.commands.embed:main", "embed a corpus into resumable shards of vectors"),
     "mine-negatives": (
-        "bertjax.tools.mine:main",
+        "bertjax.commands.mine:main",
         "a model's top-ranked non-positive documents as retrieval training rows",
     ),
     "bench": ("bertjax.tools.bench:main", "measure step time, tokens/s, MFU, memory, input speed"),

@@ -9,8 +9,8 @@ import sys
 import pytest
 
 from bertjax import models
+from bertjax.commands import plot
 from bertjax.models import model_config_from
-from bertjax.tools import plot
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 CONFIGS = sorted(p for p in (REPO / "configs").glob("*.py") if p.name != "__init__.py")

@@ -79,7 +79,7 @@ def test_tool_commands_name_the_option_meant(module, argv, expected, capsys):
     option, whether argparse reports it unrecognized or a required option missing first."""
     import importlib
 
-    main = importlib.import_module(f"bertjax.tools.{module}").main
+    main = importlib.import_module(f"bertjax.commands.{module}").main
     with pytest.raises(SystemExit) as exited:
         main(argv)
     err = capsys.readouterr().err.strip().splitlines()

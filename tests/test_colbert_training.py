@@ -15,7 +15,7 @@ from train_fixtures import set_keys
 
 import bertjax
 from bertjax import train
-from bertjax.tools import score
+from bertjax.commands import score
 from configs import colbert as colbert_config
 
 

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 from helpers import make_hf_model, sst2_sentences
 
+from bertjax.commands.extract_features import main, parse_layers, read_examples
 from bertjax.pretrained import encode_batch
 from bertjax.text import load_tokenizer
-from bertjax.tools.extract_features import main, parse_layers, read_examples
 
 LAYERS = [-1, 0, 1]  # last layer, embeddings, first layer
 

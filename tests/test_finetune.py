@@ -16,8 +16,8 @@ from helpers import small_config
 
 from bertjax import multiseed as finetune
 from bertjax import train
+from bertjax.commands import score as evaluate
 from bertjax.tasks.registry import get_task
-from bertjax.tools import score as evaluate
 from configs import glue as glue_config
 from configs import ner as ner_config
 from configs import squad as squad_config

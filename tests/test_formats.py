@@ -7,8 +7,8 @@ import os
 
 import pytest
 
-from bertjax.data import corpus, formats, prepare
-from bertjax.text import load_tokenizer, vocab
+from bertjax.data import corpus, formats, prepare, vocab
+from bertjax.text import load_tokenizer
 
 WORDS = "the a of and to in it was he she said that his her on at with for as had".split()
 

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 from tiny_tokenizer import TinyTokenizer
 
+from bertjax.commands import score as evaluate
 from bertjax.tasks import glue_data as g
 from bertjax.text import features
-from bertjax.tools import score as evaluate
 
 TOK = TinyTokenizer(["the", "cat", "sat", "on", "mat", "dog", "run", "##s", ".", "a"])
 

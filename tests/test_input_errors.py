@@ -12,8 +12,8 @@ import sys
 import numpy as np
 import pytest
 
+from bertjax.commands import extract_features, score
 from bertjax.tasks import glue_data, ner_data, squad_data, swag_data
-from bertjax.tools import extract_features, score
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 LATIN1 = "caf\xe9".encode("latin-1")  # not UTF-8

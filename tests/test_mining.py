@@ -24,8 +24,8 @@ from train_fixtures import set_keys
 
 import bertjax
 from bertjax import train
+from bertjax.commands import mine as mine_tool
 from bertjax.retrieval import mining
-from bertjax.tools import mine as mine_tool
 from configs import retrieval as retrieval_config
 
 torch = pytest.importorskip("torch")

@@ -8,9 +8,9 @@ from train_fixtures import read_metrics, tiny_config, write_prepared, write_voca
 
 import bertjax
 from bertjax import train
+from bertjax.commands.mlm_eval import evaluate_mlm
 from bertjax.convert import load_checkpoint, save_checkpoint
 from bertjax.data import pipeline
-from bertjax.tools.mlm_eval import evaluate_mlm
 
 transformers = pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")

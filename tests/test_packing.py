@@ -384,7 +384,7 @@ def test_prepare_and_train_with_packing(corpus, tmp_path):
 
 
 def test_evaluate_mlm_runs_packed_rows_as_their_sequences():
-    from bertjax.tools.mlm_eval import masked_lm_sums
+    from bertjax.commands.mlm_eval import masked_lm_sums
 
     cfg = get_preset("tiny", vocab_size=VOCAB, max_position_embeddings=32)
     rng = np.random.default_rng(2)

@@ -25,9 +25,9 @@ from train_fixtures import read_metrics, set_keys
 
 import bertjax
 from bertjax import optim, train
+from bertjax.commands import score
 from bertjax.convert import main as convert_main
 from bertjax.retrieval import metrics
-from bertjax.tools import score
 from configs import reranker as reranker_config
 
 transformers = pytest.importorskip("transformers")

@@ -144,7 +144,7 @@ def test_beir_an_empty_query_names_its_line_and_absent_documents_are_counted(tmp
 def test_evaluate_searches_with_the_models_own_similarity():
     from types import SimpleNamespace
 
-    from bertjax.tools.score import _model_similarity
+    from bertjax.commands.score import _model_similarity
 
     def model(name):
         return SimpleNamespace(embedding=SimpleNamespace(similarity_fn_name=name))

@@ -16,9 +16,9 @@ import pytest
 from helpers import minilm_directory, write_beir
 
 import bertjax
+from bertjax.commands import score
 from bertjax.retrieval import beir, metrics, search, trec_format
 from bertjax.retrieval import evaluate as retrieval
-from bertjax.tools import score
 
 pytrec_eval = pytest.importorskip("pytrec_eval")
 

@@ -9,10 +9,10 @@ import re
 import numpy as np
 import pytest
 
+from bertjax.commands import score as evaluate
 from bertjax.tasks import metrics
 from bertjax.tasks import squad_data as sd
 from bertjax.tasks import squad_postprocess as sp
-from bertjax.tools import score as evaluate
 
 
 def basic_split(text, do_lower_case=True):

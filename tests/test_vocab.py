@@ -6,7 +6,8 @@ import os
 import pytest
 import tensorflow as tf
 
-from bertjax.text import load_tokenizer, tokenization, vocab
+from bertjax.data import vocab
+from bertjax.text import load_tokenizer, tokenization
 from bertjax.text.tokenization import SentencePieceTokenizer, WordPieceTokenizer
 
 

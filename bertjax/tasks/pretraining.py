@@ -20,11 +20,11 @@ from bertjax import flops, fs, losses, models
 from bertjax.data.demo_corpus import build_demo_corpus
 from bertjax.data.metadata import METADATA_FILE, read_metadata
 from bertjax.data.prepare import prepare, vocab_sha256
+from bertjax.data.vocab import train_vocab
 from bertjax.model_source import ModelSource
 from bertjax.models.heads import PreTrainingModel
 from bertjax.tasks.base import Phase, Task, register
 from bertjax.text import load_tokenizer
-from bertjax.text.vocab import train_vocab
 
 log = logging.getLogger("bertjax")
 

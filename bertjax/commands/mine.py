@@ -20,8 +20,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from bertjax.commands.args import Parser
 from bertjax.retrieval import mining
-from bertjax.tools.args import Parser
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -26,8 +26,8 @@ import sys
 from collections.abc import Sequence
 
 from bertjax import fs
+from bertjax.commands.args import Parser
 from bertjax.tasks import glue_data, metrics, squad_data
-from bertjax.tools.args import Parser
 
 
 def _load_json(path: str, what: str):

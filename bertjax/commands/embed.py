@@ -21,8 +21,8 @@ import sys
 import time
 from collections.abc import Sequence
 
+from bertjax.commands.args import Parser
 from bertjax.retrieval import embedding_store as store
-from bertjax.tools.args import Parser
 
 FAULT_AFTER_SHARDS = "BERTJAX_EMBED_FAULT_AFTER_SHARDS"  # tests: die (os._exit) after N shards
 
