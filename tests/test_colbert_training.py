@@ -14,7 +14,7 @@ from helpers import tiny_run
 from train_fixtures import set_keys
 
 import bertjax
-from bertjax import train
+from bertjax import convert, train
 from bertjax.commands import score
 from configs import colbert as colbert_config
 
@@ -48,12 +48,26 @@ def test_a_beir_folder_trains_evaluates_and_exports(beir_dir, tmp_path, architec
     assert [q.shape for q in queries] == [(8, 8), (8, 8)]  # [CLS] w w [SEP] + 4 [MASK]s
     assert [d.shape for d in docs] == [(5, 8), (2, 8)]  # w3 and w7 skipped
     np.testing.assert_allclose(np.linalg.norm(queries[0], axis=-1), 1.0, rtol=1e-5)
-    args = score._parser().parse_args(
-        ["retrieval", f"--checkpoint={final['pylate']}", f"--data={beir_dir}"]
-    )
-    again = score.evaluate_retrieval(args)
-    for key, value in final["dev"].items():
-        assert again[key] == pytest.approx(value, abs=1e-6), key
+    # The run's folder is the same model for every consumer: load_pretrained of the run and of
+    # its best step, evaluate --checkpoint=RUN, convert RUN --to=pylate (issue 33, item 1).
+    for folder in (run, run / "best"):
+        again_model = bertjax.load_pretrained(str(folder))
+        assert again_model.late_interaction and again_model.embedding.head == model.embedding.head
+        for ours, theirs in zip(again_model.embed_queries(["w1 w2", "w3"]), queries):
+            np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-6)
+    convert.main(["--from=bertjax", str(run), "--to=pylate", str(tmp_path / "pylate")])
+    convert.main(["--from=pylate", str(tmp_path / "pylate"), "--to=bertjax", str(tmp_path / "bj")])
+    for folder in ("pylate", "bj"):  # and back: a bertjax checkpoint records the ColBERT head
+        exported = bertjax.load_pretrained(str(tmp_path / folder))
+        for ours, theirs in zip(exported.embed_documents(["w1 w2 w3 w4", "w7"]), docs):
+            np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-6)
+    for checkpoint in (final["pylate"], str(run)):
+        args = score._parser().parse_args(
+            ["retrieval", f"--checkpoint={checkpoint}", f"--data={beir_dir}"]
+        )
+        again = score.evaluate_retrieval(args)
+        for key, value in final["dev"].items():
+            assert again[key] == pytest.approx(value, abs=1e-6), (checkpoint, key)
 
 
 def _one_step_params(beir_dir, tmp_path, accum, **overrides):

@@ -19,10 +19,10 @@ import pytest
 from helpers import st_dir, tiny_hf
 
 from bertjax import cli
+from bertjax.commands import embed as embed_tool
 from bertjax.retrieval import corpus_input, embed_corpus
 from bertjax.retrieval.beir import document_text
 from bertjax.retrieval.embedding_store import load_embeddings
-from bertjax.commands import embed as embed_tool
 
 pytest.importorskip("torch")
 st = pytest.importorskip("sentence_transformers")

@@ -21,6 +21,7 @@ from bertjax.convert.checkpoint import (
 )
 from bertjax.convert.layouts import param_layout
 from bertjax.convert.sentence_transformers import settings_from_record, settings_record
+from bertjax.models import late_interaction
 
 
 def _model_config(values: dict, flat: dict, source: str):
@@ -84,7 +85,10 @@ def load_bertjax(path: str) -> Checkpoint:
     flat = unstack_layers(flatten_params(params))
     source = f"{directory} (step {step})"
     embedding = None
-    if values.get("embedding") is not None:  # a run that trained sentence embeddings
+    if values.get("late_interaction") is not None:  # a ColBERT run: its per-token head
+        dense = {k: flat.pop(k) for k in list(flat) if k.split("/")[0].startswith("dense_")}
+        embedding = late_interaction.settings_from_record(values["late_interaction"], dense, source)
+    elif values.get("embedding") is not None:  # a run that trained sentence embeddings
         dense = {k: flat.pop(k) for k in list(flat) if k.split("/")[0].startswith("dense_")}
         embedding = settings_from_record(values["embedding"], dense, source)
     config = _model_config(values, flat, source)
@@ -115,7 +119,10 @@ def write_bertjax(ckpt: Checkpoint, directory: str) -> None:
         "hf_class": ckpt.hf_class,
     }
     tensors = dict(ckpt.tensors)
-    if ckpt.embedding is not None:  # a sentence-embedding model: its head and Dense layers
+    if isinstance(ckpt.embedding, late_interaction.LateInteractionSettings):  # ColBERT
+        meta["late_interaction"] = late_interaction.settings_record(ckpt.embedding)
+        tensors.update(ckpt.embedding.tensors)
+    elif ckpt.embedding is not None:  # a sentence-embedding model: its head and Dense layers
         meta["embedding"] = settings_record(ckpt.embedding)
         tensors.update(ckpt.embedding.tensors)
     manager = Checkpointer(directory, keep=1, async_save=False)

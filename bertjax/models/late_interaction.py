@@ -105,6 +105,62 @@ class LateInteractionSettings:
         )
 
 
+_RECORDED = (
+    "query_prefix",
+    "document_prefix",
+    "query_length",
+    "document_length",
+    "do_query_expansion",
+    "attend_to_expansion_tokens",
+    "do_lower_case",
+    "default_prompt_name",
+)
+
+
+def settings_record(settings: LateInteractionSettings) -> dict[str, Any]:
+    """``settings`` without its tensors, as JSON values: what a ColBERT run records in its
+    checkpoint config (``late_interaction``), so that its folder loads as the model it trained."""
+    return {
+        "dense": [dataclasses.asdict(layer) for layer in settings.head.dense],
+        "normalize": settings.head.normalize,
+        "skiplist_words": list(settings.skiplist_words),
+        "prompts": dict(settings.prompts),
+        **{key: getattr(settings, key) for key in _RECORDED},
+    }
+
+
+def settings_from_record(
+    record: dict[str, Any], tensors: dict[str, np.ndarray], source: str
+) -> LateInteractionSettings:
+    """The :class:`LateInteractionSettings` a run recorded (:func:`settings_record`), with the
+    projections' tensors (``dense_{i}/...``) taken from the checkpoint's."""
+    try:
+        head = LateInteractionHead(
+            dense=tuple(DenseLayer(**layer) for layer in record["dense"]),
+            normalize=bool(record.get("normalize", True)),
+        )
+        values = {key: record[key] for key in _RECORDED if key in record}
+        settings = LateInteractionSettings(
+            head=head,
+            tensors=dict(tensors),
+            skiplist_words=tuple(record.get("skiplist_words") or ()),
+            prompts=dict(record.get("prompts") or {}),
+            **values,
+        )
+    except (KeyError, TypeError, ValueError) as err:
+        raise ValueError(f"{source}: the recorded ColBERT head is not readable ({err})") from None
+    want = {f"dense_{i}" for i in range(len(head.dense))}
+    want |= {f"dense_{i}_residual" for i, layer in enumerate(head.dense) if layer.residual}
+    got = {path.split("/")[0] for path in tensors}
+    if not got <= want or not {f"dense_{i}" for i in range(len(head.dense))} <= got:
+        raise ValueError(
+            f"{source}: the recorded ColBERT head has {len(head.dense)} projections but the "
+            f"checkpoint holds {sorted(got) or 'none'}"
+        )
+    settings.check(source)
+    return settings
+
+
 @dataclasses.dataclass(frozen=True)
 class TokenLayout:
     """What :func:`query_ids` / :func:`document_ids` need from the settings and the tokenizer."""

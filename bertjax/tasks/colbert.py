@@ -36,7 +36,7 @@ import numpy as np
 from bertjax import fs
 from bertjax.convert import Checkpoint, save_checkpoint
 from bertjax.convert.checkpoint import flatten_params, unstack_layers
-from bertjax.models import architecture
+from bertjax.models import architecture, late_interaction
 from bertjax.models.late_interaction import (
     LateInteraction,
     LateInteractionSettings,
@@ -123,6 +123,11 @@ class ColbertTask(RetrievalTask):
         pretrained = self.source.pretrained
         settings = pretrained.embedding if pretrained is not None else None
         return settings if isinstance(settings, LateInteractionSettings) else None
+
+    def checkpoint_record(self) -> dict:
+        """The ColBERT head (prefixes, lengths, projections): the run's folder then loads as the
+        late-interaction model it trained, as its PyLate export does."""
+        return {"late_interaction": late_interaction.settings_record(self.settings())}
 
     def settings(self) -> LateInteractionSettings:
         """The run's settings: config keys colbert.*; prefixes "auto": "[Q] " / "[D] " when the
