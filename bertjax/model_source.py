@@ -83,24 +83,16 @@ class ModelSource:
     """The model of a run: ``init_checkpoint`` (loaded once, here) or ``model`` (config.model).
 
     ``keys`` names the run's config keys in messages: ``vocab`` (the vocabulary),
-    ``do_lower_case`` and ``max_seq_length``.
+    ``do_lower_case`` and ``max_seq_length`` (every task's ``data.*``).
     """
 
-    def __init__(
-        self,
-        model: Any,
-        init_checkpoint: str = "",
-        *,
-        vocab: str | None = None,
-        keys: dict[str, str] | None = None,
-    ):
+    def __init__(self, model: Any, init_checkpoint: str = "", *, vocab: str | None = None):
         self.model = model
         self.init_checkpoint = init_checkpoint or ""
         self.keys = {
             "vocab": "data.vocab",
             "do_lower_case": "data.do_lower_case",
             "max_seq_length": "data.max_seq_length",
-            **(keys or {}),
         }
         self._vocab = vocab or None
         self._pretrained: Pretrained | None = None

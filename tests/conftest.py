@@ -16,7 +16,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402,F401  (before the cache settings below: this process does not read them)
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
-from helpers import tiny_hf  # noqa: E402
+from helpers import tiny_hf, write_word_beir  # noqa: E402
 
 # One persistent XLA cache for the `bertjax` subprocesses of a test session (both xdist workers'):
 # a killed run and its rerun, or two tests running the same tiny config, compile each program once.
@@ -82,19 +82,7 @@ def beir_dir(tmp_path_factory) -> pathlib.Path:
     """12 documents of 6 words; query i is 3 words of document i (train: 0-7, test: 8-11)."""
     root = tmp_path_factory.mktemp("beir")
     vocab_words = [f"w{i}" for i in range(40)]
-    rng = np.random.default_rng(0)
-    docs = [list(rng.choice(vocab_words, 6, replace=False)) for _ in range(12)]
-    with open(root / "corpus.jsonl", "w") as f:
-        for i, words in enumerate(docs):
-            f.write(json.dumps({"_id": f"d{i}", "title": words[0], "text": " ".join(words[1:])}))
-            f.write("\n")
-    with open(root / "queries.jsonl", "w") as f:
-        for i, words in enumerate(docs):
-            f.write(json.dumps({"_id": f"q{i}", "text": " ".join(words[:3])}) + "\n")
-    (root / "qrels").mkdir()
-    for split, ids in (("train", range(8)), ("test", range(8, 12))):
-        lines = ["query-id\tcorpus-id\tscore"] + [f"q{i}\td{i}\t1" for i in ids]
-        (root / "qrels" / f"{split}.tsv").write_text("\n".join(lines) + "\n")
+    write_word_beir(root, vocab_words, np.random.default_rng(0))
     (root / "vocab.txt").write_text(
         "\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *vocab_words]) + "\n"
     )

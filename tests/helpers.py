@@ -264,6 +264,23 @@ def write_beir(folder, corpus, queries, qrels, split="test"):
     return folder
 
 
+def write_word_beir(root, words, rng) -> None:
+    """12 documents of 6 of ``words`` (drawn with ``rng``); query i is 3 words of document i;
+    qrels train: queries 0-7, test: 8-11 (the retrieval tests' BEIR folder)."""
+    docs = [list(rng.choice(words, 6, replace=False)) for _ in range(12)]
+    with open(root / "corpus.jsonl", "w") as f:
+        for i, doc in enumerate(docs):
+            f.write(json.dumps({"_id": f"d{i}", "title": doc[0], "text": " ".join(doc[1:])}))
+            f.write("\n")
+    with open(root / "queries.jsonl", "w") as f:
+        for i, doc in enumerate(docs):
+            f.write(json.dumps({"_id": f"q{i}", "text": " ".join(doc[:3])}) + "\n")
+    (root / "qrels").mkdir()
+    for split, ids in (("train", range(8)), ("test", range(8, 12))):
+        lines = ["query-id\tcorpus-id\tscore"] + [f"q{i}\td{i}\t1" for i in ids]
+        (root / "qrels" / f"{split}.tsv").write_text("\n".join(lines) + "\n")
+
+
 def tiny_run(c, beir_dir):
     """``c`` (a retrieval-family config) as a 2-step run of a 1-layer model on the fixture."""
     c.data_dir = str(beir_dir)

@@ -20,7 +20,16 @@ from contextlib import redirect_stdout
 import jax
 import numpy as np
 import pytest
-from helpers import PAIR_MAX_LEN, PAIRS, WORDS, cross_encoder_dir, param_groups, st_dir, torch_run
+from helpers import (
+    PAIR_MAX_LEN,
+    PAIRS,
+    WORDS,
+    cross_encoder_dir,
+    param_groups,
+    st_dir,
+    torch_run,
+    write_word_beir,
+)
 from train_fixtures import read_metrics, set_keys
 
 import bertjax
@@ -166,18 +175,7 @@ def beir_dir(tmp_path_factory) -> pathlib.Path:
     negatives run (train queries) and a first-stage run (test queries) of random scores."""
     root = tmp_path_factory.mktemp("beir")
     rng = np.random.default_rng(0)
-    docs = [list(rng.choice(WORDS, 6, replace=False)) for _ in range(12)]
-    with open(root / "corpus.jsonl", "w") as f:
-        for i, words in enumerate(docs):
-            f.write(json.dumps({"_id": f"d{i}", "title": words[0], "text": " ".join(words[1:])}))
-            f.write("\n")
-    with open(root / "queries.jsonl", "w") as f:
-        for i, words in enumerate(docs):
-            f.write(json.dumps({"_id": f"q{i}", "text": " ".join(words[:3])}) + "\n")
-    (root / "qrels").mkdir()
-    for split, ids in (("train", range(8)), ("test", range(8, 12))):
-        lines = ["query-id\tcorpus-id\tscore"] + [f"q{i}\td{i}\t1" for i in ids]
-        (root / "qrels" / f"{split}.tsv").write_text("\n".join(lines) + "\n")
+    write_word_beir(root, WORDS, rng)  # the runs' random scores continue the same stream
     for name, queries in (("negatives.trec", range(8)), ("first_stage.trec", range(8, 12))):
         lines = [f"q{q} Q0 d{d} 0 {rng.random():.6f} bm25" for q in queries for d in range(12)]
         (root / name).write_text("\n".join(lines) + "\n")

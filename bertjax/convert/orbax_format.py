@@ -85,12 +85,13 @@ def load_bertjax(path: str) -> Checkpoint:
     flat = unstack_layers(flatten_params(params))
     source = f"{directory} (step {step})"
     embedding = None
-    if values.get("late_interaction") is not None:  # a ColBERT run: its per-token head
+    colbert, sentence = values.get("late_interaction"), values.get("embedding")
+    if colbert is not None or sentence is not None:  # a retriever's head: its Dense layers
         dense = {k: flat.pop(k) for k in list(flat) if k.split("/")[0].startswith("dense_")}
-        embedding = late_interaction.settings_from_record(values["late_interaction"], dense, source)
-    elif values.get("embedding") is not None:  # a run that trained sentence embeddings
-        dense = {k: flat.pop(k) for k in list(flat) if k.split("/")[0].startswith("dense_")}
-        embedding = settings_from_record(values["embedding"], dense, source)
+        if colbert is not None:  # a ColBERT run: its per-token head
+            embedding = late_interaction.settings_from_record(colbert, dense, source)
+        else:  # a run that trained sentence embeddings
+            embedding = settings_from_record(sentence, dense, source)
     config = _model_config(values, flat, source)
     config = config.replace(scan_layers=False, remat="none")
     num_labels = int(flat["classifier/kernel"].shape[-1]) if "classifier/kernel" in flat else 0

@@ -25,7 +25,7 @@ from safetensors.numpy import save_file
 
 from bertjax.convert.checkpoint import Checkpoint, fmt_shape, read_json_object
 from bertjax.convert.hf import bare_encoder, load_hf, read_safetensors, read_torch_file, write_hf
-from bertjax.models.pooling import POOLING_MODES, DenseLayer, EmbeddingHead
+from bertjax.models.pooling import POOLING_MODES, DenseLayer, EmbeddingHead, check_dense_tensors
 
 MODULES = "modules.json"
 SBERT_CONFIG = "sentence_bert_config.json"
@@ -128,14 +128,7 @@ def settings_from_record(
         )
     except (KeyError, TypeError, ValueError) as err:
         raise ValueError(f"{source}: the recorded embedding head is not readable ({err})") from None
-    want = {f"dense_{i}" for i in range(len(head.dense))}
-    want |= {f"dense_{i}_residual" for i, layer in enumerate(head.dense) if layer.residual}
-    got = {path.split("/")[0] for path in tensors}
-    if not got <= want or not {f"dense_{i}" for i in range(len(head.dense))} <= got:
-        raise ValueError(
-            f"{source}: the recorded embedding head has {len(head.dense)} Dense layers but the "
-            f"checkpoint holds {sorted(got) or 'none'}"
-        )
+    check_dense_tensors(head.dense, tensors, source, "embedding head", "Dense layers")
     return EmbeddingSettings(
         head=head,
         tensors=dict(tensors),

@@ -35,7 +35,7 @@ import numpy as np
 
 from bertjax.layers.core import activation
 from bertjax.models import architecture
-from bertjax.models.pooling import DenseLayer, l2_normalize
+from bertjax.models.pooling import DenseLayer, check_dense_tensors, l2_normalize
 from bertjax.text import features
 
 Array = jax.Array
@@ -149,14 +149,7 @@ def settings_from_record(
         )
     except (KeyError, TypeError, ValueError) as err:
         raise ValueError(f"{source}: the recorded ColBERT head is not readable ({err})") from None
-    want = {f"dense_{i}" for i in range(len(head.dense))}
-    want |= {f"dense_{i}_residual" for i, layer in enumerate(head.dense) if layer.residual}
-    got = {path.split("/")[0] for path in tensors}
-    if not got <= want or not {f"dense_{i}" for i in range(len(head.dense))} <= got:
-        raise ValueError(
-            f"{source}: the recorded ColBERT head has {len(head.dense)} projections but the "
-            f"checkpoint holds {sorted(got) or 'none'}"
-        )
+    check_dense_tensors(head.dense, tensors, source, "ColBERT head", "projections")
     settings.check(source)
     return settings
 

@@ -38,6 +38,22 @@ class DenseLayer:
     residual: bool = False
 
 
+def check_dense_tensors(
+    dense: tuple[DenseLayer, ...], tensors: dict, source: str, head: str, layers: str
+) -> None:
+    """ValueError naming ``source`` unless ``tensors`` (by path) are exactly those of the
+    ``dense`` layers: ``dense_{i}/...`` for each, ``dense_{i}_residual/...`` where it has one;
+    ``head`` and ``layers`` name the head and its layers in the message."""
+    want = {f"dense_{i}" for i in range(len(dense))}
+    want |= {f"dense_{i}_residual" for i, layer in enumerate(dense) if layer.residual}
+    got = {path.split("/")[0] for path in tensors}
+    if not got <= want or not {f"dense_{i}" for i in range(len(dense))} <= got:
+        raise ValueError(
+            f"{source}: the recorded {head} has {len(dense)} {layers} but the checkpoint holds "
+            f"{sorted(got) or 'none'}"
+        )
+
+
 @dataclasses.dataclass(frozen=True)
 class EmbeddingHead:
     """How token embeddings become one vector: ``pooling`` modes (concatenated), whether prompt
