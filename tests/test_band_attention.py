@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from bertjax.layers.attention import attend
-from bertjax.layers.band_attention import band_applies, band_attention
+from bertjax.layers.band_attention import band_applies, band_attention, fused_block
 from bertjax.layers.core import attention_bias
 
 SEQ, HEADS, DIM, WINDOW = 64, 2, 16, 16  # half 8: blocks of 8, 24 keys per query block
@@ -41,14 +41,35 @@ def test_band_applies_only_where_blocks_tile_the_sequence():
     assert not band_applies(64, 3)  # too small a block
 
 
-@pytest.mark.parametrize("packed", [False, True])
-def test_band_equals_the_masked_full_matrix(packed):
+def _xla_kernel(q, k, v, bias):
+    """A fused kernel's contract (q [B, T, h, d], k/v [B, S, h, d], bias [B, 1, T, S]) on CPU:
+    jax's own attention, as cuDNN's is called on a GPU."""
+    assert bias.shape == (q.shape[0], 1, q.shape[1], k.shape[1]), bias.shape
+    return jax.nn.dot_product_attention(q, k, v, bias=bias, implementation="xla")
+
+
+def test_fused_query_blocks_are_up_to_four_halves_and_tile_the_sequence():
+    assert fused_block(1024, 64) == 256  # ModernBERT: window 128 at 1024 tokens
+    assert fused_block(8192, 64) == 256
+    assert fused_block(384, 64) == 128  # 384 is not a multiple of 256
+    assert fused_block(256, 64) == 128  # a 256-token block would be the whole sequence
+    assert fused_block(SEQ, WINDOW // 2) == 32
+
+
+@pytest.mark.parametrize("fused", [None, _xla_kernel], ids=["einsums", "kernel"])
+@pytest.mark.parametrize("rows", ["padded", "packed", "packed_ids"])
+def test_band_equals_the_masked_full_matrix(rows, fused):
+    """The band by blocks, as einsums (half-token blocks) and as one batch of small fused
+    attentions (the cuDNN path: four-half query blocks and their keys, the band as a bias); packed
+    rows' band from their [q, k] bias or from their ids."""
     q, k, v, mask, pack = _inputs()
+    packed = rows != "padded"
     bias = attention_bias(jnp.asarray(mask), jnp.float32, jnp.asarray(pack) if packed else None)
     real = (pack if packed else mask) > 0
+    ids = jnp.asarray(pack) if rows == "packed_ids" else None
 
     def band(q, k, v):
-        return band_attention(q, k, v, bias, WINDOW // 2)
+        return band_attention(q, k, v, bias, WINDOW // 2, segment_ids=ids, fused=fused)
 
     def full(q, k, v):
         return _masked_full(q, k, v, bias)

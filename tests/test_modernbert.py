@@ -513,8 +513,9 @@ def test_attend_sliding_window(impl):
 @pytest.mark.accelerator
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN attention needs an NVIDIA GPU")
 def test_attend_sliding_window_cudnn_equals_the_reference_on_gpu():
-    """``attention_impl=cudnn``: the window joins the bias (cuDNN has no two-sided window) on a
-    padded bf16 batch; runs where a GPU is (CI and this project's CPU box skip it)."""
+    """``attention_impl=cudnn``: the window as band blocks, each query block one small fused
+    attention with the band as its bias (cuDNN has no two-sided window), on a padded bf16 batch;
+    runs where a GPU is (CI and this project's CPU box skip it)."""
     from bertjax.layers.core import attention_bias
 
     window, seq = 32, 128

@@ -4,6 +4,7 @@ kernel switch (explicit einsums, ``jax.nn.dot_product_attention`` / cuDNN, Palla
 
 from __future__ import annotations
 
+import functools
 import zlib
 
 import flax.linen as nn
@@ -108,33 +109,41 @@ def attend(
     ``splash`` uses a ``LocalMask`` kernel, which skips the key blocks outside the band;
     ``cudnn`` has no two-sided window (jax raises for one): there, and on the explicit path, a
     window whose half tiles the sequence (``band_applies``) is computed by blocks of the band
-    (``band_attention``; packed rows read ``segment_ids`` on the band, never a [q, k] mask), and
+    (``band_attention``; packed rows read ``segment_ids`` on the band, never a [q, k] mask; on
+    ``cudnn`` every query block is one small fused attention over its three key blocks), and
     any other window joins the bias of a full product. ``auto`` is :func:`resolve_impl`'s choice
     for the platform. Call inside a compact module (the dropout submodule is created there).
 
-    ``dropout_impl="kernel"`` keeps attention dropout inside cuDNN's fused kernel (global layers;
-    see :func:`cudnn_dropout_attention`), seeded by ``kernel_seed``; sliding-window layers and the
-    other dropouts draw as ``flax``.
+    ``dropout_impl="kernel"`` keeps attention dropout inside cuDNN's fused kernel (global layers
+    and the band blocks of sliding-window layers; see :func:`cudnn_dropout_attention`), seeded by
+    ``kernel_seed``; the other dropouts draw as ``flax``.
     """
     impl = resolve_impl(impl, dtype=q.dtype)
     dtype = q.dtype
     head_dim = q.shape[-1]
     use_dropout = dropout_rate > 0.0 and not deterministic
     half = local_window // 2
-    if use_dropout and dropout_impl == "kernel":
+    kernel_dropout = use_dropout and dropout_impl == "kernel"
+    if kernel_dropout:
         check_kernel_dropout(impl, current_platform(), dtype)
         if not local_window:
             return cudnn_dropout_attention(q, k, v, bias, dropout_rate, kernel_seed)
     explicit = impl == "xla" or use_dropout
     banded = explicit or impl == "cudnn"
     if local_window and banded and bias is not None and band_applies(q.shape[1], half):
-        # The band by blocks (bertjax.layers.band_attention): no full [q, k] matrix.
+        # The band by blocks (bertjax.layers.band_attention): no full [q, k] matrix; on cuDNN
+        # each query block is one small fused attention over its three key blocks.
+        per_query = bias.shape[2] != 1  # packed rows: the band from the ids, when given
+        ids = segment_ids if per_query else None
+        if kernel_dropout:
+            fused = functools.partial(cudnn_dropout_attention, rate=dropout_rate, seed=kernel_seed)
+            return band_attention(q, k, v, bias, half, segment_ids=ids, fused=fused)
+        if impl == "cudnn" and not use_dropout:
+            return band_attention(q, k, v, bias, half, segment_ids=ids, fused=cudnn_attention)
         dropout = None
         if use_dropout:
             module = Dropout(dropout_rate, dropout_impl)
             dropout = lambda p: module(p, deterministic=False)  # noqa: E731
-        per_query = bias.shape[2] != 1  # packed rows: the band from the ids, when given
-        ids = segment_ids if per_query else None
         return band_attention(q, k, v, bias, half, dropout, segment_ids=ids)
     if local_window and (impl in ("xla", "cudnn") or use_dropout):
         pos = jnp.arange(q.shape[1])
@@ -153,12 +162,18 @@ def attend(
         # A sliding window is the kernel's LocalMask: the blocks outside the band are skipped.
         return splash_attention(q, k, v, segment_ids, local_window=local_window)
     if impl == "cudnn":
-        # cuDNN takes a bias with the query axis ([b, 1, 1, k] padding masks raise there).
-        b, s = q.shape[:2]
-        full = jnp.broadcast_to(bias.astype(dtype), (b, 1, s, k.shape[1]))
-        return jax.nn.dot_product_attention(q, k, v, bias=full, implementation="cudnn")
+        return cudnn_attention(q, k, v, bias)
     window = (half, half) if local_window else None
     return jax.nn.dot_product_attention(q, k, v, bias=bias.astype(dtype), local_window_size=window)
+
+
+def cudnn_attention(q: Array, k: Array, v: Array, bias: Array) -> Array:
+    """cuDNN's fused attention (``__cudnn$fmhaScaleBiasSoftmax``) of q [b, t, heads, dim] and
+    k/v [b, s, heads, dim] with the additive ``bias`` [b, 1, 1 or t, s]."""
+    # cuDNN takes a bias with the query axis ([b, 1, 1, k] padding masks raise there).
+    b, t = q.shape[:2]
+    full = jnp.broadcast_to(bias.astype(q.dtype), (b, 1, t, k.shape[1]))
+    return jax.nn.dot_product_attention(q, k, v, bias=full, implementation="cudnn")
 
 
 def check_kernel_dropout(impl: str, platform: str, dtype) -> None:
