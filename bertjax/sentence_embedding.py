@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from bertjax import progress
 from bertjax.convert.sentence_transformers import EmbeddingSettings
 from bertjax.models.heads import SentenceEmbedder
 from bertjax.text import features
@@ -98,6 +99,7 @@ def embed_texts(
             jnp.full((height,), skip, jnp.int32),
         )
         out[chosen] = np.asarray(vectors, np.float32)[: len(chosen)]
+        progress.advance(len(chosen))
     return out
 
 

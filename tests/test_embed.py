@@ -116,7 +116,7 @@ def test_an_empty_document_is_embedded_as_sentence_transformers_embeds_it(st_dir
     assert np.abs(matrix - want).max() < TOL
 
 
-def test_parquet_in_and_out_fp16_and_text_files(st_dirs, tmp_path, capsys):
+def test_parquet_in_and_out_fp16_and_text_files(st_dirs, tmp_path, capsys, monkeypatch):
     pa = pytest.importorskip("pyarrow")
     pq = pytest.importorskip("pyarrow.parquet")
     table = pa.table(
@@ -147,6 +147,8 @@ def test_parquet_in_and_out_fp16_and_text_files(st_dirs, tmp_path, capsys):
     # plain text: one text per line, id = line number, counted on over a glob's files
     (tmp_path / "a.txt").write_text("The quick brown fox.\nlazy dog\n")
     (tmp_path / "b.txt").write_text("x\n")
+    capsys.readouterr()
+    monkeypatch.setenv("BERTJAX_PROGRESS_SECONDS", "0")  # a progress line for every batch
     _run(f"--checkpoint={model}", f"--input={tmp_path / '*.txt'}", f"--output={tmp_path / 'tx'}")
     err = capsys.readouterr().err.strip().splitlines()
     ids, matrix = load_embeddings(tmp_path / "tx")
@@ -155,6 +157,7 @@ def test_parquet_in_and_out_fp16_and_text_files(st_dirs, tmp_path, capsys):
     assert np.abs(matrix - want).max() < TOL
     assert err[-1].startswith("bertjax embed: 3 texts, 32 dims, float32 npy in 1 shard(s)")
     assert "texts/s" in err[-1] and any("shard 1/1: 3 texts" in line for line in err)
+    assert any(line.startswith("bertjax: embedding: 3/3 texts (100%)") for line in err), err
 
 
 @pytest.mark.parametrize(

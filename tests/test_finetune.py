@@ -32,11 +32,13 @@ def _results(workdir):
     return json.loads(pathlib.Path(workdir, "eval_results.json").read_text())
 
 
-def test_glue_classification_trains_and_writes_submission(files, tmp_path):
+def test_glue_classification_trains_and_writes_submission(files, tmp_path, capsys, monkeypatch):
     c = small_config(
         glue_config.get_config(), files, "glue", **{"train.steps": 0, "train.epochs": 1.0}
     )
+    monkeypatch.setenv("BERTJAX_PROGRESS_SECONDS", "0")  # a progress line for every batch
     result = train.train_and_evaluate(c, str(tmp_path))
+    assert "bertjax: evaluating dev: 3/3 rows (100%)" in capsys.readouterr().err  # 8 packed
     final = _results(tmp_path)
     assert result["step"] == 3  # 24 examples / batch 8 * 1 epoch
     assert final["task"] == "glue/sst2" and final["best_metric"] == "accuracy"

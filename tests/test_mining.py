@@ -392,7 +392,8 @@ def test_a_beir_query_without_text_is_an_error(tmp_path):
         mining.beir_pairs(str(folder), "train")
 
 
-def test_the_command_writes_rows_atomically_from_pairs(models, tmp_path, capsys):
+def test_the_command_writes_rows_atomically_from_pairs(models, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("BERTJAX_PROGRESS_SECONDS", "0")  # a progress line for every batch
     _, _, directory = models["bert"]
     docs = ["the lazy dog", "quick brown fox", "a red bird", "blue moon", "sun and tree", "fish"]
     records = [{"_id": str(i), "text": d} for i, d in enumerate(docs)]
@@ -416,4 +417,7 @@ def test_the_command_writes_rows_atomically_from_pairs(models, tmp_path, capsys)
     assert len(rows) == 4 and {r["query"] for r in rows} == {"dog", "fox"}
     assert all(r["negatives"][0] not in (docs[0], docs[1]) for r in rows)
     assert sorted(p.name for p in out.parent.iterdir()) == ["rows.jsonl"]  # no temporary left
-    assert "wrote 4 rows (triplet)" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "wrote 4 rows (triplet)" in err
+    for phase in ("embedding the corpus: 6/6 texts", "embedding queries: 2/2", "searching: 2/2"):
+        assert f"bertjax: {phase}" in err, err

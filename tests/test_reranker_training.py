@@ -15,6 +15,7 @@
 import io
 import json
 import pathlib
+import re
 from contextlib import redirect_stdout
 
 import jax
@@ -189,7 +190,9 @@ def _evaluate(*argv) -> dict:
     return json.loads(out.getvalue())
 
 
-def test_a_beir_folder_trains_reranks_and_evaluate_rerank_agrees(hf_dirs, beir_dir, tmp_path):
+def test_a_beir_folder_trains_reranks_and_evaluate_rerank_agrees(
+    hf_dirs, beir_dir, tmp_path, capsys, monkeypatch
+):
     source = cross_encoder_dir(tmp_path / "ce", hf_dirs["modernbert"])
     c = _config(
         **{
@@ -212,7 +215,10 @@ def test_a_beir_folder_trains_reranks_and_evaluate_rerank_agrees(hf_dirs, beir_d
     assert set(results["dev"]) == set(metrics.MEASURES)
 
     base = ["--rerank", str(workdir / "best"), "--data", str(beir_dir), "--split", "test"]
+    capsys.readouterr()
+    monkeypatch.setenv("BERTJAX_PROGRESS_SECONDS", "0")  # a progress line for every batch
     from_run = _evaluate(*base, "--run", str(beir_dir / "first_stage.trec"))
+    assert re.search(r"bertjax: reranking: (\d+)/\1 pairs \(100%\)", capsys.readouterr().err)
     for key, value in results["dev"].items():
         assert from_run[key] == pytest.approx(value, abs=1e-9), key
     first = _evaluate(*base, "--run", str(beir_dir / "first_stage.trec"), "--top_k", "3")

@@ -145,10 +145,12 @@ def test_the_command_end_to_end_writes_a_run_that_scores_the_same(tmp_path, caps
     monkeypatch.setattr(bertjax, "load_pretrained", lambda path, quiet=False: _FakeModel())
     run_path = tmp_path / "out.trec"
     args = ["retrieval", "--checkpoint=fake", f"--data={folder}", f"--output_run={run_path}"]
+    monkeypatch.setenv("BERTJAX_PROGRESS_SECONDS", "0")  # a progress line for every batch
     assert score.main([*args, "--similarity=dot"]) == 0
     out, err = capsys.readouterr()
-    printed = json.loads(out)
+    printed = json.loads(out)  # the progress went to stderr
     assert list(printed) == KEYS and "26 judged queries, 160 documents" in err
+    assert "bertjax: searching: 26/26 queries (100%)" in err  # (the fake model's embed counts none)
     reference = beir_reference(beir.load(folder), "dot")
     assert printed == pytest.approx(reference, abs=1e-12)
     score.main(["retrieval", f"--qrels={folder}/qrels/test.tsv", f"--run={run_path}"])

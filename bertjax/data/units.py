@@ -25,6 +25,7 @@ import time
 
 import numpy as np
 
+from bertjax import progress
 from bertjax.data import lifetime, token_docs
 from bertjax.data.example_batch import ExampleBatch
 from bertjax.data.example_codec import frame_records
@@ -244,9 +245,37 @@ class _NoBar:
         pass
 
 
+class _ByteLines:
+    """What run_units uses of a tqdm bar, as a line every ``BERTJAX_PROGRESS_SECONDS`` where
+    stderr is not a terminal (a log file; see :mod:`bertjax.progress`)."""
+
+    def __init__(self, total_bytes: int):
+        self.shown = progress.Display(
+            "prepare", total_bytes, "bytes", sys.stderr, progress.interval()
+        )
+        self._n = 0
+
+    @property
+    def n(self) -> int:
+        return self._n
+
+    @n.setter
+    def n(self, value: int) -> None:
+        self.shown.update(value - self._n)
+        self._n = value
+
+    def set_postfix_str(self, *args, **kwargs) -> None:
+        pass
+
+    def close(self) -> None:
+        self.shown.close()
+
+
 def _progress_bar(total_bytes: int | None, show: bool):
     if not show:
         return _NoBar()
+    if not progress.is_terminal(sys.stderr) and total_bytes:
+        return _ByteLines(total_bytes)
     import tqdm  # only for a visible bar: its import costs more than a small unit's work
 
     return tqdm.tqdm(total=total_bytes, unit="B", unit_scale=True, desc="prepare", smoothing=0.1)

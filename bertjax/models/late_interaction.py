@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from bertjax import progress
 from bertjax.layers.core import activation
 from bertjax.models import architecture
 from bertjax.models.pooling import DenseLayer, check_dense_tensors, l2_normalize
@@ -333,4 +334,5 @@ def embed_tokens(
         )
         for row, i in enumerate(chosen):
             out[i] = vectors[row][keep[row]]
+        progress.advance(len(chosen))
     return out  # type: ignore[return-value]

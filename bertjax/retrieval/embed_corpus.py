@@ -40,7 +40,7 @@ from jax.sharding import PartitionSpec as P
 
 import bertjax.fs as fs
 import bertjax.models as models
-from bertjax import atomic, distributed
+from bertjax import atomic, distributed, progress
 from bertjax.convert import unflatten_params
 from bertjax.convert.sentence_transformers import EmbeddingSettings
 from bertjax.models.heads import SentenceEmbedder
@@ -174,9 +174,11 @@ class _Encoder:
             vectors = self.apply({"params": self.params}, *arrays)  # dispatched, not awaited
             if pending is not None:
                 out[pending[0]] = np.asarray(pending[1], np.float32)[: len(pending[0])]
+                progress.advance(len(pending[0]))
             pending = (chosen, vectors)
         if pending is not None:
             out[pending[0]] = np.asarray(pending[1], np.float32)[: len(pending[0])]
+            progress.advance(len(pending[0]))
         return out
 
 
@@ -274,21 +276,27 @@ def embed_corpus(
     num_shards = math.ceil(n / options.shard_size)
     start_time, start_cpu = time.perf_counter(), time.process_time()
     embedded = skipped = texts_embedded = 0
-    for shard in range(index, num_shards, count):
-        lo, hi = shard * options.shard_size, min((shard + 1) * options.shard_size, n)
-        if store.shard_done(output, options.format, shard, num_shards):
-            skipped += 1
+    mine = range(index, num_shards, count)
+    done = {s for s in mine if store.shard_done(output, options.format, s, num_shards)}
+    bounds = {s: (s * options.shard_size, min((s + 1) * options.shard_size, n)) for s in mine}
+    left = sum(hi - lo for s, (lo, hi) in bounds.items() if s not in done)
+    with progress.phase("embedding", left, "texts"):
+        for shard in mine:
+            lo, hi = bounds[shard]
+            if shard in done:
+                skipped += 1
+                if on_shard:
+                    on_shard(ShardDone(shard, num_shards, hi - lo, 0.0, True))
+                continue
+            began = time.perf_counter()
+            vectors = encoder.embed(corpus.texts[lo:hi], options.batch_size)
+            matrix = vectors.astype(options.dtype)
+            store.write_shard(output, options.format, shard, num_shards, corpus.ids[lo:hi], matrix)
+            embedded += 1
+            texts_embedded += hi - lo
             if on_shard:
-                on_shard(ShardDone(shard, num_shards, hi - lo, 0.0, True))
-            continue
-        began = time.perf_counter()
-        vectors = encoder.embed(corpus.texts[lo:hi], options.batch_size)
-        matrix = vectors.astype(options.dtype)
-        store.write_shard(output, options.format, shard, num_shards, corpus.ids[lo:hi], matrix)
-        embedded += 1
-        texts_embedded += hi - lo
-        if on_shard:
-            on_shard(ShardDone(shard, num_shards, hi - lo, time.perf_counter() - began, False))
+                seconds = time.perf_counter() - began
+                on_shard(ShardDone(shard, num_shards, hi - lo, seconds, False))
     distributed.sync("bertjax embed: shards written")
     wrote_manifest = False
     if index == 0:

@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from bertjax import progress
 from bertjax.retrieval import beir, metrics, search, trec_format
 
 Embed = Callable[..., np.ndarray]  # embed(texts: list[str], batch_size: int) -> [n, dim]
@@ -54,17 +55,20 @@ def retrieve(
     """The top ``top_k`` documents of each judged query of ``data`` as a run."""
     seconds = {}
     start = time.perf_counter()
-    queries = np.asarray(embed(list(data.query_texts), batch_size=batch_size))
+    with progress.phase("embedding queries", len(data.query_texts)):
+        queries = np.asarray(embed(list(data.query_texts), batch_size=batch_size))
     seconds["embed_queries"] = time.perf_counter() - start
     start = time.perf_counter()
-    corpus = embed_longest_first(embed, data.doc_texts, batch_size)
+    with progress.phase("embedding the corpus", len(data.doc_texts)):
+        corpus = embed_longest_first(embed, data.doc_texts, batch_size)
     seconds["embed_corpus"] = time.perf_counter() - start
     start = time.perf_counter()
     order = trec_format.tie_order(data.doc_ids)  # equal scores: the larger id first
     k = top_k + 1 if exclude_identical_ids else top_k
-    scores, rows = search.dense_search(
-        queries, corpus[order], k, similarity=similarity, devices=devices
-    )
+    with progress.phase("searching", len(queries), "queries"):
+        scores, rows = search.dense_search(
+            queries, corpus[order], k, similarity=similarity, devices=devices
+        )
     seconds["search"] = time.perf_counter() - start
     run = _run(data, order, scores, rows, top_k, exclude_identical_ids)
     return Retrieved(run=run, seconds=seconds)
@@ -104,12 +108,15 @@ def retrieve_maxsim(
     the normalised token vectors)."""
     seconds = {}
     start = time.perf_counter()
-    q_tokens, q_mask = _padded(embed_queries(list(data.query_texts), batch_size=batch_size))
+    with progress.phase("embedding queries", len(data.query_texts)):
+        q_vectors = embed_queries(list(data.query_texts), batch_size=batch_size)
+    q_tokens, q_mask = _padded(q_vectors)
     seconds["embed_queries"] = time.perf_counter() - start
     start = time.perf_counter()
     texts = data.doc_texts
     by_length = sorted(range(len(texts)), key=lambda i: -len(texts[i]))
-    vectors = embed_documents([texts[i] for i in by_length], batch_size=batch_size)
+    with progress.phase("embedding the corpus", len(texts)):
+        vectors = embed_documents([texts[i] for i in by_length], batch_size=batch_size)
     if len(vectors) != len(texts):
         raise ValueError(f"embed_documents returned {len(vectors)} rows for {len(texts)} texts")
     in_order: list = [None] * len(texts)
@@ -120,7 +127,8 @@ def retrieve_maxsim(
     order = trec_format.tie_order(data.doc_ids)  # equal scores: the larger id first
     d_tokens, d_mask = _padded([in_order[i] for i in order])
     k = top_k + 1 if exclude_identical_ids else top_k
-    scores, rows = search.maxsim_search(q_tokens, q_mask, d_tokens, d_mask, k, devices=devices)
+    with progress.phase("searching", len(q_tokens), "queries"):
+        scores, rows = search.maxsim_search(q_tokens, q_mask, d_tokens, d_mask, k, devices=devices)
     seconds["search"] = time.perf_counter() - start
     run = _run(data, order, scores, rows, top_k, exclude_identical_ids)
     return Retrieved(run=run, seconds=seconds)

@@ -32,7 +32,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from bertjax import atomic
+from bertjax import atomic, progress
 from bertjax.retrieval import beir, search
 
 SAMPLING = ("top", "random")
@@ -178,12 +178,15 @@ def mine_hard_negatives(
     embed_queries, embed_docs = _embedders(
         model, batch_size, query_prompt, query_prompt_name, corpus_prompt, corpus_prompt_name
     )
-    doc_vectors = _vectors(embed_docs, docs)
-    query_vectors = _vectors(embed_queries, queries)
+    with progress.phase("embedding the corpus", len(docs)):
+        doc_vectors = _vectors(embed_docs, docs)
+    with progress.phase("embedding queries", len(queries)):
+        query_vectors = _vectors(embed_queries, queries)
     width = range_max + max_positives
-    scores, rows = search.dense_search(
-        query_vectors, doc_vectors, width, similarity="dot", devices=devices
-    )
+    with progress.phase("searching", len(queries), "queries"):
+        scores, rows = search.dense_search(
+            query_vectors, doc_vectors, width, similarity="dot", devices=devices
+        )
     if scores.shape[1] < width:  # a corpus smaller than the window
         missing = width - scores.shape[1]
         scores = np.pad(scores, ((0, 0), (0, missing)), constant_values=-np.inf)

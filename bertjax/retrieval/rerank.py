@@ -28,6 +28,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
+from bertjax import progress
 from bertjax.retrieval import trec_format
 from bertjax.sentence_embedding import bucket_length
 from bertjax.text import features
@@ -85,6 +86,7 @@ def score_pairs(
         if out is None:
             out = np.zeros((len(rows), logits.shape[-1]), np.float32)
         out[chosen] = logits[: len(chosen)]
+        progress.advance(len(chosen))
     return out
 
 
@@ -183,7 +185,8 @@ def rerank_run(
                 raise ValueError(f"run document {doc!r} (query {qid!r}) is not in the corpus")
             keys.append((qid, doc))
             pairs.append((queries[qid], documents[doc]))
-    scores = np.asarray(score(pairs), np.float64).reshape(-1)
+    with progress.phase("reranking", len(pairs), "pairs"):
+        scores = np.asarray(score(pairs), np.float64).reshape(-1)
     if len(scores) != len(pairs):
         raise ValueError(f"score returned {len(scores)} scores for {len(pairs)} pairs")
     out: trec_format.Run = {qid: {} for qid in run if qid in queries}

@@ -23,6 +23,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from bertjax import progress
+
 SIMILARITIES = ("cosine", "dot")
 _AXIS = "corpus"
 
@@ -125,6 +127,7 @@ def _top_k(
         size = min(batch, num_queries - start)
         scores.append(np.asarray(top)[:size])
         indices.append(np.asarray(idx)[:size].astype(np.int64))
+        progress.advance(size)
     if not scores:
         return np.zeros((0, k), np.float32), np.zeros((0, k), np.int64)
     return np.concatenate(scores), np.concatenate(indices)

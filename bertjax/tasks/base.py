@@ -16,6 +16,7 @@ import jax
 import ml_collections
 import numpy as np
 
+from bertjax import progress
 from bertjax.model_source import ModelSource
 
 Batch = dict[str, Any]
@@ -191,6 +192,7 @@ class Task:
         for batch in self.eval_batches(phase, jax.process_index(), jax.process_count()):
             for key, value in run(batch).items():
                 totals[key] = totals.get(key, 0.0) + float(np.sum(value))
+            progress.advance(1)
         if not totals:
             return {}
         return {

@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bertjax import flops
+from bertjax import flops, progress
 from bertjax.data import packing
 from bertjax.data.array_data import ArrayData
 from bertjax.data.batch_packing import BatchPacked, row_buckets
@@ -360,8 +360,11 @@ class FinetuneTask(Task):
         size = max(1, self.config.data.eval_batch_size)
         return -(-size // devices) * devices
 
-    def predict(self, run: Callable, features: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """Every example of ``features`` through ``run`` once: host outputs [n, ...] in order.
+    def predict(
+        self, run: Callable, features: dict[str, np.ndarray], what: str = "predicting"
+    ) -> dict[str, np.ndarray]:
+        """Every example of ``features`` through ``run`` once: host outputs [n, ...] in order;
+        ``what`` names the phase for the progress display (rows: packed, on this process).
 
         With (eval) packing the examples run packed and the outputs are mapped back to example order.
         """
@@ -383,11 +386,14 @@ class FinetuneTask(Task):
             repeat=False,
         )
         chunks: dict[str, list[np.ndarray]] = {}
-        for batch in data:
-            out = run(batch)
-            keep = np.asarray(out.pop("mask")) > 0
-            for key, value in out.items():
-                chunks.setdefault(key, []).append(np.asarray(value)[keep])
+        rows = -(-len(next(iter(features.values()))) // count)
+        with progress.phase(what, rows, "rows"):
+            for batch in data:
+                out = run(batch)
+                keep = np.asarray(out.pop("mask")) > 0
+                for key, value in out.items():
+                    chunks.setdefault(key, []).append(np.asarray(value)[keep])
+                progress.advance(int(keep.sum()))
         n = len(next(iter(features.values())))
         result = {k: np.concatenate(v) for k, v in chunks.items()}
         for key, value in result.items():
@@ -405,7 +411,8 @@ class FinetuneTask(Task):
     def evaluate(self, run, phase):
         metrics: dict[str, float] = {}
         for eval_set in self.eval_sets:
-            metrics.update(self.score(eval_set, self.predict(run, eval_set.features)))
+            outputs = self.predict(run, eval_set.features, f"evaluating {eval_set.name}")
+            metrics.update(self.score(eval_set, outputs))
         return metrics
 
     def eval_every(self) -> int:
@@ -427,7 +434,7 @@ class FinetuneTask(Task):
     def finalize(self, run, params, workdir):
         dev, files = {}, {}
         for eval_set in self.eval_sets:
-            outputs = self.predict(run, eval_set.features)
+            outputs = self.predict(run, eval_set.features, f"evaluating {eval_set.name}")
             dev.update(self.score(eval_set, outputs))
             if jax.process_index() == 0:
                 path = self.write_dev_predictions(eval_set, outputs, workdir)

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bertjax import flops, fs, losses, models
+from bertjax import flops, fs, losses, models, progress
 from bertjax.data.demo_corpus import build_demo_corpus
 from bertjax.data.metadata import METADATA_FILE, read_metadata
 from bertjax.data.prepare import prepare, vocab_sha256
@@ -438,7 +438,8 @@ class PretrainingTask(Task):
             yield next(data)
 
     def evaluate(self, run, phase):
-        metrics = super().evaluate(run, phase)
+        with progress.phase("evaluating", self.config.train.eval_steps, "batches"):
+            metrics = super().evaluate(run, phase)
         if metrics:
             metrics["loss"] = metrics["mlm_loss"] + metrics.get("nsp_loss", 0.0)
         return metrics
