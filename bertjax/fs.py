@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import glob as glob_lib
+import json
 import os
 import shutil
 from typing import IO
@@ -128,3 +129,18 @@ def utf8_error(path: str | os.PathLike, err: UnicodeDecodeError) -> ValueError:
             except UnicodeDecodeError as bad:
                 return ValueError(f"{path}:{number}: not valid UTF-8 ({bad.reason})")
     return ValueError(f"{path}: not valid UTF-8 ({err.reason})")
+
+
+def json_error(path: str | os.PathLike, err: ValueError, line: int | None = None) -> ValueError:
+    """The one-line error for text that is not JSON: ``path:line: invalid JSON at column C: why``.
+    ``line``: the file's line of a JSON-lines record (its columns counted in the record, a record
+    cut short ending at its last character); without it, the decoder's line of a whole file."""
+    path = os.fspath(path)
+    if not isinstance(err, json.JSONDecodeError):  # e.g. bytes that are not UTF-8
+        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+        return ValueError(f"{path}{'' if line is None else f':{line}'}: invalid JSON: {reason}")
+    if line is None:
+        line, column = err.lineno, err.colno
+    else:
+        column = min(err.pos, len(err.doc.rstrip("\r\n"))) + 1
+    return ValueError(f"{path}:{line}: invalid JSON at column {column}: {err.msg}")

@@ -287,3 +287,56 @@ def test_local_sh_without_a_command_stops_before_starting_processes(tmp_path):
         "local.sh: error: no bertjax command after '--' (e.g. -- pretrain --config=... --workdir=...)"
     )
     assert not (tmp_path / "workdir").exists()
+
+
+BAD_JSON_LINE = '{"_id": "c" "text": "z"}'  # a comma missing before column 13
+
+
+def _read_with(reader):
+    from bertjax.commands import plot
+    from bertjax.data import formats
+    from bertjax.retrieval import beir, corpus_input
+    from bertjax.tasks import reranker
+
+    return {
+        "corpus": lambda path: corpus_input.read_corpus(str(path)),
+        "beir": lambda path: list(beir.json_objects(str(path))),
+        "jsonl_texts": lambda path: list(formats.jsonl_texts(str(path))),
+        "reranker": lambda path: reranker.read_pairs(str(path)),
+        "plot": lambda path: plot.read_records(str(path.parent)),
+    }[reader]
+
+
+@pytest.mark.parametrize("reader", ["corpus", "beir", "jsonl_texts", "reranker", "plot"])
+def test_invalid_json_line_names_file_line_and_column(tmp_path, reader):
+    path = tmp_path / ("metrics.jsonl" if reader == "plot" else "corpus.jsonl")
+    good = '{"_id": "a", "text": "x", "query": "q", "passage": "p", "label": 1}'
+    path.write_text(f"{good}\n{good.replace('a', 'b', 1)}\n{BAD_JSON_LINE}\n")
+    with pytest.raises(ValueError) as err:
+        _read_with(reader)(path)
+    assert str(err.value) == f"{path}:3: invalid JSON at column 13: Expecting ',' delimiter"
+
+
+def test_invalid_json_line_cut_short_points_past_its_end(tmp_path):
+    from bertjax.retrieval import corpus_input
+
+    path = tmp_path / "corpus.jsonl"
+    path.write_text('{"_id": "a", "text": "x"}\n{"_id": "b", "text": "x"\n')
+    with pytest.raises(ValueError) as err:
+        corpus_input.read_corpus(str(path))
+    assert str(err.value) == f"{path}:2: invalid JSON at column 25: Expecting ',' delimiter"
+
+
+def test_invalid_json_file_names_file_line_and_column(tmp_path):
+    from bertjax.data import metadata
+
+    (tmp_path / "metadata.json").write_text('{\n  "max_seq_length": 128,\n  "nsp" true\n}\n')
+    with pytest.raises(ValueError) as err:
+        metadata.read_metadata(str(tmp_path))
+    expected = f"{tmp_path}/metadata.json:3: invalid JSON at column 9: Expecting ':' delimiter"
+    assert str(err.value) == expected
+    squad = tmp_path / "squad.json"
+    squad.write_text('{"version": "1.1", "data": [}')
+    with pytest.raises(ValueError) as err:
+        squad_data.load_squad_json(squad)
+    assert str(err.value) == f"{squad}:1: invalid JSON at column 29: Expecting value"
