@@ -246,19 +246,22 @@ def _bertjax(*args, cwd=REPO, timeout=300):
 @pytest.mark.parametrize(
     "body, expected",
     [
-        (None, "bertjax: error: --config={config}: no such config file"),
-        ("def get_config(:\n", "bertjax: error: {config}:1: invalid config file: invalid syntax"),
+        (None, "bertjax finetune: error: --config={config}: no such config file"),
+        (
+            "def get_config(:\n",
+            "bertjax finetune: error: {config}:1: invalid config file: invalid syntax",
+        ),
         (
             "def other():\n    pass\n",
-            "bertjax: error: {config}: the config file defines no get_config()",
+            "bertjax finetune: error: {config}: the config file defines no get_config()",
         ),
         (
             "def get_config():\n    x = 1\n    raise ValueError('no such preset: huge')\n",
-            "bertjax: error: {config}:3: get_config() failed: ValueError: no such preset: huge",
+            "bertjax finetune: error: {config}:3: get_config() failed: ValueError: no such preset: huge",
         ),
         (
             "def get_config():\n    open('/nonexistent/x')\n",  # reported when the config is used
-            "bertjax: error: Configuration is not available because of an earlier failure to load: "
+            "bertjax finetune: error: Configuration is not available because of an earlier failure to load: "
             "[Errno 2] No such file or directory: '/nonexistent/x'",
         ),
     ],
@@ -270,6 +273,13 @@ def test_a_config_file_that_does_not_load_is_one_line(tmp_path, body, expected):
         config.write_text(body)
     rc, err = _bertjax("finetune", f"--config={config}", f"--workdir={tmp_path / 'w'}")
     assert rc == 1 and err == [expected.format(config=config)], err
+
+
+def test_finetune_of_a_pretraining_config_is_one_line(tmp_path):
+    rc, err = _bertjax("finetune", "--config=configs/demo.py", f"--workdir={tmp_path / 'w'}")
+    assert rc == 1 and err == [
+        "bertjax finetune: error: finetune needs --config.task=<a fine-tuning task>"
+    ], err
 
 
 def test_local_sh_without_a_command_stops_before_starting_processes(tmp_path):

@@ -64,19 +64,19 @@ def _cli(tmp_path, *extra):
 
 
 def _errors(stderr: str) -> list[str]:
-    return [line for line in stderr.splitlines() if line.startswith("bertjax: error:")]
+    return [line for line in stderr.splitlines() if line.startswith("bertjax pretrain: error:")]
 
 
 def test_config_errors_are_one_line_naming_the_key(tmp_path):
     proc = _cli(tmp_path, "--config.train.stepz=5")
     assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert _errors(proc.stderr) == [
-        'bertjax: error: unknown config key train.stepz (did you mean "steps"?)'
+        'bertjax pretrain: error: unknown config key train.stepz (did you mean "steps"?)'
     ]
     proc = _cli(tmp_path, "--config.train.global_batch_size=-8")
     assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert _errors(proc.stderr) == [
-        "bertjax: error: config key train.global_batch_size=-8 must be a positive integer"
+        "bertjax pretrain: error: config key train.global_batch_size=-8 must be a positive integer"
     ]
     proc = _cli(tmp_path, "--config.train.stepz=5", "--verbose")
     assert proc.returncode != 0 and "Traceback" in proc.stderr and not _errors(proc.stderr)
