@@ -144,3 +144,32 @@ def json_error(path: str | os.PathLike, err: ValueError, line: int | None = None
     else:
         column = min(err.pos, len(err.doc.rstrip("\r\n"))) + 1
     return ValueError(f"{path}:{line}: invalid JSON at column {column}: {err.msg}")
+
+
+def missing_folders(path: str) -> list[str]:
+    """The folders ``makedirs(path)`` would create, ``path`` first, then its missing parents (none
+    for a remote path, whose folders are not things of their own)."""
+    if is_remote(path):
+        return []
+    missing, path = [], os.path.abspath(path)
+    while not os.path.lexists(path):
+        missing.append(path)
+        parent = os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    return missing
+
+
+def remove_empty_folders(folders: list[str]) -> None:
+    """Removes each of ``folders`` (deepest first, as ``missing_folders`` lists them) that holds
+    nothing but empty folders; the first that holds anything is kept, and so are the rest. Only
+    empty folders are ever removed (``os.rmdir``): never a file, whoever wrote it."""
+    for folder in folders:
+        for root, _, _ in os.walk(folder, topdown=False):
+            try:
+                os.rmdir(root)
+            except OSError:  # not empty (a file, a link, a folder holding one) or already gone
+                pass
+        if os.path.lexists(folder):
+            return

@@ -60,12 +60,19 @@ def _host_metrics(sums: dict, count: int) -> dict[str, float]:
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     """Trains (resuming from WORKDIR if it holds a checkpoint), evaluates, checkpoints.
 
-    Returns the last train and eval metrics. WORKDIR is locked for the run (``WorkdirLock``).
+    Returns the last train and eval metrics. WORKDIR is locked for the run (``WorkdirLock``). A run
+    that fails before writing anything (a bad config value, a missing data file) removes the
+    folders it created for WORKDIR; a folder that was there before, or holds a file, is kept.
     """
     check_batch_size("train.global_batch_size", config.train.global_batch_size)  # before prepare
+    created = fs.missing_folders(workdir)
     fs.makedirs(workdir)
-    with WorkdirLock(workdir):
-        return _train_and_evaluate(config, workdir)
+    try:
+        with WorkdirLock(workdir):
+            return _train_and_evaluate(config, workdir)
+    except BaseException:
+        fs.remove_empty_folders(created)
+        raise
 
 
 def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
