@@ -291,7 +291,7 @@ def _why_unrestorable(step_dir: str, err: BaseException) -> str:
                 with fs.open_file(path, "rb") as f:
                     json.loads(f.read())
             except ValueError as bad:
-                return f"{path}: invalid JSON ({bad})"
+                return str(fs.json_error(path, bad))
     chain = process_hooks.error_chain(err)
     # The innermost error naming the step (TensorStore's: the file and what is wrong with it); the
     # outer ones dump a whole TensorStore spec.

@@ -139,11 +139,17 @@ def _one_line(err: BaseException) -> str:
     return " ".join(str(err).split()) or type(err).__name__
 
 
-def _fail(err: BaseException, verbose: bool) -> None:
-    """Exits with ``bertjax: error: <one line>``; with --verbose re-raises (full traceback)."""
+def error_prefix(command: str) -> str:
+    """How every command's errors begin, as argparse's own do: ``bertjax COMMAND: error: ``."""
+    return f"bertjax {command}: error: "
+
+
+def _fail(err: BaseException, verbose: bool, command: str) -> None:
+    """Exits with ``bertjax COMMAND: error: <one line>``; with --verbose re-raises (full
+    traceback)."""
     if verbose:
         raise err
-    sys.exit(f"bertjax: error: {_one_line(err)}")
+    sys.exit(error_prefix(command) + _one_line(err))
 
 
 def _config_override_error(err: BaseException, args: list[str]) -> str:
@@ -330,7 +336,7 @@ def train_command(argv: list[str], command: str) -> None:
     verbose = "--verbose" in argv or "--verbose=true" in argv
     config_file = _config_file(argv)
     if config_file and not os.path.isfile(config_file):
-        _fail(FileNotFoundError(f"--config={config_file}: no such config file"), verbose)
+        _fail(FileNotFoundError(f"--config={config_file}: no such config file"), verbose, command)
 
     def parse(args: list[str]) -> list[str]:
         try:
@@ -341,7 +347,7 @@ def train_command(argv: list[str], command: str) -> None:
             message = _config_file_error(err, config_file)
             if message is None and isinstance(err, flags.Error):
                 message = _one_line(err)
-            sys.exit(f"bertjax: error: {message or _config_override_error(err, args)}")
+            sys.exit(error_prefix(command) + (message or _config_override_error(err, args)))
 
     flags.mark_flags_as_required(["config"] if command in _AOT else ["config", "workdir"])
 
@@ -354,7 +360,10 @@ def train_command(argv: list[str], command: str) -> None:
             except KeyboardInterrupt:
                 if flags.FLAGS.verbose:
                     raise
-                print("bertjax: interrupted (Ctrl-C): exited without saving", file=sys.stderr)
+                print(
+                    f"bertjax {command}: interrupted (Ctrl-C): exited without saving",
+                    file=sys.stderr,
+                )
                 sys.exit(130)
 
     def body(ctrl_c):
@@ -367,7 +376,7 @@ def train_command(argv: list[str], command: str) -> None:
         try:
             distributed.initialize_from_flags()
         except distributed.DistributedStartupError as err:
-            sys.exit(f"bertjax: error: {err}")
+            sys.exit(error_prefix(command) + str(err))
         import tensorflow as tf
 
         _tf_off_the_accelerators()
@@ -378,7 +387,7 @@ def train_command(argv: list[str], command: str) -> None:
         config, workdir = config_flag.value, flags.FLAGS.workdir
         try:
             if command == "finetune" and config.task == "pretrain":
-                raise app.UsageError("finetune needs --config.task=<a fine-tuning task>")
+                raise ValueError("finetune needs --config.task=<a fine-tuning task>")
             if command in ("compile", "plan") or flags.FLAGS.dry_run:
                 _aot_command(command, config, workdir, flags.FLAGS)
                 return
@@ -391,7 +400,7 @@ def train_command(argv: list[str], command: str) -> None:
         except PreemptionRequested as stopped:
             if ctrl_c.pressed:  # one line; rerunning the same command resumes
                 print(
-                    f"bertjax: interrupted (Ctrl-C): {stopped}; the same command resumes",
+                    f"bertjax {command}: interrupted (Ctrl-C): {stopped}; the same command resumes",
                     file=sys.stderr,
                 )
                 sys.exit(130)
@@ -404,7 +413,7 @@ def train_command(argv: list[str], command: str) -> None:
             WorkdirLockedError,
             tf.errors.OpError,
         ) as err:
-            _fail(err, flags.FLAGS.verbose)
+            _fail(err, flags.FLAGS.verbose, command)
         logging.getLogger("bertjax").info("%s", metrics_logging.summary(result))
 
     app.run(run, argv=[f"bertjax {command}", *argv], flags_parser=parse)
@@ -444,7 +453,7 @@ def main(argv: list[str] | None = None) -> None:
         try:
             func([a for a in rest if a != "--verbose"])
         except (ValueError, OSError) as err:
-            _fail(err, verbose)
+            _fail(err, verbose, command)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import glob as glob_lib
+import json
 import os
 import shutil
 from typing import IO
@@ -128,3 +129,47 @@ def utf8_error(path: str | os.PathLike, err: UnicodeDecodeError) -> ValueError:
             except UnicodeDecodeError as bad:
                 return ValueError(f"{path}:{number}: not valid UTF-8 ({bad.reason})")
     return ValueError(f"{path}: not valid UTF-8 ({err.reason})")
+
+
+def json_error(path: str | os.PathLike, err: ValueError, line: int | None = None) -> ValueError:
+    """The one-line error for text that is not JSON: ``path:line: invalid JSON at column C: why``.
+    ``line``: the file's line of a JSON-lines record (its columns counted in the record, a record
+    cut short ending at its last character); without it, the decoder's line of a whole file."""
+    path = os.fspath(path)
+    if not isinstance(err, json.JSONDecodeError):  # e.g. bytes that are not UTF-8
+        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+        return ValueError(f"{path}{'' if line is None else f':{line}'}: invalid JSON: {reason}")
+    if line is None:
+        line, column = err.lineno, err.colno
+    else:
+        column = min(err.pos, len(err.doc.rstrip("\r\n"))) + 1
+    return ValueError(f"{path}:{line}: invalid JSON at column {column}: {err.msg}")
+
+
+def missing_folders(path: str) -> list[str]:
+    """The folders ``makedirs(path)`` would create, ``path`` first, then its missing parents (none
+    for a remote path, whose folders are not things of their own)."""
+    if is_remote(path):
+        return []
+    missing, path = [], os.path.abspath(path)
+    while not os.path.lexists(path):
+        missing.append(path)
+        parent = os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    return missing
+
+
+def remove_empty_folders(folders: list[str]) -> None:
+    """Removes each of ``folders`` (deepest first, as ``missing_folders`` lists them) that holds
+    nothing but empty folders; the first that holds anything is kept, and so are the rest. Only
+    empty folders are ever removed (``os.rmdir``): never a file, whoever wrote it."""
+    for folder in folders:
+        for root, _, _ in os.walk(folder, topdown=False):
+            try:
+                os.rmdir(root)
+            except OSError:  # not empty (a file, a link, a folder holding one) or already gone
+                pass
+        if os.path.lexists(folder):
+            return

@@ -146,13 +146,15 @@ class Throughput:
     def tick(self):
         self.steps += 1
 
-    def rates(self, batch: int, seq_len: int) -> dict[str, float]:
+    def rates(self, batch: int, tokens_per_step: int) -> dict[str, float]:
+        """Rates of ``batch`` examples and ``tokens_per_step`` tokens (every text a step encodes:
+        ``Task.tokens_per_step``) per step."""
         dt = max(time.perf_counter() - self.t0, 1e-9)
         steps_per_sec = self.steps / dt
         return {
             "steps_per_sec": steps_per_sec,
             "seq_per_sec": steps_per_sec * batch,
-            "tokens_per_sec": steps_per_sec * batch * seq_len,
+            "tokens_per_sec": steps_per_sec * tokens_per_step,
         }
 
 

@@ -60,12 +60,19 @@ def _host_metrics(sums: dict, count: int) -> dict[str, float]:
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     """Trains (resuming from WORKDIR if it holds a checkpoint), evaluates, checkpoints.
 
-    Returns the last train and eval metrics. WORKDIR is locked for the run (``WorkdirLock``).
+    Returns the last train and eval metrics. WORKDIR is locked for the run (``WorkdirLock``). A run
+    that fails before writing anything (a bad config value, a missing data file) removes the
+    folders it created for WORKDIR; a folder that was there before, or holds a file, is kept.
     """
     check_batch_size("train.global_batch_size", config.train.global_batch_size)  # before prepare
+    created = fs.missing_folders(workdir)
     fs.makedirs(workdir)
-    with WorkdirLock(workdir):
-        return _train_and_evaluate(config, workdir)
+    try:
+        with WorkdirLock(workdir):
+            return _train_and_evaluate(config, workdir)
+    except BaseException:
+        fs.remove_empty_folders(created)
+        raise
 
 
 def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
@@ -159,18 +166,25 @@ class PhaseResult:
     halted: bool = False
 
 
-def _compile(p_step, state, batch, phase_index: int, num_phases: int, accum: int) -> None:
+def batch_shape_text(examples: int, rows: int, seq: int) -> str:
+    """The global batch as the start-up line says it: ``batch 32 x seq 128``, or where the batch's
+    examples are packed into fewer rows ``batch 32 examples in 8 packed rows x seq 128``."""
+    if rows < examples:
+        return f"batch {examples} examples in {rows} packed rows x seq {seq}"
+    return f"batch {rows} x seq {seq}"
+
+
+def _compile(p_step, state, batch, phase, phase_index: int, num_phases: int, accum: int) -> None:
     """Compiles the phase's step ahead of its first call (which then finds it compiled), saying
     so first: the first step of a large model waits minutes on the compiler."""
     ids = batch["input_ids"] if "input_ids" in batch else next(iter(batch.values()))
-    rows, seq = ids.shape[0], ids.shape[-1]
+    shape = batch_shape_text(phase.global_batch_size, ids.shape[0], ids.shape[-1])
     micro = f", {accum} micro-batches" if accum > 1 else ""
     log.info(
-        "compiling the train step (phase %d/%d, batch %d x seq %d%s) ...",
+        "compiling the train step (phase %d/%d, %s%s) ...",
         phase_index + 1,
         num_phases,
-        rows,
-        seq,
+        shape,
         micro,
     )
     t0 = time.perf_counter()
@@ -202,7 +216,7 @@ def _run_phase(run: _Run, phase, phase_index, state, step, data_state) -> PhaseR
     if data_state.get("phase") == phase_index and data_state.get("iterator"):
         data.restore(data_state["iterator"])
     eval_every = task.eval_every()
-    seq_len, masked = task.step_shape(phase)
+    step_tokens = task.tokens_per_step(phase)
     step_flops = task.flops_per_step(setup.model.config, phase)
     n_devices = len(setup.mesh.devices.flat)
     meter = Throughput()
@@ -237,7 +251,7 @@ def _run_phase(run: _Run, phase, phase_index, state, step, data_state) -> PhaseR
         ):
             if step == first_step:
                 n = len(setup.phases)
-                _compile(p_step, state, batch, phase_index, n, tcfg.grad_accum_steps)
+                _compile(p_step, state, batch, phase, phase_index, n, tcfg.grad_accum_steps)
                 meter.reset()
             state, metrics = p_step(state, batch)
         step += 1
@@ -255,7 +269,7 @@ def _run_phase(run: _Run, phase, phase_index, state, step, data_state) -> PhaseR
                     f"non-finite loss {last_train['loss']} at step {step} (task {task.name}); "
                     "lower optimizer.learning_rate or check the data"
                 )
-            rates = meter.rates(phase.global_batch_size, seq_len)
+            rates = meter.rates(phase.global_batch_size, step_tokens)
             rows_share = rows / count / phase.global_batch_size  # FLOPs scale with the rows run
             achieved = rates["steps_per_sec"] * step_flops * rows_share / n_devices / 1e12
             last_train.update(rates, tflops_per_device=achieved)

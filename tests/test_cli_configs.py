@@ -126,12 +126,12 @@ def test_keys_a_run_ignores_are_refused_and_keys_it_reads_are_settable(tmp_path)
 
     bad = finetune("--config.train.eval_steps=5")
     assert bad.returncode != 0
-    assert (
-        bad.stderr.strip().splitlines()[-1] == "bertjax: error: unknown config key train.eval_steps"
+    assert bad.stderr.strip().splitlines()[-1] == (
+        "bertjax finetune: error: unknown config key train.eval_steps"
     )
     renamed = finetune("--config.vocab=vocab.txt")  # bertjax 0.2's name of data.vocab
     assert renamed.returncode != 0 and renamed.stderr.strip().splitlines()[-1] == (
-        "bertjax: error: config key vocab was renamed data.vocab in bertjax 0.3: set data.vocab"
+        "bertjax finetune: error: config key vocab was renamed data.vocab in bertjax 0.3: set data.vocab"
     )
 
 

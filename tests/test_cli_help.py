@@ -84,3 +84,28 @@ def test_tool_commands_name_the_option_meant(module, argv, expected, capsys):
         main(argv)
     err = capsys.readouterr().err.strip().splitlines()
     assert exited.value.code == 2 and expected in err[-1], err
+
+
+@pytest.mark.parametrize(
+    "command,argv,expected",
+    [
+        ("plot", ["{tmp}/none"], "{tmp}/none/metrics.jsonl: no metrics file"),
+        ("evaluate-mlm", ["--checkpoint={tmp}/none", "--data={tmp}/none"], "{tmp}/none"),
+        ("vocab", ["--input={tmp}/none.txt", "--output={tmp}/v.txt"], "{tmp}/none.txt"),
+    ],
+)
+def test_every_command_prefixes_its_errors_as_argparse_does(command, argv, expected, tmp_path):
+    """`bertjax COMMAND: error: ...` for a command's bad input (as argparse's usage errors and
+    embed's and evaluate's input errors are), never `bertjax: error:`."""
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["bertjax", command, *(a.format(tmp=tmp_path) for a in argv)])
+    message = str(exited.value.code)
+    assert message.startswith(f"bertjax {command}: error: "), message
+    assert expected.format(tmp=tmp_path) in message and "\n" not in message
+
+
+def test_argparse_usage_errors_have_the_same_prefix(capsys):
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["bertjax", "plot", "--nonsense"])
+    assert exited.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith("bertjax plot: error: ")

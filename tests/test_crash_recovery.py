@@ -118,7 +118,7 @@ def test_kill_mid_checkpoint_corrupt_newest_then_disk_full_then_resume_exactly(
     out, err = proc.communicate(timeout=600)
     errors = [line for line in err.splitlines() if line.strip()]
     assert proc.returncode == 1, out[-2000:] + err[-3000:]
-    assert len(errors) == 1 and errors[0].startswith("bertjax: error: "), err[-3000:]
+    assert len(errors) == 1 and errors[0].startswith("bertjax pretrain: error: "), err[-3000:]
     assert "8.orbax-checkpoint-tmp" in errors[0] and "no space left on device" in errors[0]
     assert "step 6" in errors[0] and "is intact" in errors[0]
     assert f"{killed_at - 2}.unrestorable-" in " ".join(p.name for p in checkpoints.iterdir())

@@ -48,7 +48,10 @@ def test_dry_run_checks_selection_plan_and_schema_without_tensorflow(tmp_path):
     assert any("cudnn" in t for t in selected)
     names = [b["name"] for b in report["benchmarks"]]
     assert names == [name for name, _, _ in device_check.PLAN]
-    assert "planned" in (out / "device_report.md").read_text()
+    markdown = (out / "device_report.md").read_text()
+    assert f"Dry run, not run: {len(selected)} tests selected" in markdown
+    assert all(f"- `{test}`" in markdown for test in selected) and "0 passed" not in markdown
+    assert f"| {names[0]} |" in markdown and "planned, not run" in markdown
 
 
 def test_without_an_accelerator_the_script_says_use_dry(tmp_path):
@@ -155,3 +158,16 @@ def test_parse_junit_and_schema(tmp_path):
         "'benchmarks' must be a list",
         "'skipped' must be a list",
     ]
+
+
+def test_a_dry_report_lists_what_it_selected_not_zero_passed(tmp_path):
+    report = device_report.Report(str(tmp_path), 60.0, 0.0, dry=True)
+    report.data["tests"]["selected"] = ["tests/test_a.py::test_one", "tests/test_b.py::test_two"]
+    report.data["benchmarks"].append(
+        {"name": "bert-base-128", "args": [], "planned": True, "batch": 32, "seq": 128}
+    )
+    text = device_report.to_markdown(report.data)
+    assert "passed" not in text and "failed" not in text, text
+    assert "Dry run, not run: 2 tests selected\n\n- `tests/test_a.py::test_one`\n" in text
+    assert "- `tests/test_b.py::test_two`" in text
+    assert "| bert-base-128 | 32 x 128 | planned, not run |" in text

@@ -349,3 +349,44 @@ def test_two_processes_through_launch_local(st_dirs, tmp_path):
     ids, matrix = load_embeddings(tmp_path / "out")
     assert ids == [d for d, _, _ in DOCS]
     assert np.abs(matrix - _reference(st_dirs["modernbert"], _texts())).max() < TOL
+
+
+def test_ctrl_c_is_one_line_keeps_the_written_shards_then_resumes(
+    st_dirs, tmp_path, capsys, monkeypatch
+):
+    corpus = _write_jsonl(tmp_path / "corpus.jsonl")
+    out = tmp_path / "out"
+    args = [f"--checkpoint={st_dirs['bert']}", f"--input={corpus}", f"--output={out}"]
+    _run(*args, "--shard_size=3")
+    reference = {p.name: p.read_bytes() for p in out.iterdir()}
+    out = tmp_path / "stopped"
+    args = [f"--checkpoint={st_dirs['bert']}", f"--input={corpus}", f"--output={out}"]
+    embed = embed_corpus._Encoder.embed
+    calls = []
+
+    def ctrl_c_in_the_second_shard(self, texts, batch_size):
+        calls.append(len(texts))
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return embed(self, texts, batch_size)
+
+    monkeypatch.setattr(embed_corpus._Encoder, "embed", ctrl_c_in_the_second_shard)
+    capsys.readouterr()
+    try:
+        embed_tool.main([*args, "--shard_size=3"])
+    except KeyboardInterrupt:
+        pytest.fail("Ctrl-C left `bertjax embed` as a traceback")
+    except SystemExit as exited:
+        assert exited.code == 130
+    else:
+        pytest.fail("`bertjax embed` finished after Ctrl-C")
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == (
+        "bertjax embed: interrupted (Ctrl-C): 1 of 3 shards are written; "
+        "rerun the same command to resume"
+    ), err
+    assert "Traceback" not in "\n".join(err) and "shard 1/3" in err[-2]
+    monkeypatch.setattr(embed_corpus._Encoder, "embed", embed)
+    _run(*args, "--shard_size=3")
+    assert "shard 1/3: found finished, skipped" in capsys.readouterr().err
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == reference

@@ -246,19 +246,22 @@ def _bertjax(*args, cwd=REPO, timeout=300):
 @pytest.mark.parametrize(
     "body, expected",
     [
-        (None, "bertjax: error: --config={config}: no such config file"),
-        ("def get_config(:\n", "bertjax: error: {config}:1: invalid config file: invalid syntax"),
+        (None, "bertjax finetune: error: --config={config}: no such config file"),
+        (
+            "def get_config(:\n",
+            "bertjax finetune: error: {config}:1: invalid config file: invalid syntax",
+        ),
         (
             "def other():\n    pass\n",
-            "bertjax: error: {config}: the config file defines no get_config()",
+            "bertjax finetune: error: {config}: the config file defines no get_config()",
         ),
         (
             "def get_config():\n    x = 1\n    raise ValueError('no such preset: huge')\n",
-            "bertjax: error: {config}:3: get_config() failed: ValueError: no such preset: huge",
+            "bertjax finetune: error: {config}:3: get_config() failed: ValueError: no such preset: huge",
         ),
         (
             "def get_config():\n    open('/nonexistent/x')\n",  # reported when the config is used
-            "bertjax: error: Configuration is not available because of an earlier failure to load: "
+            "bertjax finetune: error: Configuration is not available because of an earlier failure to load: "
             "[Errno 2] No such file or directory: '/nonexistent/x'",
         ),
     ],
@@ -270,6 +273,13 @@ def test_a_config_file_that_does_not_load_is_one_line(tmp_path, body, expected):
         config.write_text(body)
     rc, err = _bertjax("finetune", f"--config={config}", f"--workdir={tmp_path / 'w'}")
     assert rc == 1 and err == [expected.format(config=config)], err
+
+
+def test_finetune_of_a_pretraining_config_is_one_line(tmp_path):
+    rc, err = _bertjax("finetune", "--config=configs/demo.py", f"--workdir={tmp_path / 'w'}")
+    assert rc == 1 and err == [
+        "bertjax finetune: error: finetune needs --config.task=<a fine-tuning task>"
+    ], err
 
 
 def test_local_sh_without_a_command_stops_before_starting_processes(tmp_path):
@@ -287,3 +297,56 @@ def test_local_sh_without_a_command_stops_before_starting_processes(tmp_path):
         "local.sh: error: no bertjax command after '--' (e.g. -- pretrain --config=... --workdir=...)"
     )
     assert not (tmp_path / "workdir").exists()
+
+
+BAD_JSON_LINE = '{"_id": "c" "text": "z"}'  # a comma missing before column 13
+
+
+def _read_with(reader):
+    from bertjax.commands import plot
+    from bertjax.data import formats
+    from bertjax.retrieval import beir, corpus_input
+    from bertjax.tasks import reranker
+
+    return {
+        "corpus": lambda path: corpus_input.read_corpus(str(path)),
+        "beir": lambda path: list(beir.json_objects(str(path))),
+        "jsonl_texts": lambda path: list(formats.jsonl_texts(str(path))),
+        "reranker": lambda path: reranker.read_pairs(str(path)),
+        "plot": lambda path: plot.read_records(str(path.parent)),
+    }[reader]
+
+
+@pytest.mark.parametrize("reader", ["corpus", "beir", "jsonl_texts", "reranker", "plot"])
+def test_invalid_json_line_names_file_line_and_column(tmp_path, reader):
+    path = tmp_path / ("metrics.jsonl" if reader == "plot" else "corpus.jsonl")
+    good = '{"_id": "a", "text": "x", "query": "q", "passage": "p", "label": 1}'
+    path.write_text(f"{good}\n{good.replace('a', 'b', 1)}\n{BAD_JSON_LINE}\n")
+    with pytest.raises(ValueError) as err:
+        _read_with(reader)(path)
+    assert str(err.value) == f"{path}:3: invalid JSON at column 13: Expecting ',' delimiter"
+
+
+def test_invalid_json_line_cut_short_points_past_its_end(tmp_path):
+    from bertjax.retrieval import corpus_input
+
+    path = tmp_path / "corpus.jsonl"
+    path.write_text('{"_id": "a", "text": "x"}\n{"_id": "b", "text": "x"\n')
+    with pytest.raises(ValueError) as err:
+        corpus_input.read_corpus(str(path))
+    assert str(err.value) == f"{path}:2: invalid JSON at column 25: Expecting ',' delimiter"
+
+
+def test_invalid_json_file_names_file_line_and_column(tmp_path):
+    from bertjax.data import metadata
+
+    (tmp_path / "metadata.json").write_text('{\n  "max_seq_length": 128,\n  "nsp" true\n}\n')
+    with pytest.raises(ValueError) as err:
+        metadata.read_metadata(str(tmp_path))
+    expected = f"{tmp_path}/metadata.json:3: invalid JSON at column 9: Expecting ':' delimiter"
+    assert str(err.value) == expected
+    squad = tmp_path / "squad.json"
+    squad.write_text('{"version": "1.1", "data": [}')
+    with pytest.raises(ValueError) as err:
+        squad_data.load_squad_json(squad)
+    assert str(err.value) == f"{squad}:1: invalid JSON at column 29: Expecting value"

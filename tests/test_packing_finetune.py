@@ -1,7 +1,9 @@
 """Fine-tuning with packed rows (data.packing): the same loss, predictions and metrics as unpacked."""
 
 import json
+import logging
 import pathlib
+import re
 
 import flax.linen as nn
 import jax
@@ -174,10 +176,10 @@ def test_squad_and_swag_refuse_packing_in_one_line(files, tmp_path, make, reason
 
 
 @pytest.mark.parametrize("task, data_dir", [("glue/sst2", "glue"), ("ner/conll2003", "ner")])
-def test_batch_packing_trains_the_unpacked_run(files, tmp_path, task, data_dir):
+def test_batch_packing_trains_the_unpacked_run(files, tmp_path, task, data_dir, caplog):
     """data.batch_packing (the fine-tuning default): every step trains on the unpacked run's
     examples, in fewer rows, so the logged losses and the final dev metrics equal the unpacked
-    run's (dropout off)."""
+    run's (dropout off); the start-up line says the global batch and the rows it is packed in."""
     make = glue_config.get_config if data_dir == "glue" else ner_config.get_config
     runs, rows = {}, {}
     for batch_packing in (False, True):
@@ -185,7 +187,13 @@ def test_batch_packing_trains_the_unpacked_run(files, tmp_path, task, data_dir):
         c.data.batch_packing, c.data.eval_packing = batch_packing, False
         c.train.steps, c.train.global_batch_size = 4, 8
         workdir = tmp_path / f"batch_packing_{batch_packing}"
-        result = train.train_and_evaluate(c, str(workdir))
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="bertjax"):
+            result = train.train_and_evaluate(c, str(workdir))
+        banner = next(r.getMessage() for r in caplog.records if "compiling" in r.getMessage())
+        packed_rows = re.search(r"batch 8 examples in (\d+) packed rows x seq", banner)
+        assert (packed_rows is not None and int(packed_rows[1]) < 8) == batch_packing, banner
+        assert batch_packing or "batch 8 x seq" in banner, banner
         logged = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
         rows[batch_packing] = [r for r in logged if r.get("split") == "train"]
         runs[batch_packing] = result, [r["loss"] for r in rows[batch_packing]]

@@ -4,6 +4,7 @@ update; a row's own positive, repeated in another row, is never its negative; ev
 the retrieval measures and keeps the best nDCG@10."""
 
 import json
+import types
 
 import jax
 import jax.numpy as jnp
@@ -111,3 +112,12 @@ def test_a_repeated_positive_is_not_a_negative_of_its_own_query():
     assert float(got) == pytest.approx(float(want), rel=1e-6)
     plain, _ = losses.multiple_negatives_ranking_loss(q, d)
     assert float(plain) > float(got)  # the shared positive counted against rows 0 and 2
+
+
+def test_tokens_per_step_counts_queries_and_every_document(beir_dir, tmp_path):
+    """tok/s of a retrieval step counts every text it encodes: the queries, the positives and the
+    hard negatives (8 rows: 8 queries of 8 tokens, 8 x 3 documents of 16), not the queries alone."""
+    c = _config(beir_dir, **{"data.num_negatives": 2})
+    task = train.prepared_task(c, str(tmp_path))
+    phase = types.SimpleNamespace(global_batch_size=8)
+    assert task.tokens_per_step(phase) == 8 * 8 + 8 * 3 * 16

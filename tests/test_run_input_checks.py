@@ -64,19 +64,19 @@ def _cli(tmp_path, *extra):
 
 
 def _errors(stderr: str) -> list[str]:
-    return [line for line in stderr.splitlines() if line.startswith("bertjax: error:")]
+    return [line for line in stderr.splitlines() if line.startswith("bertjax pretrain: error:")]
 
 
 def test_config_errors_are_one_line_naming_the_key(tmp_path):
     proc = _cli(tmp_path, "--config.train.stepz=5")
     assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert _errors(proc.stderr) == [
-        'bertjax: error: unknown config key train.stepz (did you mean "steps"?)'
+        'bertjax pretrain: error: unknown config key train.stepz (did you mean "steps"?)'
     ]
     proc = _cli(tmp_path, "--config.train.global_batch_size=-8")
     assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert _errors(proc.stderr) == [
-        "bertjax: error: config key train.global_batch_size=-8 must be a positive integer"
+        "bertjax pretrain: error: config key train.global_batch_size=-8 must be a positive integer"
     ]
     proc = _cli(tmp_path, "--config.train.stepz=5", "--verbose")
     assert proc.returncode != 0 and "Traceback" in proc.stderr and not _errors(proc.stderr)
@@ -107,3 +107,22 @@ def test_streams_that_do_not_split_the_batch_are_one_line_before_any_data_work(t
         "data.streams to a divisor of it)"
     )
     assert not (tmp_path / "never").exists()
+
+
+def test_a_run_that_fails_before_writing_leaves_no_folder_it_created(tmp_path):
+    missing = {"data.prepared_dir": str(tmp_path / "none"), "data.corpus": str(tmp_path / "no.txt")}
+    config = tiny_config(tmp_path, steps=1, **missing)
+    workdir = tmp_path / "runs" / "new"  # both folders created by the run
+    with pytest.raises(FileNotFoundError, match="no.txt"):
+        train.train_and_evaluate(config, str(workdir))
+    assert not (tmp_path / "runs").exists()
+    empty = tmp_path / "empty"  # there before: kept, as it was
+    empty.mkdir()
+    with pytest.raises(FileNotFoundError, match="no.txt"):
+        train.train_and_evaluate(config, str(empty))
+    assert empty.is_dir() and not list(empty.iterdir())
+    (tmp_path / "runs").mkdir()  # the parent there before, holding the user's file: kept
+    (tmp_path / "runs" / "notes.txt").write_text("mine")
+    with pytest.raises(FileNotFoundError, match="no.txt"):
+        train.train_and_evaluate(config, str(workdir))
+    assert [p.name for p in (tmp_path / "runs").iterdir()] == ["notes.txt"]

@@ -242,7 +242,7 @@ def test_ctrl_c_saves_a_checkpoint_exits_in_one_line_then_resumes(tmp_path):
     reached = max(_logged_steps(workdir))
     assert 4 <= reached <= 8
     assert err.strip().splitlines() == [
-        f"bertjax: interrupted (Ctrl-C): stopped at step {reached} after saving a checkpoint; "
+        f"bertjax pretrain: interrupted (Ctrl-C): stopped at step {reached} after saving a checkpoint; "
         "the same command resumes"
     ], err[-3000:]
     assert "Ctrl-C (SIGINT) received: saving a checkpoint" in out

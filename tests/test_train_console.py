@@ -106,3 +106,20 @@ def test_a_warmup_longer_than_the_run_is_an_error_naming_the_key():
         optim.create_optimizer(_optimizer(50), total_steps=10)
     with pytest.raises(ValueError, match="optimizer.warmup_steps=11"):  # a task-resolved warmup
         optim.create_optimizer(_optimizer(0), total_steps=10, warmup_steps=11)
+
+
+def test_the_start_up_line_says_the_global_batch_and_its_packed_rows():
+    from bertjax import train
+
+    assert train.batch_shape_text(32, 8, 128) == "batch 32 examples in 8 packed rows x seq 128"
+    assert train.batch_shape_text(8, 8, 16) == "batch 8 x seq 16"
+
+
+def test_tokens_per_second_counts_the_tokens_a_step_encodes():
+    meter = metrics_logging.Throughput()
+    meter.t0 -= 2.0  # two steps in two seconds
+    meter.tick()
+    meter.tick()
+    rates = meter.rates(32, 32 * 8 + 32 * 3 * 16)
+    assert rates["seq_per_sec"] == pytest.approx(32, rel=1e-3)
+    assert rates["tokens_per_sec"] == pytest.approx(32 * 8 + 32 * 3 * 16, rel=1e-3)

@@ -72,5 +72,5 @@ def test_evaluate_mlm_on_a_cut_shard_is_one_line(tmp_path, capsys):
     _cut(shard, "record boundary")
     with pytest.raises(SystemExit) as exit_:
         cli.main(["bertjax", "evaluate-mlm", f"--checkpoint={tmp_path / 'hf'}", f"--data={root}"])
-    assert str(exit_.value) == f"bertjax: error: {_expected(shard, 'record boundary')}"
+    assert str(exit_.value) == f"bertjax evaluate-mlm: error: {_expected(shard, 'record boundary')}"
     assert "mlm_loss" not in capsys.readouterr().out

@@ -7,7 +7,7 @@
 
 Progress (shards done, texts/s) goes to stderr, one line per shard; the last line is a summary.
 Run again with the same arguments after an interruption: finished shards are kept, the rest are
-computed. On several hosts (the ``BERTJAX_*`` variables of ``launch/``, SLURM or a TPU VM) each
+computed; Ctrl-C says how many shards are written and exits with status 130. On several hosts (the ``BERTJAX_*`` variables of ``launch/``, SLURM or a TPU VM) each
 process embeds every process_count-th shard. Read the result with
 ``bertjax.retrieval.embedding_store.load_embeddings(DIR)``. Bad input prints one error line and
 exits with status 2.
@@ -79,6 +79,10 @@ def _progress(started: float):
     return report
 
 
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C while embedding; its text is the one line `bertjax embed` prints."""
+
+
 def run(args: argparse.Namespace) -> str:
     """Reads, embeds and writes; returns the summary line."""
     from bertjax import distributed, load_pretrained
@@ -98,15 +102,23 @@ def run(args: argparse.Namespace) -> str:
         prompt=args.prompt,
         prompt_name=args.prompt_name,
     )
+    shards = -(-len(corpus.ids) // options.shard_size)
     print(
         f"bertjax embed: {len(corpus.ids)} texts from {len(corpus.files)} file(s), "
-        f"{-(-len(corpus.ids) // options.shard_size)} shard(s) -> {args.output}",
+        f"{shards} shard(s) -> {args.output}",
         file=sys.stderr,
         flush=True,
     )
-    summary = embed_corpus.embed_corpus(
-        model, corpus, args.output, options, on_shard=_progress(started)
-    )
+    try:
+        summary = embed_corpus.embed_corpus(
+            model, corpus, args.output, options, on_shard=_progress(started)
+        )
+    except KeyboardInterrupt:  # finished shards are whole files (renamed into place): kept
+        written = sum(store.shard_done(args.output, args.format, i, shards) for i in range(shards))
+        raise Interrupted(
+            f"bertjax embed: interrupted (Ctrl-C): {written} of {shards} shards are written; "
+            "rerun the same command to resume"
+        ) from None
     rate = summary.texts_embedded / max(summary.seconds, 1e-9)
     skipped = f", {summary.shards_skipped} found finished" if summary.shards_skipped else ""
     return (
@@ -119,13 +131,19 @@ def run(args: argparse.Namespace) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Runs `bertjax embed` with the arguments after "embed"; bad input: one line, exit 2."""
+    """Runs `bertjax embed` with the arguments after "embed"; bad input: one line, exit 2;
+    Ctrl-C: one line, exit 130."""
     args = _parser().parse_args(argv)
     try:
         line = run(args)
     except (ValueError, FileNotFoundError) as err:
         print(f"bertjax embed: error: {' '.join(str(err).split())}", file=sys.stderr)
         raise SystemExit(2) from None
+    except KeyboardInterrupt as stopped:
+        if not isinstance(stopped, Interrupted):  # reading the input or loading the model
+            stopped = "bertjax embed: interrupted (Ctrl-C) before embedding; nothing written"
+        print(stopped, file=sys.stderr, flush=True)
+        raise SystemExit(130) from None
     print(line, file=sys.stderr, flush=True)
     return 0
 

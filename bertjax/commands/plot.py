@@ -6,7 +6,7 @@ import argparse
 import json
 import os
 
-from bertjax import atomic
+from bertjax import atomic, fs
 
 PANELS = (
     ("loss", ("loss", "mlm_loss", "nsp_loss")),
@@ -45,7 +45,7 @@ def read_records(workdir: str) -> list[dict]:
             try:
                 records.append(json.loads(line))
             except json.JSONDecodeError as err:
-                raise ValueError(f"{path}:{number}: invalid JSON ({err.msg})") from None
+                raise fs.json_error(path, err, number) from None
     return records
 
 

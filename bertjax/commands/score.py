@@ -35,7 +35,7 @@ def _load_json(path: str, what: str):
         with open(path, encoding="utf-8") as f:
             return json.load(f)
     except json.JSONDecodeError as e:
-        raise ValueError(f"{path}:{e.lineno}: invalid JSON in the {what} file: {e.msg}") from None
+        raise ValueError(f"{fs.json_error(path, e)} (the {what} file)") from None
     except UnicodeDecodeError as e:
         raise fs.utf8_error(path, e) from None
 

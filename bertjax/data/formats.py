@@ -128,8 +128,7 @@ def jsonl_texts(
             try:
                 row = json.loads(line)
             except ValueError as err:
-                reason = getattr(err, "msg", None) or str(err).splitlines()[0]
-                raise ValueError(f"{path}:{number}: invalid JSON ({reason})") from None
+                raise fs.json_error(path, err, number) from None
             if not isinstance(row, dict):
                 raise ValueError(
                     f"{path}:{number}: expected a JSON object, got {type(row).__name__}"

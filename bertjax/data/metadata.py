@@ -24,7 +24,7 @@ def read_metadata(data_dir: str, missing_ok: bool = False) -> dict | None:
     try:
         meta = json.loads(text)
     except json.JSONDecodeError as err:
-        raise ValueError(f"{path}:{err.lineno}: invalid JSON: {err.msg}") from None
+        raise fs.json_error(path, err) from None
     if not isinstance(meta, dict):
         raise ValueError(f"{path}: expected a JSON object, got {type(meta).__name__}")
     missing = [k for k in REQUIRED_METADATA if k not in meta]

@@ -46,7 +46,7 @@ def json_objects(path: str):
                 try:
                     record = json.loads(line)
                 except json.JSONDecodeError as err:
-                    raise ValueError(f"{path}:{number}: invalid JSON: {err.msg}") from None
+                    raise fs.json_error(path, err, number) from None
                 if not isinstance(record, dict):
                     raise ValueError(f"{path}:{number}: expected a JSON object")
                 yield number, record

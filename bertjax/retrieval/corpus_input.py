@@ -147,8 +147,7 @@ def _read_jsonl(path: str, fields: Fields, out: _Collector, start: int) -> int:
             except UnicodeDecodeError as err:
                 raise ValueError(f"{where}: not valid UTF-8 ({err.reason})") from None
             except ValueError as err:
-                reason = getattr(err, "msg", None) or str(err).splitlines()[0]
-                raise ValueError(f"{where}: invalid JSON ({reason})") from None
+                raise fs.json_error(path, err, number) from None
             if not isinstance(record, dict):
                 raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")
             count += 1

@@ -127,6 +127,11 @@ class Task:
         """(sequence length, predicted positions per sequence) of a phase, for throughput figures."""
         return 0, 0
 
+    def tokens_per_step(self, phase: Phase) -> int:
+        """Token positions one training step encodes, for tokens/s: the global batch of sequences
+        of ``step_shape``'s length (a task that encodes several texts per example counts each)."""
+        return phase.global_batch_size * self.step_shape(phase)[0]
+
     def flops_per_step(self, model_config, phase: Phase) -> float:
         """Model FLOPs of one training step (0 when not counted)."""
         return 0.0

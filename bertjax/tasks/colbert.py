@@ -69,7 +69,10 @@ def read_teacher_scores(path: str, rows: list, m: int) -> tuple[np.ndarray, np.n
                 break
             if not line.strip():
                 continue
-            record = json.loads(line)
+            try:
+                record = json.loads(line)
+            except ValueError as err:
+                raise fs.json_error(path, err, number) from None
             query, positive, negatives = rows[i]
             if record.get("query", record.get("anchor")) != query:
                 raise ValueError(f"{path}:{number}: row {i} is not the training row read there")

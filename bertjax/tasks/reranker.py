@@ -112,7 +112,7 @@ def read_pairs(path: str, num_negatives: int = 0) -> list[Example]:
                     try:
                         record = json.loads(line)
                     except json.JSONDecodeError as err:
-                        raise ValueError(f"{where}: invalid JSON: {err.msg}") from None
+                        raise fs.json_error(path, err, number) from None
                     examples += _json_examples(record, where, num_negatives)
                     continue
                 fields = line.split("\t")

@@ -279,6 +279,13 @@ class RetrievalTask(FinetuneTask):
         batch["doc_mask"] = np.ones_like(batch["doc_mask"])
         return batch
 
+    def tokens_per_step(self, phase):
+        """The queries' and every document's (positives, hard negatives) token positions."""
+        b = phase.global_batch_size
+        f = self.train_features
+        m, length = f["doc_ids"].shape[1:]
+        return b * f["input_ids"].shape[1] + b * m * length
+
     def flops_per_step(self, model_config, phase):
         """Queries and every document (positives, hard negatives) through the encoder."""
         b = phase.global_batch_size

@@ -110,7 +110,7 @@ def load_squad_json(path: str | os.PathLike) -> list[dict]:
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
     except json.JSONDecodeError as e:
-        raise ValueError(f"{path}:{e.lineno}: invalid JSON: {e.msg}") from None
+        raise fs.json_error(path, e) from None
     except UnicodeDecodeError as e:
         raise fs.utf8_error(path, e) from None
     if not isinstance(data, dict) or "data" not in data:

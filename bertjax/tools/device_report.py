@@ -86,10 +86,16 @@ def to_markdown(d: dict) -> str:
         "",
     ]
     t = d["tests"]
-    lines.append(
-        f"{t.get('passed', 0)} passed, {t.get('failed', 0)} failed, {t.get('errors', 0)} errors, "
-        f"{t.get('skipped', 0)} skipped" + (f" in {t['seconds']} s" if "seconds" in t else "")
-    )
+    if d.get("dry_run"):  # nothing ran: what would, not "0 passed, 0 failed"
+        selected = t.get("selected", [])
+        lines += [f"Dry run, not run: {len(selected)} tests selected", ""]
+        lines += [f"- `{name}`" for name in selected]
+    else:
+        lines.append(
+            f"{t.get('passed', 0)} passed, {t.get('failed', 0)} failed, {t.get('errors', 0)} "
+            f"errors, {t.get('skipped', 0)} skipped"
+            + (f" in {t['seconds']} s" if "seconds" in t else "")
+        )
     lines.append("")
     for case in t.get("cases", []):
         if case["outcome"] != "passed":
@@ -100,9 +106,12 @@ def to_markdown(d: dict) -> str:
     )
     lines.append("|---|---|---|---|---|---|---|---|---|")
     for b in d["benchmarks"]:
-        if "error" in b or b.get("planned"):
-            status = "planned" if b.get("planned") else f"error: {b['error'][-200:]!r}"
-            lines.append(f"| {b['name']} | {status} | | | | | | | |")
+        if b.get("planned"):
+            shape = f"{b.get('batch', '?')} x {b.get('seq', '?')}"
+            lines.append(f"| {b['name']} | {shape} | planned, not run | | | | | | |")
+            continue
+        if "error" in b:
+            lines.append(f"| {b['name']} | error: {b['error'][-200:]!r} | | | | | | | |")
             continue
         c = b.get("config", {})
         peak = (b.get("memory") or {}).get("peak_bytes")
