@@ -7,8 +7,9 @@
 
 Progress (shards done, texts/s) goes to stderr, one line per shard; the last line is a summary.
 Run again with the same arguments after an interruption: finished shards are kept, the rest are
-computed; Ctrl-C says how many shards are written and exits with status 130. On several hosts (the ``BERTJAX_*`` variables of ``launch/``, SLURM or a TPU VM) each
-process embeds every process_count-th shard. Read the result with
+computed; Ctrl-C says how many shards are written and exits with status 130. On several hosts
+(the ``BERTJAX_*`` variables of ``launch/``, SLURM or a TPU VM) each process embeds every
+process_count-th shard. Read the result with
 ``bertjax.retrieval.embedding_store.load_embeddings(DIR)``. Bad input prints one error line and
 exits with status 2.
 """
