@@ -25,7 +25,6 @@ one-line error, never a mix.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import hashlib
 import math
 import os
@@ -46,10 +45,15 @@ from bertjax.convert.sentence_transformers import EmbeddingSettings
 from bertjax.models.heads import SentenceEmbedder
 from bertjax.retrieval import embedding_store as store
 from bertjax.retrieval.corpus_input import Corpus
-from bertjax.sentence_embedding import batch_of, max_length_of, token_rows
+from bertjax.sentence_embedding import (
+    batch_lengths,
+    batch_of,
+    jitted_apply,
+    max_length_of,
+    token_rows,
+)
 from bertjax.text import features
 
-MIN_BATCHES_PER_LENGTH = 3  # a padded length fewer batches of a shard need is not compiled
 _AXIS = "data"
 
 
@@ -98,36 +102,6 @@ class Summary:
     manifest: bool  # whether this process wrote the manifest (process 0, at the end)
 
 
-def padded_length(longest: int, max_length: int) -> int:
-    """The bucketed length of a batch whose longest row has ``longest`` tokens."""
-    if longest <= 128:
-        width = max(16, 1 << max(longest - 1, 0).bit_length())
-    else:
-        width = -(-longest // 64) * 64
-    return min(width, max_length)
-
-
-def batch_lengths(longest: list[int], max_length: int) -> list[int]:
-    """Padded lengths of batches whose longest rows (non-increasing) are ``longest``; a length
-    fewer than MIN_BATCHES_PER_LENGTH batches would use takes the longer one before it."""
-    widths = [padded_length(n, max_length) for n in longest]
-    out: list[int] = []
-    i = 0
-    while i < len(widths):
-        j = i
-        while j < len(widths) and widths[j] == widths[i]:
-            j += 1
-        keep = not out or j - i >= MIN_BATCHES_PER_LENGTH
-        out += [widths[i] if keep else out[-1]] * (j - i)
-        i = j
-    return out
-
-
-@functools.lru_cache(maxsize=8)
-def _jitted(module: SentenceEmbedder):
-    return jax.jit(module.apply)
-
-
 class _Encoder:
     """The model's embedding head over a mesh of local devices, one batch at a time."""
 
@@ -143,7 +117,7 @@ class _Encoder:
         name = models.architecture(model.config).encoder_name
         params = {name: model.encoder_params, **unflatten_params(settings.tensors)}
         self.params = jax.device_put(params, NamedSharding(self.mesh, P()))
-        self.apply = _jitted(self.module)
+        self.apply = jitted_apply(self.module)
 
     def token_rows(self, texts: list[str]) -> tuple[list[features.Row], int]:
         """Token ids per text and the prompt's length, as ``sentence_embedding.embed_texts``."""

@@ -30,7 +30,7 @@ import numpy as np
 
 from bertjax import progress
 from bertjax.retrieval import trec_format
-from bertjax.sentence_embedding import bucket_length
+from bertjax.sentence_embedding import padded_length
 from bertjax.text import features
 
 Pair = tuple[str, str]
@@ -73,7 +73,7 @@ def score_pairs(
     out = None
     for start in range(0, len(rows), height):
         chosen = order[start : start + height]
-        width = bucket_length(len(rows[chosen[0]][0]), max_length)
+        width = padded_length(len(rows[chosen[0]][0]), max_length)
         filler = features.pair_row(tokenizer, [], [], max_length)  # [CLS] [SEP] [SEP]
         batch = features.pad(
             [rows[chosen[i]] if i < len(chosen) else filler for i in range(height)],
