@@ -230,7 +230,9 @@ def test_another_model_input_or_setting_is_refused(st_dirs, tmp_path, capsys):
 
 
 def test_bucketed_lengths():
-    assert [sentence_embedding.padded_length(n, 512) for n in (1, 16, 17, 100, 129, 192, 193, 600)] == [
+    assert [
+        sentence_embedding.padded_length(n, 512) for n in (1, 16, 17, 100, 129, 192, 193, 600)
+    ] == [
         16,
         16,
         32,
@@ -242,7 +244,14 @@ def test_bucketed_lengths():
     ]
     assert sentence_embedding.padded_length(200, 160) == 160
     # one batch at 64 is not worth a compile: it takes the 128 before it; three at 32 are
-    assert sentence_embedding.batch_lengths([100, 90, 60, 30, 30, 30], 512) == [128, 128, 128, 32, 32, 32]
+    assert sentence_embedding.batch_lengths([100, 90, 60, 30, 30, 30], 512) == [
+        128,
+        128,
+        128,
+        32,
+        32,
+        32,
+    ]
 
 
 def _cli(args, env=None):
