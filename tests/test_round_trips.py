@@ -286,9 +286,13 @@ def _torch_inputs(run: Run, batch) -> dict:
 def test_hf_export_computes_what_the_run_trained(outputs, tmp_path, name):
     run, want, _, got = outputs(name)
     convert.main([run.workdir, "--to=hf", str(tmp_path / "hf")])
-    hf = getattr(transformers, run.hf_class).from_pretrained(
-        tmp_path / "hf", attn_implementation="eager"
+    hf, loading = getattr(transformers, run.hf_class).from_pretrained(
+        tmp_path / "hf", attn_implementation="eager", output_loading_info=True
     )
+    # transformers' own report: no tensor newly initialised, unused or of another shape.
+    assert not any(
+        loading.get(k) for k in ("missing_keys", "unexpected_keys", "mismatched_keys")
+    ), loading
     hf.eval()
     batch = _probe(run)
     real = _real(batch)
@@ -306,10 +310,41 @@ def test_hf_export_computes_what_the_run_trained(outputs, tmp_path, name):
         _close(logits, want["logits"], real, TOL, f"{name}: HF start/end logits")
     else:  # sequence / token classification, multiple choice
         _close(out.logits.numpy(), want["logits"], real, TOL, f"{name}: HF logits")
+    _pipeline_agrees(run, tmp_path / "hf", got)
     if run.name == "modernbert_phase0":  # transformers reads phase 0's base (not phase 1's)
         rope = getattr(hf.config, "rope_parameters", None)
         theta = rope["full_attention"]["rope_theta"] if rope else hf.config.global_rope_theta
         assert theta == PHASE0_THETA
+
+
+def _pipeline_agrees(run: Run, export, got) -> None:
+    """transformers' ``pipeline`` on the export, with the tokenizer it saved: ``fill-mask`` gives
+    the MLM runs' top tokens with the probabilities of load_pretrained's logits, and
+    ``text-classification`` the GLUE run's class probabilities."""
+    pretrained = bertjax.load_pretrained(run.workdir)
+    vocab = (pathlib.Path(export) / "vocab.txt").read_text().split()
+    words = [w for w in vocab if w.isalnum()]  # whole words: not [CLS], ##s or punctuation
+    if run.hf_class in ("AutoModelForPreTraining", "AutoModelForMaskedLM"):
+        fill = transformers.pipeline("fill-mask", model=str(export), top_k=3)
+        text = f"{words[0]} {fill.tokenizer.mask_token} {words[1]}"
+        # bertjax tokenizes as Google's BERT: "[MASK]" in a text is not the token; put it in.
+        batch = pretrained.encode_batch([f"{words[0]} {words[2]} {words[1]}"])
+        batch["input_ids"][0, 2] = vocab.index("[MASK]")  # [CLS] w [MASK] w [SEP]
+        logits = np.asarray(pretrained(**batch).mlm_logits, np.float64)[0, 2]
+        probs = np.exp(logits - logits.max())
+        probs /= probs.sum()
+        top = fill(text)
+        assert [t["token"] for t in top] == np.argsort(-probs)[:3].tolist(), (top, probs)
+        np.testing.assert_allclose([t["score"] for t in top], np.sort(probs)[::-1][:3], atol=TOL)
+    elif run.name == "glue":
+        classify = transformers.pipeline("text-classification", model=str(export), top_k=None)
+        text = f"{words[0]} {words[1]} {words[2]}"
+        logits = np.asarray(pretrained.predict([text], activation="Identity"), np.float64)[0]
+        probs = np.exp(logits - logits.max())
+        probs /= probs.sum()
+        scores = {r["label"]: r["score"] for r in classify([text])[0]}
+        labels = [classify.model.config.id2label[i] for i in range(len(probs))]
+        np.testing.assert_allclose([scores[k] for k in labels], probs, atol=TOL)
 
 
 def _encoder_tensors(params, arch) -> dict[str, np.ndarray]:
