@@ -194,15 +194,15 @@ def _real(batch):
     return _flat(batch)["attention_mask"].astype(bool)
 
 
-def _trainer_outputs(run: Run) -> dict[str, np.ndarray]:
+def _trainer_outputs(run: Run, folder: str = "checkpoints", at: int = 2) -> dict[str, np.ndarray]:
     """What the trainer's model (built as train_and_evaluate builds it, the checkpoint's phase)
-    computes with the params restored from the run's checkpoint: its heads' logits, and the
-    encoder's sequence output."""
+    computes with the params restored from the run's checkpoint (``folder`` of the workdir, its
+    step ``at``): its heads' logits, and the encoder's sequence output."""
     task = train.prepared_task(run.config, run.workdir)
     setup = train.build(run.config, run.workdir, task)
     setup = train.phase_setup(setup, setup.phases[run.phase])
-    params, _, step = checkpointing.restore_params(os.path.join(run.workdir, "checkpoints"))
-    assert step == 2
+    params, _, step = checkpointing.restore_params(os.path.join(run.workdir, folder))
+    assert step == at
     batch = _probe(run)
     model = setup.model
     out = jax.jit(model.apply)({"params": params}, **batch)
@@ -273,6 +273,28 @@ def test_load_pretrained_is_the_model_the_run_trained(outputs, name):
     if name in ("glue", "swag"):  # the sequence classifier (SWAG: one score per choice)
         logits = np.asarray(got.logits).reshape(want["logits"].shape)
         _close(logits, want["logits"], None, SAME, f"{name}: classifier logits")
+
+
+@pytest.mark.parametrize("name", list(FINE_TUNING))
+def test_the_best_folder_is_the_model_of_its_step(outputs, name):
+    """``load_pretrained(RUN/best)`` (the params of the best evaluation, what ``finalize`` and
+    the exports use) is the trainer's model with the params of the step it keeps."""
+    run, _, pretrained, _ = outputs(name)
+    best = bertjax.load_pretrained(os.path.join(run.workdir, "best"))
+    kept = checkpointing.Checkpointer(os.path.join(run.workdir, "best"), async_save=False)
+    try:
+        step = kept.latest_step()
+    finally:
+        kept.close()
+    assert step in (1, 2), step  # evaluated once per epoch of a 2-step run
+    want = _trainer_outputs(run, "best", step)
+    assert _function_of(best.config) == _function_of(pretrained.config)
+    again = best(**_flat(_probe(run)))
+    real = _real(_probe(run))
+    _close(again.sequence_output, want["sequence_output"], real, SAME, f"{name}: best, sequence")
+    if name in ("glue", "swag"):
+        logits = np.asarray(again.logits).reshape(want["logits"].shape)
+        _close(logits, want["logits"], None, SAME, f"{name}: best, classifier logits")
 
 
 def _torch_inputs(run: Run, batch) -> dict:
