@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import logging
 import math
 import os
@@ -87,6 +88,12 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict
     )
     config_json = config.to_json_best_effort(sort_keys=True)
     total_steps = setup.phases[-1].until_step
+    finished = _finished_results(workdir, ckpt.latest_step(), total_steps)
+    if finished is not None:  # a rerun of a finished run: said, not redone
+        step = ckpt.latest_step()
+        ckpt.close()
+        writer.close()
+        return {"final": finished, "step": step}
     data_state: dict = {}
     if ckpt.latest_step() is not None:
         abstract = checkpointing.abstract_like(setup.abstract_state, setup.state_shardings)
@@ -152,6 +159,25 @@ class _Run:
     # The final evaluation's model outputs by batch, and its step: finalize reuses them when it
     # scores the same params (the best are the last), instead of evaluating them again.
     final_eval: tuple[int, dict] | None = None
+
+
+def _finished_results(workdir: str, latest: int | None, total_steps: int) -> dict | None:
+    """The results of a run that already finished in ``workdir`` (its last checkpoint at the last
+    step and its ``eval_results.json`` written), logged as such; None for a run with work left."""
+    path = os.path.join(workdir, "eval_results.json")
+    if latest is None or latest < total_steps or not fs.exists(path):
+        return None
+    try:
+        results = json.loads(fs.read_bytes(path))
+    except ValueError as err:
+        raise fs.json_error(path, err) from None
+    log.info(
+        "%s: the run finished at step %d and its results are in eval_results.json: nothing to do "
+        "(delete that file to evaluate the last checkpoint again, or raise train.steps to train on)",
+        workdir,
+        latest,
+    )
+    return results
 
 
 @dataclasses.dataclass(frozen=True)

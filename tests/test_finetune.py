@@ -32,7 +32,9 @@ def _results(workdir):
     return json.loads(pathlib.Path(workdir, "eval_results.json").read_text())
 
 
-def test_glue_classification_trains_and_writes_submission(files, tmp_path, capsys, monkeypatch):
+def test_glue_classification_trains_and_writes_submission(
+    files, tmp_path, capsys, monkeypatch, caplog
+):
     c = small_config(
         glue_config.get_config(), files, "glue", **{"train.steps": 0, "train.epochs": 1.0}
     )
@@ -55,6 +57,14 @@ def test_glue_classification_trains_and_writes_submission(files, tmp_path, capsy
     assert dev_file == str(tmp_path / "dev_predictions" / "sst2-dev.tsv")
     scored = evaluate.evaluate_glue_files("SST-2", str(files / "glue" / "SST-2"), dev_file)
     assert scored["accuracy"] == pytest.approx(final["dev"]["accuracy"])
+    # Rerun as it finished: said, returned, nothing evaluated or written again.
+    written = {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*") if p.is_file()}
+    with caplog.at_level(logging.INFO, logger="bertjax"):
+        again = train.train_and_evaluate(c, str(tmp_path))
+    assert again == {"final": final, "step": 3}
+    assert "the run finished at step 3" in caplog.text and "nothing to do" in caplog.text
+    assert "evaluating" not in capsys.readouterr().err
+    assert {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*") if p.is_file()} == written
 
 
 def test_the_final_evaluation_is_not_computed_again_by_finalize(
