@@ -276,9 +276,10 @@ def test_load_pretrained_is_the_model_the_run_trained(outputs, name):
 
 
 @pytest.mark.parametrize("name", list(FINE_TUNING))
-def test_the_best_folder_is_the_model_of_its_step(outputs, name):
+def test_the_best_folder_is_the_model_of_its_step(outputs, tmp_path, name):
     """``load_pretrained(RUN/best)`` (the params of the best evaluation, what ``finalize`` and
-    the exports use) is the trainer's model with the params of the step it keeps."""
+    the exports use) is the trainer's model with the params of the step it keeps, and so is its
+    transformers export (``bertjax convert RUN/best --to=hf``)."""
     run, _, pretrained, _ = outputs(name)
     best = bertjax.load_pretrained(os.path.join(run.workdir, "best"))
     kept = checkpointing.Checkpointer(os.path.join(run.workdir, "best"), async_save=False)
@@ -295,6 +296,18 @@ def test_the_best_folder_is_the_model_of_its_step(outputs, name):
     if name in ("glue", "swag"):
         logits = np.asarray(again.logits).reshape(want["logits"].shape)
         _close(logits, want["logits"], None, SAME, f"{name}: best, classifier logits")
+    convert.main([os.path.join(run.workdir, "best"), "--to=hf", str(tmp_path / "hf")])
+    hf, loading = getattr(transformers, run.hf_class).from_pretrained(
+        tmp_path / "hf", attn_implementation="eager", output_loading_info=True
+    )
+    assert not any(loading.get(k) for k in ("missing_keys", "unexpected_keys", "mismatched_keys"))
+    with torch.no_grad():
+        out = hf.eval()(**_torch_inputs(run, _probe(run)))
+    if run.hf_class == "AutoModelForQuestionAnswering":
+        logits = np.stack([out.start_logits.numpy(), out.end_logits.numpy()], -1)
+    else:
+        logits = out.logits.numpy()
+    _close(logits, want["logits"], real if logits.ndim > 2 else None, TOL, f"{name}: best, HF")
 
 
 def _torch_inputs(run: Run, batch) -> dict:
