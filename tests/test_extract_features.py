@@ -41,8 +41,9 @@ def _reference(hf_model, directory, text, max_len):
 
 
 @pytest.mark.shared_data
-def test_jsonl_and_npz_equal_transformers_hidden_states(setup, tmp_path):
+def test_jsonl_and_npz_equal_transformers_hidden_states(setup, tmp_path, capsys, monkeypatch):
     directory, hf_model, text = setup
+    monkeypatch.setenv("BERTJAX_PROGRESS_SECONDS", "0")  # a progress line for every record
     args = [
         "--checkpoint",
         str(directory),
@@ -54,6 +55,8 @@ def test_jsonl_and_npz_equal_transformers_hidden_states(setup, tmp_path):
     ]
     main([*args, "--output", str(tmp_path / "f.jsonl")])
     main([*args, "--output", str(tmp_path / "f.npz")])
+    err = capsys.readouterr().err
+    assert "bertjax: extracting features: 5/5 lines (100%)" in err, err
     tokens, expected, batch = _reference(hf_model, directory, text, 32)
     records = [json.loads(line) for line in (tmp_path / "f.jsonl").read_text().splitlines()]
     assert [r["linex_index"] for r in records] == [0, 1, 2, 3, 4]

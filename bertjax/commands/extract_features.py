@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bertjax import atomic, fs
+from bertjax import atomic, fs, progress
 from bertjax.pretrained import Pretrained, encode_batch, load_pretrained
 
 log = logging.getLogger("bertjax")
@@ -133,6 +133,13 @@ def json_record(index: int, tokens: list[str], layers, features: np.ndarray) -> 
     )
 
 
+def _counted(records):
+    """``records``, each counted in the running progress phase as it is produced."""
+    for record in records:
+        progress.advance(1)
+        yield record
+
+
 def write_features(path: str, records, layers: Sequence[int], max_seq_length: int) -> int:
     """Writes .jsonl or .npz atomically (temp name, then rename); returns the number of lines."""
     if not path.endswith((".jsonl", ".npz")):
@@ -199,5 +206,6 @@ def main(argv: list[str]) -> None:
     layers = parse_layers(args.layers, model.config.num_layers)
     model.check_length(args.max_seq_length)
     records = extract_features(model, examples, layers, args.max_seq_length, args.batch_size)
-    count = write_features(args.output, records, layers, args.max_seq_length)
+    with progress.phase("extracting features", len(examples), "lines"):
+        count = write_features(args.output, _counted(records), layers, args.max_seq_length)
     log.info("wrote features of %d lines (layers %s) to %s", count, list(layers), args.output)
