@@ -108,9 +108,22 @@ def embed_texts(
         return np.zeros((0, dim), np.float32)
     lower = settings.do_lower_case and not getattr(tokenizer, "do_lower_case", False)
     rows, skip = token_rows(tokenizer, texts, max_length, prompt=prompt, lower=lower)
-    order = np.argsort([-len(r[0]) for r in rows], kind="stable")
     apply = jitted_apply(module)
     height = min(batch_size, 1 << max(len(rows) - 1, 0).bit_length())
+
+    def run(*arrays):
+        return apply({"params": params}, *(jnp.asarray(a) for a in arrays))
+
+    return embed_rows(tokenizer, rows, skip, height, max_length, dim, run)
+
+
+def embed_rows(tokenizer, rows, skip: int, height: int, max_length: int, dim: int, run):
+    """Vectors [len(rows), dim] float32 of token ``rows`` (:func:`token_rows`), in their order:
+    longest first, ``height`` rows a batch padded to :func:`batch_lengths`, each batch
+    ``run(input_ids, segment_ids, input_mask, skip)`` (NumPy [height, seq] and [height]; it
+    dispatches the model and returns its vectors unawaited), read back once the next batch is
+    dispatched. Counts the texts in the running progress phase."""
+    order = np.argsort([-len(r[0]) for r in rows], kind="stable")
     starts = range(0, len(rows), height)
     widths = batch_lengths([len(rows[order[s]][0]) for s in starts], max_length)
     out = np.zeros((len(rows), dim), np.float32)
@@ -123,12 +136,11 @@ def embed_texts(
     for start, width in zip(starts, widths):
         chosen = order[start : start + height]
         batch = batch_of(tokenizer, rows, chosen, height, width)  # [batch, seq] each
-        vectors = apply(
-            {"params": params},
-            jnp.asarray(batch["input_ids"]),
-            jnp.asarray(batch["segment_ids"]),
-            jnp.asarray(batch["input_mask"]),
-            jnp.full((height,), skip, jnp.int32),
+        vectors = run(
+            batch["input_ids"],
+            batch["segment_ids"],
+            batch["input_mask"],
+            np.full((height,), skip, np.int32),
         )  # dispatched, not awaited: the next batch is built meanwhile
         if pending is not None:
             read(*pending)

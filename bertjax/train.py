@@ -88,14 +88,14 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict
     )
     config_json = config.to_json_best_effort(sort_keys=True)
     total_steps = setup.phases[-1].until_step
-    finished = _finished_results(workdir, ckpt.latest_step(), total_steps)
+    latest = ckpt.latest_step()
+    finished = _finished_results(workdir, latest, total_steps)
     if finished is not None:  # a rerun of a finished run: said, not redone
-        step = ckpt.latest_step()
         ckpt.close()
         writer.close()
-        return {"final": finished, "step": step}
+        return {"final": finished, "step": latest}
     data_state: dict = {}
-    if ckpt.latest_step() is not None:
+    if latest is not None:
         abstract = checkpointing.abstract_like(setup.abstract_state, setup.state_shardings)
         state, data_state, _, start = ckpt.restore_newest(abstract)
         writer.truncate_after(start)

@@ -319,7 +319,7 @@ def _torch_inputs(run: Run, batch) -> dict:
 
 @pytest.mark.parametrize("name", RUNS)
 def test_hf_export_computes_what_the_run_trained(outputs, tmp_path, name):
-    run, want, _, got = outputs(name)
+    run, want, pretrained, got = outputs(name)
     convert.main([run.workdir, "--to=hf", str(tmp_path / "hf")])
     hf, loading = getattr(transformers, run.hf_class).from_pretrained(
         tmp_path / "hf", attn_implementation="eager", output_loading_info=True
@@ -345,18 +345,22 @@ def test_hf_export_computes_what_the_run_trained(outputs, tmp_path, name):
         _close(logits, want["logits"], real, TOL, f"{name}: HF start/end logits")
     else:  # sequence / token classification, multiple choice
         _close(out.logits.numpy(), want["logits"], real, TOL, f"{name}: HF logits")
-    _pipeline_agrees(run, tmp_path / "hf", got)
+    _pipeline_agrees(run, tmp_path / "hf", pretrained)
     if run.name == "modernbert_phase0":  # transformers reads phase 0's base (not phase 1's)
         rope = getattr(hf.config, "rope_parameters", None)
         theta = rope["full_attention"]["rope_theta"] if rope else hf.config.global_rope_theta
         assert theta == PHASE0_THETA
 
 
-def _pipeline_agrees(run: Run, export, got) -> None:
+def _softmax(logits: np.ndarray) -> np.ndarray:
+    probs = np.exp(logits - logits.max())
+    return probs / probs.sum()
+
+
+def _pipeline_agrees(run: Run, export, pretrained) -> None:
     """transformers' ``pipeline`` on the export, with the tokenizer it saved: ``fill-mask`` gives
     the MLM runs' top tokens with the probabilities of load_pretrained's logits, and
-    ``text-classification`` the GLUE run's class probabilities."""
-    pretrained = bertjax.load_pretrained(run.workdir)
+    ``text-classification`` the GLUE run's class probabilities (``pretrained``: the run loaded)."""
     vocab = (pathlib.Path(export) / "vocab.txt").read_text().split()
     words = [w for w in vocab if w.isalnum()]  # whole words: not [CLS], ##s or punctuation
     if run.hf_class in ("AutoModelForPreTraining", "AutoModelForMaskedLM"):
@@ -366,8 +370,7 @@ def _pipeline_agrees(run: Run, export, got) -> None:
         batch = pretrained.encode_batch([f"{words[0]} {words[2]} {words[1]}"])
         batch["input_ids"][0, 2] = vocab.index("[MASK]")  # [CLS] w [MASK] w [SEP]
         logits = np.asarray(pretrained(**batch).mlm_logits, np.float64)[0, 2]
-        probs = np.exp(logits - logits.max())
-        probs /= probs.sum()
+        probs = _softmax(logits)
         top = fill(text)
         assert [t["token"] for t in top] == np.argsort(-probs)[:3].tolist(), (top, probs)
         np.testing.assert_allclose([t["score"] for t in top], np.sort(probs)[::-1][:3], atol=TOL)
@@ -375,8 +378,7 @@ def _pipeline_agrees(run: Run, export, got) -> None:
         classify = transformers.pipeline("text-classification", model=str(export), top_k=None)
         text = f"{words[0]} {words[1]} {words[2]}"
         logits = np.asarray(pretrained.predict([text], activation="Identity"), np.float64)[0]
-        probs = np.exp(logits - logits.max())
-        probs /= probs.sum()
+        probs = _softmax(logits)
         scores = {r["label"]: r["score"] for r in classify([text])[0]}
         labels = [classify.model.config.id2label[i] for i in range(len(probs))]
         np.testing.assert_allclose([scores[k] for k in labels], probs, atol=TOL)

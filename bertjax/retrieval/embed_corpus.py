@@ -45,13 +45,7 @@ from bertjax.convert.sentence_transformers import EmbeddingSettings
 from bertjax.models.heads import SentenceEmbedder
 from bertjax.retrieval import embedding_store as store
 from bertjax.retrieval.corpus_input import Corpus
-from bertjax.sentence_embedding import (
-    batch_lengths,
-    batch_of,
-    jitted_apply,
-    max_length_of,
-    token_rows,
-)
+from bertjax.sentence_embedding import embed_rows, jitted_apply, max_length_of, token_rows
 from bertjax.text import features
 
 _AXIS = "data"
@@ -127,33 +121,12 @@ class _Encoder:
     def embed(self, texts: list[str], batch_size: int) -> np.ndarray:
         """Float32 vectors [len(texts), dim] in the order of ``texts``."""
         rows, skip = self.token_rows(texts)
-        order = np.argsort([-len(r[0]) for r in rows], kind="stable")
         height = -(-batch_size // self.mesh.size) * self.mesh.size
-        starts = range(0, len(rows), height)
-        widths = batch_lengths([len(rows[order[s]][0]) for s in starts], self.max_length)
-        out = np.zeros((len(rows), self.dim), np.float32)
-        pending = None
-        for start, width in zip(starts, widths):
-            chosen = order[start : start + height]
-            batch = batch_of(self.tokenizer, rows, chosen, height, width)  # [batch, seq] each
-            arrays = jax.device_put(
-                (
-                    batch["input_ids"],
-                    batch["segment_ids"],
-                    batch["input_mask"],
-                    np.full((height,), skip, np.int32),
-                ),
-                self.rows,
-            )
-            vectors = self.apply({"params": self.params}, *arrays)  # dispatched, not awaited
-            if pending is not None:
-                out[pending[0]] = np.asarray(pending[1], np.float32)[: len(pending[0])]
-                progress.advance(len(pending[0]))
-            pending = (chosen, vectors)
-        if pending is not None:
-            out[pending[0]] = np.asarray(pending[1], np.float32)[: len(pending[0])]
-            progress.advance(len(pending[0]))
-        return out
+
+        def run(*arrays):  # each batch split over the mesh's devices
+            return self.apply({"params": self.params}, *jax.device_put(arrays, self.rows))
+
+        return embed_rows(self.tokenizer, rows, skip, height, self.max_length, self.dim, run)
 
 
 def model_fingerprint(model, settings: EmbeddingSettings) -> str:
