@@ -26,6 +26,8 @@ import ml_dtypes
 import numpy as np
 from safetensors.numpy import load_file, save_file
 
+import bertjax.convert.eurobert_hf as eurobert_hf
+import bertjax.convert.modernbert_hf as modernbert_hf
 from bertjax.convert.bert_layout import (
     MATRIX_ROLES,
     from_original,
@@ -43,11 +45,6 @@ from bertjax.convert.checkpoint import (
     read_json_object,
     with_param_dtype,
 )
-from bertjax.convert.modernbert_hf import (
-    config_from_hf,
-    from_hf_tensors,
-    write_hf_dir,
-)
 from bertjax.convert.tf import config_from_original, config_to_original
 from bertjax.models.bert import BertConfig
 from bertjax.text import load_tokenizer
@@ -55,6 +52,10 @@ from bertjax.text import load_tokenizer
 SAFETENSORS = "model.safetensors"
 TORCH_BIN = "pytorch_model.bin"
 _ENCODER_PREFIXES = ("embeddings.", "encoder.", "pooler.")
+# The architectures converted by one name table (bertjax.convert.hf_table), by config.json's
+# model_type (= the bertjax architecture name); BERT is converted through its Google names.
+TABLE_FAMILIES = {family.MODEL_TYPE: family for family in (modernbert_hf, eurobert_hf)}
+MODEL_TYPES = ("bert", *TABLE_FAMILIES)
 _SPECIAL_NAMES = {
     "cls/predictions/output_bias": "cls.predictions.bias",
     "cls/seq_relationship/output_weights": "cls.seq_relationship.weight",
@@ -339,12 +340,19 @@ def load_hf(directory: str) -> Checkpoint:
     config_path = os.path.join(directory, "config.json")
     values = read_json_object(config_path, "model config")
     state, weights = read_hf_weights(directory)
-    if values.get("model_type") == "modernbert":
-        config = config_from_hf(values)
+    model_type = values.get("model_type", "bert")
+    family = TABLE_FAMILIES.get(model_type)
+    if family is not None:
+        config = family.config_from_hf(values)
         arch = (values.get("architectures") or [None])[0]
-        tensors, _ = from_hf_tensors(config, state, weights, architecture=arch)
+        tensors, _ = family.from_hf_tensors(config, state, weights, architecture=arch)
         config = with_param_dtype(config, tensors)
         return Checkpoint(config, tensors, find_vocab(directory), None, weights, hf_class=arch)
+    if model_type not in MODEL_TYPES:
+        raise ValueError(
+            f"{config_path}: model_type={model_type!r} is an architecture bertjax does not have; "
+            f"it has {list(MODEL_TYPES)}"
+        )
     config = config_from_original(values, config_path)
     tensors = hf_to_tensors(state, config, weights)
     vocab = find_vocab(directory)
@@ -387,9 +395,9 @@ def _write_tokenizer_files(ckpt: Checkpoint, directory: str, tokenizer, tokens) 
     else:
         config = {"tokenizer_class": "BertTokenizer", "do_lower_case": tokenizer.do_lower_case}
         config.update(special)
-        if ckpt.config.architecture == "modernbert":
-            # transformers 5 builds a ModernBERT tokenizer from tokenizer.json only (its vocab.txt
-            # alone needs sentencepiece or tiktoken to convert): the same WordPiece, serialised.
+        if ckpt.config.architecture in TABLE_FAMILIES:
+            # transformers 5 builds these families' tokenizers from tokenizer.json only (a
+            # vocab.txt alone needs sentencepiece or tiktoken to convert): the same WordPiece.
             from tokenizers.implementations import BertWordPieceTokenizer
 
             wordpiece = BertWordPieceTokenizer(
@@ -411,7 +419,7 @@ def _write_tokenizer_files(ckpt: Checkpoint, directory: str, tokenizer, tokens) 
 def bare_encoder(ckpt: Checkpoint) -> Checkpoint:
     """``ckpt`` with only the tensors of the bare transformers encoder class (``BertModel`` keeps
     the pooler, ``ModernBertModel`` has none): what a sentence-transformers directory stores."""
-    keep = ("encoder",) if ckpt.config.architecture == "modernbert" else ("encoder", "pooler")
+    keep = ("encoder",) if ckpt.config.architecture in TABLE_FAMILIES else ("encoder", "pooler")
     tensors = {k: v for k, v in ckpt.tensors.items() if head_of(k) in keep}
     if "pooler" in keep and not any(head_of(k) == "pooler" for k in tensors):
         tensors.update(initial_pooler(ckpt.config))
@@ -433,15 +441,16 @@ def write_hf(ckpt: Checkpoint, directory: str) -> None:
     transformers loads as is (``AutoModel*``, ``AutoTokenizer``, ``pipeline("fill-mask")``): the
     special-token ids of config.json are the vocabulary's, never a preset's."""
     tokenizer, tokens = _special_tokens(ckpt)
-    if ckpt.config.architecture == "modernbert":
+    family = TABLE_FAMILIES.get(ckpt.config.architecture)
+    if family is not None:
         cfg = ckpt.config
         if tokenizer is not None:
             ids = {
-                f"{role}_token_id": getattr(tokenizer, f"{role}_id", None)
-                for role in ("pad", "cls", "sep")
+                key: getattr(tokenizer, f"{role}_id", None)
+                for key, role in family.TOKEN_IDS.items()
             }
             cfg = cfg.replace(**{k: v for k, v in ids.items() if v is not None})
-        write_hf_dir(directory, cfg, ckpt.tensors, ckpt.heads, ckpt.hf_class)
+        family.write_hf_dir(directory, cfg, ckpt.tensors, ckpt.heads, ckpt.hf_class)
         _write_tokenizer_files(ckpt, directory, tokenizer, tokens)
         return
     state, arch = tensors_to_hf(ckpt)

@@ -1,13 +1,9 @@
 """Hugging Face ModernBERT checkpoints <-> bertjax ``modernbert`` parameters (NumPy only).
 
-One table (:func:`hf_names`) pairs every flat bertjax path (``model/layer_0/attn/Wqkv/kernel``)
-with its transformers state-dict name and a *transform*, how the array is laid out on each side:
-
-* ``copy``: the same array (embeddings, norms, 1-D biases);
-* ``flatten``: a bias [*out] in bertjax, flat [prod(out)] in HF (``Wqkv`` [3, heads, kv],
-  ``Wi`` [2, mlp]);
-* ``linear``: a kernel [in, *out] in bertjax, a torch Linear weight [prod(out), in] in HF;
-* ``linear_heads``: a kernel [heads, kv, out] in bertjax (attention ``Wo``), [out, heads*kv] in HF.
+One table (:func:`hf_names`, rows and transforms of ``bertjax.convert.hf_table``) pairs every
+flat bertjax path (``model/layer_0/attn/Wqkv/kernel``) with its transformers state-dict name and
+how the array is laid out on each side (``Wqkv`` [h, 3, heads, kv] is a ``linear`` row with a
+``flatten``ed bias, ``Wo`` a ``linear_heads`` row).
 
 Heads: ``pooler`` is the ``head.*`` of ForSequenceClassification and ForMultipleChoice (bertjax
 ``model/pooler``: pooled, then dense + act + norm), ``mlm`` ForMaskedLM's ``head.*`` and
@@ -23,19 +19,21 @@ so the class named in config.json's ``architectures`` tells them apart.
 from __future__ import annotations
 
 import json
-import math
 import os
 from typing import Any
 
 import numpy as np
 from safetensors.numpy import save_file
 
-from bertjax.convert.checkpoint import fmt_shape, listing, mismatch_report
+import bertjax.convert.hf_table as hf_table
 from bertjax.layers.core import ACTIVATIONS
 from bertjax.layers.rope import frequencies, parse_schedule, schedule_json
 from bertjax.models.modernbert import ModernBertConfig
 
+MODEL_TYPE = "modernbert"  # config.json's model_type = bertjax's architecture name
 HEADS = ("pooler", "mlm", "classifier", "token_head", "qa")
+# config.json's special-token ids <- the roles of the vocabulary's tokens.
+TOKEN_IDS = {"pad_token_id": "pad", "cls_token_id": "cls", "sep_token_id": "sep"}
 _ARCHITECTURES = {  # heads present -> the transformers class whose state dict holds exactly them
     frozenset(): "ModernBertModel",
     frozenset({"mlm"}): "ModernBertForMaskedLM",
@@ -111,8 +109,8 @@ def config_from_hf(hf: dict[str, Any]) -> ModernBertConfig:
     ``hidden_dropout`` (the largest of embedding/mlp/classifier dropout); ``dtype`` (or
     ``torch_dtype``) becomes ``param_dtype``. Unsupported settings are a ValueError naming the key.
     """
-    if hf.get("model_type", "modernbert") != "modernbert":
-        raise ValueError(f"HF config: model_type={hf['model_type']!r} is not 'modernbert'")
+    if hf.get("model_type", MODEL_TYPE) != MODEL_TYPE:
+        raise ValueError(f"HF config: model_type={hf['model_type']!r} is not {MODEL_TYPE!r}")
     layers = int(hf.get("num_hidden_layers", 22))
     hidden, heads = hf.get("hidden_size", 768), hf.get("num_attention_heads", 12)
     if hf.get("head_dim") not in (None, hidden // max(heads, 1)):
@@ -179,7 +177,7 @@ def config_to_hf(
     every = cfg.global_attn_every_n_layers
     hf: dict[str, Any] = {
         "architectures": [hf_architecture(heads, hf_class)],
-        "model_type": "modernbert",
+        "model_type": MODEL_TYPE,
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.hidden_size,
         "intermediate_size": cfg.intermediate_size,
@@ -270,26 +268,13 @@ def _entries(cfg: ModernBertConfig, heads, num_labels: int) -> list[tuple[str, s
         cfg.intermediate_size,
         cfg.vocab_size,
     )
-    out: list[tuple[str, str, str, tuple]] = []
-
-    def add(path, name, transform, shape):
-        out.append((path, name, transform, tuple(shape)))
+    table = hf_table.Table()
+    add, linear = table.add, table.linear
 
     def norm(path, name):
         add(f"{path}/scale", f"{name}.weight", "copy", (h,))
         if cfg.norm_bias:
             add(f"{path}/bias", f"{name}.bias", "copy", (h,))
-
-    def linear(path, name, shape, bias, transform="linear", bias_from=1):
-        add(f"{path}/kernel", f"{name}.weight", transform, shape)
-        if bias:
-            out_shape = shape[bias_from:]
-            add(
-                f"{path}/bias",
-                f"{name}.bias",
-                "flatten" if len(out_shape) > 1 else "copy",
-                out_shape,
-            )
 
     add("model/embeddings/word_embeddings/embedding", _WORDS, "copy", (v, h))
     norm("model/embeddings/norm", "model.embeddings.norm")
@@ -320,7 +305,7 @@ def _entries(cfg: ModernBertConfig, heads, num_labels: int) -> list[tuple[str, s
             add("predictions/decoder", _TIED, "copy", (v, h))
     if "classifier" in heads and num_labels > 0:
         linear("classifier", "classifier", (h, num_labels), True)
-    return out
+    return table.rows
 
 
 def hf_names(
@@ -343,31 +328,6 @@ def hf_names(
     ]
 
 
-def _hf_shape(transform: str, shape: tuple) -> tuple:
-    if transform == "flatten":
-        return (math.prod(shape),)
-    if transform == "linear":
-        return (math.prod(shape[1:]), shape[0])
-    if transform == "linear_heads":
-        return (shape[2], shape[0] * shape[1])
-    return shape
-
-
-def _to_hf(x: np.ndarray, transform: str) -> np.ndarray:
-    if transform == "flatten":
-        return x.reshape(-1)
-    if transform in ("linear", "linear_heads"):
-        lead = 1 if transform == "linear" else 2
-        return np.ascontiguousarray(x.reshape(math.prod(x.shape[:lead]), -1).T)
-    return x
-
-
-def _from_hf(x: np.ndarray, transform: str, shape: tuple) -> np.ndarray:
-    if transform in ("linear", "linear_heads"):
-        x = x.T
-    return np.ascontiguousarray(x.reshape(shape))
-
-
 def from_hf_tensors(
     cfg: ModernBertConfig,
     named: dict[str, np.ndarray],
@@ -387,16 +347,11 @@ def from_hf_tensors(
     state = {}
     for name, value in named.items():
         state["model." + name if name.startswith(_ENCODER_PREFIXES) else name] = np.asarray(value)
-    tied = state.pop(_TIED, None) if cfg.tie_word_embeddings else None
-    if tied is not None:
-        words = state.get(_WORDS)
-        if words is None or tied.shape != words.shape or not np.array_equal(tied, words):
-            raise ValueError(
-                f"{source}: {_TIED} {fmt_shape(tied.shape)} is not tied to {_WORDS} although "
-                "config.json has tie_word_embeddings=true"
-            )
+    tied = _TIED in state and cfg.tie_word_embeddings
+    if tied:
+        hf_table.untie(state, _TIED, _WORDS, source)
     has_head = any(k.startswith("head.") for k in state)
-    has_decoder = tied is not None or any(k.startswith("decoder.") for k in state)
+    has_decoder = tied or any(k.startswith("decoder.") for k in state)
     has_classifier = any(k.startswith("classifier.") for k in state)
     heads: tuple[str, ...] = ()
     by_class = heads_of_class(architecture, state)
@@ -410,23 +365,8 @@ def from_hf_tensors(
         heads = ("pooler", "classifier")
     labels = state.get("classifier.weight", state.get("classifier.bias"))
     num_labels = int(labels.shape[0]) if labels is not None and labels.ndim else 0
-    wanted = {name: (path, tf, shape) for path, name, tf, shape in _entries(cfg, heads, num_labels)}
-    missing = [
-        f"{k} {fmt_shape(_hf_shape(tf, s))}" for k, (_, tf, s) in wanted.items() if k not in state
-    ]
-    extra = [f"{k} {fmt_shape(a.shape)}" for k, a in state.items() if k not in wanted]
-    bad = [
-        f"{k} {fmt_shape(state[k].shape)} (config implies {fmt_shape(_hf_shape(tf, s))})"
-        for k, (_, tf, s) in wanted.items()
-        if k in state and tuple(state[k].shape) != _hf_shape(tf, s)
-    ]
-    report = mismatch_report(missing, extra, bad)
-    if report:
-        raise ValueError(
-            f"{source}: ModernBERT checkpoint (heads {list(heads)}) does not match its config: "
-            + report
-        )
-    flat = {path: _from_hf(state[k], tf, s) for k, (path, tf, s) in wanted.items()}
+    what = f"{source}: ModernBERT checkpoint (heads {list(heads)}) does not match its config"
+    flat = hf_table.read(_entries(cfg, heads, num_labels), state, what)
     return flat, heads
 
 
@@ -439,11 +379,7 @@ def to_hf_tensors(
     classifier = flat.get("classifier/kernel")
     num_labels = int(classifier.shape[-1]) if classifier is not None else 0
     arch = hf_architecture(heads, hf_class)
-    entries = _entries(cfg, heads, num_labels)
-    missing = [path for path, *_ in entries if path not in flat]
-    if missing:
-        raise ValueError(f"to_hf_tensors: missing bertjax tensors {listing(missing)}")
-    out = {name: _to_hf(np.asarray(flat[path]), tf) for path, name, tf, _ in entries}
+    out = hf_table.write(_entries(cfg, heads, num_labels), flat, "to_hf_tensors")
     if "mlm" in heads and cfg.tie_word_embeddings:
         out[_TIED] = out[_WORDS]
     if arch == "ModernBertModel":

@@ -149,6 +149,70 @@ def dense(config, features: int, names: tuple[str, str], name: str, use_bias: bo
     )
 
 
+class Linear(nn.Module):
+    """``x [..., *in] -> [..., *out]`` with a kernel [*in, *out] whose axes have logical names;
+    ``num_in`` leading kernel axes are contracted, the bias (if any) is [*out]. The kernel is
+    truncated-normal(``std``, default the config's ``initializer_range``), the bias zero."""
+
+    config: Any
+    shape: tuple[int, ...]
+    names: tuple[str | None, ...]
+    num_in: int = 1
+    use_bias: bool = False
+    std: float | None = None
+
+    @nn.compact
+    def __call__(self, x: Array) -> Array:
+        cfg = self.config
+        pdtype, dtype = dtype_of(cfg.param_dtype), dtype_of(cfg.dtype)
+        std = cfg.initializer_range if self.std is None else self.std
+        init = nn.with_logical_partitioning(
+            nn.initializers.truncated_normal(stddev=std), self.names
+        )
+        kernel = self.param("kernel", init, self.shape, pdtype)
+        y = fast_ops.contract(x.astype(dtype), kernel.astype(dtype), self.num_in)
+        if self.use_bias:
+            out_shape, out_names = self.shape[self.num_in :], self.names[self.num_in :]
+            y = y + self.param("bias", zeros_init(out_names), out_shape, pdtype).astype(dtype)
+        return y
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm as transformers' Llama-style ``RMSNorm``: ``x / sqrt(mean(x^2) +
+    eps)`` in float32, cast back to the input dtype, times ``scale`` [hidden] (ones at init)."""
+
+    config: Any
+    epsilon: float
+
+    @nn.compact
+    def __call__(self, x: Array) -> Array:
+        scale = self.param(
+            "scale", ones_init(("norm",)), (x.shape[-1],), dtype_of(self.config.param_dtype)
+        )
+        xf = x.astype(jnp.float32)
+        y = xf * jax.lax.rsqrt(jnp.mean(jnp.square(xf), axis=-1, keepdims=True) + self.epsilon)
+        return scale.astype(dtype_of(self.config.dtype)) * y.astype(x.dtype)
+
+
+def pool_members(
+    attention_mask: Array, pack_ids: Array | None, pool_positions: Array | None
+) -> tuple[Array, Array]:
+    """(positions [batch, k], members [batch, k, seq] bool) of a pooler: ``pool_positions`` (None:
+    position 0 of every row, k = 1) and the tokens each pooled mean there averages: the row's real
+    tokens, or with ``pack_ids`` and ``pool_positions`` the tokens of the packed sequence there."""
+    batch, seq_len = attention_mask.shape
+    if pool_positions is None:
+        positions = jnp.zeros((batch, 1), jnp.int32)
+    else:
+        positions = pool_positions
+    if pack_ids is not None and pool_positions is not None:
+        ids = jnp.take_along_axis(pack_ids, positions, axis=1)  # [batch, k]
+        return positions, pack_ids[:, None, :] == ids[:, :, None]  # [batch, k, seq]
+    tokens = attention_mask if pack_ids is None else pack_ids
+    members = jnp.broadcast_to((tokens > 0)[:, None, :], (batch, positions.shape[1], seq_len))
+    return positions, members
+
+
 def output_dense(config, features: int, name: str) -> nn.Dense:
     """A float32 output layer [embed] -> [features] (NSP and task heads), logically named."""
     return nn.Dense(

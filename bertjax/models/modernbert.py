@@ -48,6 +48,7 @@ from bertjax.layers.core import (
     BATCH_LENGTH_MLP,
     EncoderConfig,
     EncoderOutput,
+    Linear,
     activation,
     attention_bias,
     check_common_fields,
@@ -56,6 +57,7 @@ from bertjax.layers.core import (
     gather_positions,
     layer_norm,
     normal_init,
+    pool_members,
     remat,
     zeros_init,
 )
@@ -209,29 +211,6 @@ def _init(config: ModernBertConfig, names: tuple[str | None, ...], std: float | 
 def _out_std(config: ModernBertConfig) -> float:
     """ModernBERT's init of output projections: initializer_range / sqrt(2 * num_layers)."""
     return config.initializer_range / float(np.sqrt(2.0 * config.num_layers))
-
-
-class Linear(nn.Module):
-    """``x [..., *in] -> [..., *out]`` with a kernel [*in, *out] whose axes have logical names;
-    ``num_in`` leading kernel axes are contracted, the bias (if any) is [*out]."""
-
-    config: ModernBertConfig
-    shape: tuple[int, ...]
-    names: tuple[str | None, ...]
-    num_in: int = 1
-    use_bias: bool = False
-    std: float | None = None
-
-    @nn.compact
-    def __call__(self, x: Array) -> Array:
-        cfg = self.config
-        pdtype, dtype = dtype_of(cfg.param_dtype), dtype_of(cfg.dtype)
-        kernel = self.param("kernel", _init(cfg, self.names, self.std), self.shape, pdtype)
-        y = fast_ops.contract(x.astype(dtype), kernel.astype(dtype), self.num_in)
-        if self.use_bias:
-            out_shape, out_names = self.shape[self.num_in :], self.names[self.num_in :]
-            y = y + self.param("bias", zeros_init(out_names), out_shape, pdtype).astype(dtype)
-        return y
 
 
 def _norm(cfg: ModernBertConfig, name: str):
@@ -449,17 +428,7 @@ class ModernBertModel(nn.Module):
         x = _norm(cfg, "final_norm")(x)  # [batch, seq, hidden]
         pooled = None
         if self.add_pooler:
-            positions = (
-                jnp.zeros((batch, 1), jnp.int32) if pool_positions is None else pool_positions
-            )
-            if pack_ids is not None and pool_positions is not None:
-                ids = jnp.take_along_axis(pack_ids, positions, axis=1)  # [batch, k]
-                member = pack_ids[:, None, :] == ids[:, :, None]  # [batch, k, seq]
-            else:
-                tokens = attention_mask if pack_ids is None else pack_ids
-                member = jnp.broadcast_to(
-                    (tokens > 0)[:, None, :], (batch, positions.shape[1], seq_len)
-                )
+            positions, member = pool_members(attention_mask, pack_ids, pool_positions)
             pooled = Pooler(cfg, name="pooler")(x, positions, member)
             if pool_positions is None:
                 pooled = pooled[:, 0]  # [batch, hidden]

@@ -1,0 +1,115 @@
+"""Name tables between bertjax parameters and transformers state dicts (NumPy only), for the
+architectures whose converter is one table (``modernbert_hf``, ``eurobert_hf``).
+
+A table row is ``(bertjax path, HF state-dict name, transform, bertjax shape)``; the transform
+says how the array is laid out on each side:
+
+* ``copy``: the same array (embeddings, norms, 1-D biases);
+* ``flatten``: a bias [*out] in bertjax, flat [prod(out)] in HF (attention biases [heads, kv]);
+* ``linear``: a kernel [in, *out] in bertjax, a torch Linear weight [prod(out), in] in HF;
+* ``linear_heads``: a kernel [heads, kv, out] in bertjax (attention output), [out, heads*kv] in HF.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from bertjax.convert.checkpoint import fmt_shape, listing, mismatch_report
+
+Row = tuple[str, str, str, tuple]
+
+
+class Table:
+    """Collects the rows of one model (``add``, ``linear`` for a kernel with its bias)."""
+
+    def __init__(self):
+        self.rows: list[Row] = []
+
+    def add(self, path: str, name: str, transform: str, shape) -> None:
+        self.rows.append((path, name, transform, tuple(shape)))
+
+    def linear(self, path, name, shape, bias: bool, transform="linear", bias_from=1) -> None:
+        """A kernel ``path/kernel`` [*shape] (HF ``name.weight``) and, with ``bias``, its bias
+        [*shape[bias_from:]] (HF ``name.bias``, flattened when it has more than one axis)."""
+        self.add(f"{path}/kernel", f"{name}.weight", transform, shape)
+        if bias:
+            out_shape = shape[bias_from:]
+            self.add(
+                f"{path}/bias",
+                f"{name}.bias",
+                "flatten" if len(out_shape) > 1 else "copy",
+                out_shape,
+            )
+
+
+def hf_shape(transform: str, shape: tuple) -> tuple:
+    """The HF shape of a bertjax array of ``shape`` under ``transform``."""
+    if transform == "flatten":
+        return (math.prod(shape),)
+    if transform == "linear":
+        return (math.prod(shape[1:]), shape[0])
+    if transform == "linear_heads":
+        return (shape[2], shape[0] * shape[1])
+    return shape
+
+
+def to_hf(x: np.ndarray, transform: str) -> np.ndarray:
+    """A bertjax array in HF layout."""
+    if transform == "flatten":
+        return x.reshape(-1)
+    if transform in ("linear", "linear_heads"):
+        lead = 1 if transform == "linear" else 2
+        return np.ascontiguousarray(x.reshape(math.prod(x.shape[:lead]), -1).T)
+    return x
+
+
+def from_hf(x: np.ndarray, transform: str, shape: tuple) -> np.ndarray:
+    """Inverse of :func:`to_hf` (``shape``: the bertjax shape)."""
+    if transform in ("linear", "linear_heads"):
+        x = x.T
+    return np.ascontiguousarray(x.reshape(shape))
+
+
+def read(rows: list[Row], state: dict[str, np.ndarray], what: str) -> dict[str, np.ndarray]:
+    """Flat bertjax tensors from an HF ``state`` holding exactly the ``rows``' names. Raises one
+    ValueError starting with ``what`` that lists every missing, unexpected and mis-shaped tensor
+    with its shape."""
+    wanted = {name: (path, tf, shape) for path, name, tf, shape in rows}
+    missing = [
+        f"{k} {fmt_shape(hf_shape(tf, s))}" for k, (_, tf, s) in wanted.items() if k not in state
+    ]
+    extra = [f"{k} {fmt_shape(a.shape)}" for k, a in state.items() if k not in wanted]
+    bad = [
+        f"{k} {fmt_shape(state[k].shape)} (config implies {fmt_shape(hf_shape(tf, s))})"
+        for k, (_, tf, s) in wanted.items()
+        if k in state and tuple(state[k].shape) != hf_shape(tf, s)
+    ]
+    report = mismatch_report(missing, extra, bad)
+    if report:
+        raise ValueError(f"{what}: {report}")
+    return {path: from_hf(state[k], tf, s) for k, (path, tf, s) in wanted.items()}
+
+
+def write(rows: list[Row], flat: dict[str, np.ndarray], caller: str) -> dict[str, np.ndarray]:
+    """The HF state dict of the ``rows`` from flat bertjax tensors (a missing one is an error
+    naming ``caller``)."""
+    missing = [path for path, *_ in rows if path not in flat]
+    if missing:
+        raise ValueError(f"{caller}: missing bertjax tensors {listing(missing)}")
+    return {name: to_hf(np.asarray(flat[path]), tf) for path, name, tf, _ in rows}
+
+
+def untie(state: dict, tied_name: str, words_name: str, source: str) -> None:
+    """Drops ``tied_name`` (a decoder tied to the word embeddings) from ``state``, which must
+    equal ``words_name``'s array: config.json says they are tied."""
+    tied = state.pop(tied_name, None)
+    if tied is None:
+        return
+    words = state.get(words_name)
+    if words is None or tied.shape != words.shape or not np.array_equal(tied, words):
+        raise ValueError(
+            f"{source}: {tied_name} {fmt_shape(tied.shape)} is not tied to {words_name} although "
+            "config.json has tie_word_embeddings=true"
+        )
