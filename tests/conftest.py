@@ -72,9 +72,10 @@ def _bertjax_logger_restored():
 # -------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def hf_dirs(tmp_path_factory):
-    """Tiny random transformers encoders (helpers.tiny_hf): {"bert": DIR, "modernbert": DIR}."""
+    """Tiny random transformers encoders (helpers.tiny_hf): {"bert", "modernbert", "eurobert":
+    DIR}."""
     root = tmp_path_factory.mktemp("hf")
-    return {kind: tiny_hf(root / kind, kind) for kind in ("bert", "modernbert")}
+    return {kind: tiny_hf(root / kind, kind) for kind in ("bert", "modernbert", "eurobert")}
 
 
 @pytest.fixture(scope="module")

@@ -159,7 +159,8 @@ VOCAB += [*".,!?:", *WORDS]
 
 
 def tiny_hf(path, kind: str):
-    """A random transformers encoder (BERT or ModernBERT) with a WordPiece tokenizer.json."""
+    """A random transformers encoder (BERT, ModernBERT or EuroBERT) with a WordPiece
+    tokenizer.json."""
     import transformers
 
     path.mkdir(parents=True, exist_ok=True)
@@ -171,6 +172,18 @@ def tiny_hf(path, kind: str):
             **common, num_attention_heads=4, max_position_embeddings=64
         )
         model = transformers.BertModel(config)
+    elif kind == "eurobert":  # grouped-query attention: 4 heads, 2 key-value heads
+        config = transformers.EuroBertConfig(
+            **common,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+            pad_token_id=0,
+            bos_token_id=2,
+            eos_token_id=3,
+            mask_token_id=4,
+        )
+        model = transformers.EuroBertModel(config)
     else:
         config = transformers.ModernBertConfig(
             **common,
