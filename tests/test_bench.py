@@ -178,12 +178,13 @@ def test_corpus_copies_scale_the_file_list(tmp_path):
     assert len(list(pathlib.Path(tmp_path / "x3").iterdir())) == 6 and glob.endswith("*")
 
 
-def test_modernbert_bench_runs_next_to_its_pytorch_peer():
-    """`bertjax bench --architecture=modernbert --peers`: the bertjax step and transformers'
-    ModernBertForMaskedLM on the same shapes, with the speed-up ratio."""
+@pytest.mark.parametrize("arch", ["modernbert", "eurobert"])
+def test_bench_runs_next_to_the_architectures_pytorch_peer(arch):
+    """`bertjax bench --architecture=ARCH --peers`: the bertjax step and transformers'
+    ModernBertForMaskedLM / EuroBertForMaskedLM on the same shapes, with the speed-up ratio."""
     pytest.importorskip("transformers")
     pytest.importorskip("torch")
-    args = ["--architecture=modernbert", "--preset=modernbert-tiny", "--vocab_size=500"]
+    args = [f"--architecture={arch}", f"--preset={arch}-tiny", "--vocab_size=500"]
     args += ["--batch=2", "--seq=32", "--masked=4", "--steps=1", "--warmup=1", "--devices=1"]
     args += ["--skip_input", "--skip_prepare", "--matmul_size=128", "--json"]
     args += ["--peers", f"--peers_python={sys.executable}", "--peer_steps=1"]
@@ -191,10 +192,10 @@ def test_modernbert_bench_runs_next_to_its_pytorch_peer():
     with contextlib.redirect_stdout(printed):
         bench.main(args)
     result = json.loads(printed.getvalue().strip().splitlines()[-1])
-    assert result["model_config"]["architecture"] == "modernbert"
-    peer = result["peers"]["torch-modernbert"]
-    assert peer["framework"] == "transformers-torch-modernbert" and peer["bertjax_speedup"] > 0
-    assert set(result["peers"]) == {"torch-modernbert"}  # BERT's peers are not run for it
+    assert result["model_config"]["architecture"] == arch
+    peer = result["peers"][f"torch-{arch}"]
+    assert peer["framework"] == f"transformers-torch-{arch}" and peer["bertjax_speedup"] > 0
+    assert set(result["peers"]) == {f"torch-{arch}"}  # BERT's peers are not run for it
 
 
 _FAKE_ORIGINAL = """

@@ -372,6 +372,10 @@ def measure_peers(args, result: dict) -> dict[str, Any]:
         shape.update(accum=args.grad_accum_steps)  # like for like: the same micro-batches
         if args.dtype == "bfloat16":
             shape.update(dtype="bfloat16")  # PyTorch's autocast: bf16 matmuls, fp32 weights
+    if "num_kv_heads" in c:  # grouped-query attention: the peer takes its key-value heads
+        shape.update(kv_heads=c["num_kv_heads"], accum=args.grad_accum_steps)
+        if args.dtype == "bfloat16":
+            shape.update(dtype="bfloat16")
     on_gpu = result["platform"] == "gpu"
     if on_gpu:  # the GPU peer as its users run it: bf16 autocast, SDPA, torch.compile
         shape.update(device="cuda", compile=1, dtype=args.dtype)

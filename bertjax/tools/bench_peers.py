@@ -27,9 +27,13 @@ import subprocess
 import sys
 import time
 
-PEER_FRAMEWORKS = ("flax", "torch", "torch-modernbert", "torch-cls")
+PEER_FRAMEWORKS = ("flax", "torch", "torch-modernbert", "torch-eurobert", "torch-cls")
 # The peers of each architecture, by its transformers reference class (``Architecture.hf_reference``).
-PEERS = {"BertForPreTraining": ("flax", "torch"), "ModernBertForMaskedLM": ("torch-modernbert",)}
+PEERS = {
+    "BertForPreTraining": ("flax", "torch"),
+    "ModernBertForMaskedLM": ("torch-modernbert",),
+    "EuroBertForMaskedLM": ("torch-eurobert",),
+}
 
 
 def default_peer_python() -> str:
@@ -236,6 +240,33 @@ def bench_torch_modernbert(a) -> dict:
     return _bench_torch_model(model, batch, a, "transformers-torch-modernbert", ("bias", "norm"))
 
 
+def bench_torch_eurobert(a) -> dict:
+    """Eager PyTorch EuroBertForMaskedLM (full-sequence logits, its own MLM loss from
+    ``labels``, SDPA attention), clip_grad_norm_ and AdamW."""
+    import torch
+    from transformers import EuroBertConfig, EuroBertForMaskedLM
+
+    torch.manual_seed(0)
+    config = EuroBertConfig(
+        vocab_size=a.vocab,
+        hidden_size=a.hidden,
+        num_hidden_layers=a.layers,
+        num_attention_heads=a.heads,
+        num_key_value_heads=a.kv_heads or a.heads,
+        intermediate_size=a.intermediate,
+        max_position_embeddings=max(8192, a.seq),
+        attention_dropout=a.dropout,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        mask_token_id=3,
+    )
+    model = EuroBertForMaskedLM(config)
+    hf = synthetic_batch(a.batch, a.seq, a.masked, a.vocab)
+    batch = {k: hf[k] for k in ("input_ids", "attention_mask", "labels")}
+    return _bench_torch_model(model, batch, a, "transformers-torch-eurobert", ("norm",))
+
+
 def bench_torch_cls(a) -> dict:
     """Fine-tuning in eager PyTorch: BertForSequenceClassification (2 labels, its own loss) trained
     as ``_bench_torch_model`` does, then the dev set's forward passes (``eval_examples`` rows in
@@ -344,6 +375,7 @@ def main(argv: list[str] | None = None) -> None:
         ("warmup", 2),
         ("window", 128),
         ("global_every", 3),
+        ("kv_heads", 0),
         ("eval_examples", 872),
         ("eval_batch", 64),
     ):
@@ -363,6 +395,7 @@ def main(argv: list[str] | None = None) -> None:
         "flax": bench_flax,
         "torch": bench_torch,
         "torch-modernbert": bench_torch_modernbert,
+        "torch-eurobert": bench_torch_eurobert,
         "torch-cls": bench_torch_cls,
     }
     result = runners[a.framework](a)
