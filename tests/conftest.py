@@ -246,3 +246,37 @@ HEAVY_FIRST = (
 def pytest_collection_modifyitems(items):
     rank = {name: i for i, name in enumerate(HEAVY_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: files stay whole
+
+
+# -------------------------------------------------------------------------------------------------
+# A local GCS emulator (tests/gcs_emulator.py), one per test process, for the gs:// tests.
+# -------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="session")
+def gcs_emulator(tmp_path_factory):
+    """The running emulator, with every client pointed at it (``STORAGE_EMULATOR_HOST`` and what
+    it implies) for the rest of the session's process and its subprocesses; skipped when the
+    ``gcp-storage-emulator`` or ``gcsfs`` package is missing."""
+    import importlib.util
+
+    for package in ("gcp_storage_emulator", "gcsfs"):
+        if importlib.util.find_spec(package) is None:
+            pytest.skip(f"{package} is not installed (pip install -e '.[test]')")
+    import gcs_emulator as emulator_lib
+
+    emulator = emulator_lib.start(str(tmp_path_factory.mktemp("gcs-emulator")))
+    saved = {key: os.environ.get(key) for key in emulator.environment()}
+    os.environ.update(emulator.environment())  # before gcsfs is imported: it reads one of them
+    yield emulator
+    emulator.stop()
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+@pytest.fixture
+def gcs_bucket(gcs_emulator, request):
+    """A new, empty bucket for the test: ``gs://NAME``."""
+    name = "".join(c if c.isalnum() else "-" for c in request.node.name.lower())[:50].strip("-")
+    return gcs_emulator.create_bucket(f"{name}-{os.getpid()}")
