@@ -31,6 +31,14 @@ def is_gcs(path: str) -> bool:
     return str(path).startswith(GCS_SCHEMES)
 
 
+def bucket(path: str) -> str | None:
+    """The bucket of a ``gs://`` path (``gs://NAME``), None for any other path."""
+    if not is_gcs(path):
+        return None
+    scheme, rest = str(path).split("://", 1)
+    return f"{scheme}://{rest.split('/', 1)[0]}"
+
+
 def cloud_environment(environ: Mapping[str, str]) -> dict[str, str]:
     """The variables (not already in ``environ``) that point every client bertjax uses for
     ``gs://`` the same way: Orbax's paths (etils) through fsspec/gcsfs rather than TensorFlow's
@@ -53,11 +61,14 @@ def cloud_environment(environ: Mapping[str, str]) -> dict[str, str]:
 def _gcs():
     """The gcsfs filesystem (cached by fsspec per endpoint): the plain JSON-API client, without
     the experimental zonal/hierarchical-bucket detection, whose gRPC lookup an emulator cannot
-    answer."""
+    answer. Credentials: Application Default Credentials (a TPU VM's service account)."""
     from gcsfs.core import GCSFileSystem  # gs:// paths only
 
+    emulator = os.environ.get("STORAGE_EMULATOR_HOST", "default") != "default"
     return GCSFileSystem(
-        endpoint_url=os.environ.get("STORAGE_EMULATOR_HOST") or None, use_listings_cache=False
+        endpoint_url=os.environ["STORAGE_EMULATOR_HOST"] if emulator else None,
+        token="anon" if emulator else None,  # an emulator takes no credentials
+        use_listings_cache=False,
     )
 
 

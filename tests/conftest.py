@@ -275,6 +275,27 @@ def gcs_emulator(tmp_path_factory):
             os.environ[key] = value
 
 
+@pytest.fixture(scope="module")
+def xla_cache_in_process(tmp_path_factory):
+    """A persistent XLA cache for the module's in-process runs: each program compiles once (the
+    executables, hence the losses, are those a fresh compile gives)."""
+    from jax._src import compilation_cache as cc
+
+    settings = {
+        "jax_compilation_cache_dir": str(tmp_path_factory.mktemp("xla_cache")),
+        "jax_persistent_cache_min_compile_time_secs": 0.0,
+        "jax_persistent_cache_min_entry_size_bytes": 0,
+    }
+    old = {k: getattr(jax.config, k) for k in settings}
+    cc.reset_cache()
+    for key, value in settings.items():
+        jax.config.update(key, value)
+    yield
+    for key, value in old.items():
+        jax.config.update(key, value)
+    cc.reset_cache()
+
+
 @pytest.fixture
 def gcs_bucket(gcs_emulator, request):
     """A new, empty bucket for the test: ``gs://NAME``."""

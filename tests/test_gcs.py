@@ -36,7 +36,10 @@ def _bucket_metrics(workdir, split="train"):
         return [r for r in map(json.loads, f.read().splitlines()) if r["split"] == split]
 
 
-def test_pretrain_in_a_bucket_then_resume_gives_the_uninterrupted_losses(gcs_bucket, tmp_path):
+@pytest.mark.slow
+def test_pretrain_in_a_bucket_then_resume_gives_the_uninterrupted_losses(
+    gcs_bucket, tmp_path, xla_cache_in_process
+):
     """Checkpoints, metrics.jsonl, TensorBoard events and the lock in the bucket; a run stopped at
     step 2 and run again gives the losses of an uninterrupted run, bitwise."""
     config = tiny_config(tmp_path, steps=4, tensorboard=True)
@@ -55,3 +58,18 @@ def test_pretrain_in_a_bucket_then_resume_gives_the_uninterrupted_losses(gcs_buc
     assert [s for s in steps if s.isdigit()] == ["2", "4"], steps
     assert fs.glob(f"{run}/tensorboard/events.out.tfevents.*")
     assert not fs.exists(f"{run}/run.lock")
+
+
+def test_a_workdir_in_a_bucket_that_does_not_exist_is_one_line_before_any_work(
+    gcs_emulator, tmp_path, monkeypatch
+):
+    def no_work(*args):
+        raise AssertionError("training work started")
+
+    monkeypatch.setattr(train, "_train_and_evaluate", no_work)
+    with pytest.raises(OSError) as err:
+        train.train_and_evaluate(tiny_config(tmp_path), "gs://no-such-bucket/run")
+    assert str(err.value) == (
+        "gs://no-such-bucket/run: WORKDIR's bucket gs://no-such-bucket does not exist (or this "
+        "account cannot see it): create it or use another WORKDIR"
+    )
