@@ -1,12 +1,15 @@
 """gs:// end to end against a local GCS emulator (tests/gcs_emulator.py): bertjax.fs, the atomic
 writes, the workdir lock and metrics, Orbax checkpoints, pretraining and its resume."""
 
+import gzip
 import json
+import pathlib
 
 import pytest
 from train_fixtures import set_keys, tiny_config
 
 from bertjax import atomic, fs, train
+from bertjax.data import corpus, records
 
 
 def test_fs_round_trip_in_bucket(gcs_bucket):
@@ -73,3 +76,41 @@ def test_a_workdir_in_a_bucket_that_does_not_exist_is_one_line_before_any_work(
         "gs://no-such-bucket/run: WORKDIR's bucket gs://no-such-bucket does not exist (or this "
         "account cannot see it): create it or use another WORKDIR"
     )
+
+
+def _upload(folder: pathlib.Path, target: str) -> str:
+    for path in sorted(folder.iterdir()):
+        fs.write_bytes(f"{target}/{path.name}", path.read_bytes())
+    return target
+
+
+def test_records_and_vocabulary_in_a_bucket_train_as_the_local_ones(
+    gcs_bucket, tmp_path, xla_cache_in_process
+):
+    """The prepared records (read through bertjax.fs) and the vocabulary in the bucket: the
+    losses of the same run on the local copies; a corrupted shard there is one line naming it."""
+    local = tiny_config(tmp_path, steps=2)
+    expected = train.train_and_evaluate(local, str(tmp_path / "local"))["train"]["loss"]
+    prepared = _upload(pathlib.Path(local.data.prepared_dir), f"{gcs_bucket}/prepared")
+    vocab = f"{gcs_bucket}/vocab.txt"
+    fs.write_bytes(vocab, pathlib.Path(local.data.vocab).read_bytes())
+    config = set_keys(tiny_config(tmp_path, steps=2), {"data.prepared_dir": prepared})
+    config.data.vocab = vocab
+    assert train.train_and_evaluate(config, f"{gcs_bucket}/run")["train"]["loss"] == expected
+    shard = fs.glob(f"{prepared}/train-00001-*")[0]
+    fs.write_bytes(shard, fs.read_bytes(shard)[:-3])
+    with pytest.raises(ValueError, match=f"^{shard}: record 23 is corrupted or cut short$"):
+        list(records.read_records(shard))
+
+
+def test_a_corpus_glob_in_a_bucket_reads_as_the_local_files(gcs_bucket, tmp_path):
+    """Corpus files found by a gs:// glob (.gz included) through bertjax.fs, as prepare reads them."""
+    text = "First sentence here. Second one.\n\nAnother document.\n"
+    fs.write_bytes(f"{gcs_bucket}/corpus/a.txt", text.encode())
+    fs.write_bytes(f"{gcs_bucket}/corpus/b.txt.gz", gzip.compress(text.encode()))
+    (tmp_path / "a.txt").write_text(text)
+    sources = corpus.list_sources(f"{gcs_bucket}/corpus/*")
+    assert [s.path for s in sources] == [f"{gcs_bucket}/corpus/{n}" for n in ("a.txt", "b.txt.gz")]
+    expected = list(corpus.iter_documents(str(tmp_path / "a.txt"), "text"))
+    for name in ("a.txt", "b.txt.gz"):
+        assert list(corpus.iter_documents(f"{gcs_bucket}/corpus/{name}", "text")) == expected
