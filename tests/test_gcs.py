@@ -84,6 +84,7 @@ def _upload(folder: pathlib.Path, target: str) -> str:
     return target
 
 
+@pytest.mark.slow
 def test_records_and_vocabulary_in_a_bucket_train_as_the_local_ones(
     gcs_bucket, tmp_path, xla_cache_in_process
 ):
