@@ -1,10 +1,11 @@
-"""One way to write a file that never looks complete before it is: a temporary name in the same
-folder, then a rename; local paths and ``gs://`` alike (``tf.io.gfile``, imported only for a path
-with a scheme)."""
+"""One way to write a file that never looks complete before it is: locally a temporary name in the
+same folder, then a rename; on ``gs://``, which has no rename, the whole file in one upload (an
+object appears complete or not at all); other schemes through ``tf.io.gfile`` as locally."""
 
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
 import uuid
@@ -19,6 +20,12 @@ def atomic_open(path: str | os.PathLike, mode: str = "w") -> Iterator[TextIO | B
     """A file handle on a temporary sibling of ``path``, renamed to ``path`` when the block ends
     without an error (removed otherwise). ``mode`` is ``"w"`` (UTF-8 text) or ``"wb"``."""
     path = os.fspath(path)
+    if fs.is_gcs(path):
+        buffer = io.BytesIO() if "b" in mode else io.StringIO()
+        yield buffer
+        data = buffer.getvalue()
+        fs.write_bytes(path, data if isinstance(data, bytes) else data.encode("utf-8"))
+        return
     folder = os.path.dirname(path)
     if folder:
         fs.makedirs(folder)

@@ -1,39 +1,103 @@
-"""File-system calls: the standard library for local paths, `tf.io.gfile` for remote ones (gs://,
-s3://, ...), so that code working on local files (data preparation) never imports TensorFlow."""
+"""File-system calls: the standard library for local paths, gcsfs (fsspec) for ``gs://`` and
+``tf.io.gfile`` for other schemes (s3://, ...), so that code working on local files (data
+preparation) never imports TensorFlow.
+
+``gs://`` goes through gcsfs because it honours ``STORAGE_EMULATOR_HOST`` (a local GCS emulator,
+as the tests use) and Application Default Credentials on a TPU VM alike; TensorFlow's own GCS
+filesystem cannot be pointed at an emulator. ``cloud_environment`` names the variables that point
+the other clients (Orbax's etils and TensorStore) the same way."""
 
 from __future__ import annotations
 
 import errno
 import glob as glob_lib
+import io
 import json
 import os
 import shutil
+from collections.abc import Mapping
 from typing import IO
+
+GCS_SCHEMES = ("gs://", "gcs://")
 
 
 def is_remote(path: str) -> bool:
-    """True for a path with a scheme (gs://, s3://, ...), handled by tf.io.gfile."""
+    """True for a path with a scheme (gs://, s3://, ...)."""
     return "://" in str(path)
 
 
+def is_gcs(path: str) -> bool:
+    """True for a ``gs://`` path (handled by gcsfs)."""
+    return str(path).startswith(GCS_SCHEMES)
+
+
+def bucket(path: str) -> str | None:
+    """The bucket of a ``gs://`` path (``gs://NAME``), None for any other path."""
+    if not is_gcs(path):
+        return None
+    scheme, rest = str(path).split("://", 1)
+    return f"{scheme}://{rest.split('/', 1)[0]}"
+
+
+def cloud_environment(environ: Mapping[str, str]) -> dict[str, str]:
+    """The variables (not already in ``environ``) that point every client bertjax uses for
+    ``gs://`` the same way: Orbax's paths (etils) through fsspec/gcsfs rather than TensorFlow's
+    GCS filesystem, and, when ``STORAGE_EMULATOR_HOST`` names an emulator, TensorStore's
+    endpoint too, with no metadata-server probe and no gRPC bucket-layout lookup (which an
+    emulator does not serve). The ``bertjax`` command applies them; a library caller may."""
+    wanted = {"EPATH_USE_TF": "false"}
+    host = environ.get("STORAGE_EMULATOR_HOST", "")
+    if host and host != "default":
+        url = host if host.startswith(("http://", "https://")) else f"http://{host}"
+        wanted.update(
+            TENSORSTORE_GCS_HTTP_URL=url,
+            GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT="false",
+            NO_GCE_CHECK="true",
+            GOOGLE_AUTH_TOKEN_FOR_TESTING="emulator",
+        )
+    return {key: value for key, value in wanted.items() if key not in environ}
+
+
+def _gcs():
+    """The gcsfs filesystem (cached by fsspec per endpoint): the plain JSON-API client, without
+    the experimental zonal/hierarchical-bucket detection, whose gRPC lookup an emulator cannot
+    answer. Credentials: Application Default Credentials (a TPU VM's service account)."""
+    from gcsfs.core import GCSFileSystem  # gs:// paths only
+
+    emulator = os.environ.get("STORAGE_EMULATOR_HOST", "default") != "default"
+    return GCSFileSystem(
+        endpoint_url=os.environ["STORAGE_EMULATOR_HOST"] if emulator else None,
+        token="anon" if emulator else None,  # an emulator takes no credentials
+        use_listings_cache=False,
+    )
+
+
 def _gfile():
-    import tensorflow as tf  # remote paths only
+    import tensorflow as tf  # other remote schemes only
 
     return tf.io.gfile
 
 
 def open_file(path: str, mode: str = "rb") -> IO:
-    """A file object (binary modes: "rb", "wb"; text: "r", "w" as UTF-8)."""
+    """A file object (binary modes: "rb", "wb"; text: "r", "w" as UTF-8). A remote file written
+    is visible only once closed (one upload)."""
+    if is_gcs(path):
+        f = _gcs().open(path, mode.replace("b", "") + "b")
+        return f if "b" in mode else io.TextIOWrapper(f, encoding="utf-8")
     if is_remote(path):
         return _gfile().GFile(path, mode)
     return open(path, mode, **({} if "b" in mode else {"encoding": "utf-8"}))  # noqa: SIM115
 
 
 def exists(path: str) -> bool:
+    if is_gcs(path):
+        return _gcs().exists(path)
     return _gfile().exists(path) if is_remote(path) else os.path.exists(path)
 
 
 def isdir(path: str) -> bool:
+    if is_gcs(path):
+        return _gcs().isdir(path)
     return _gfile().isdir(path) if is_remote(path) else os.path.isdir(path)
 
 
@@ -42,18 +106,36 @@ def read_bytes(path: str) -> bytes:
         return f.read()
 
 
+def write_bytes(path: str, data: bytes) -> None:
+    """Writes ``data`` in one go: on ``gs://`` one upload, so the object appears whole or not at
+    all (local paths: not atomic, see ``bertjax.atomic``)."""
+    if is_gcs(path):
+        _gcs().pipe_file(path, data)
+        return
+    with open_file(path, "wb") as f:
+        f.write(data)
+
+
 def glob(pattern: str) -> list[str]:
+    if is_gcs(pattern):
+        scheme = pattern.split("://", 1)[0]
+        return [f"{scheme}://{p}" for p in _gcs().glob(pattern)]
     return _gfile().glob(pattern) if is_remote(pattern) else glob_lib.glob(pattern)
 
 
 def remove(path: str) -> None:
-    if is_remote(path):
+    if is_gcs(path):
+        _gcs().rm_file(path)
+    elif is_remote(path):
         _gfile().remove(path)
     else:
         os.remove(path)
 
 
 def makedirs(path: str) -> None:
+    """Creates a folder and its parents (nothing on ``gs://``, whose folders are prefixes)."""
+    if is_gcs(path):
+        return
     if is_remote(path):
         _gfile().makedirs(path)
     else:
@@ -61,19 +143,30 @@ def makedirs(path: str) -> None:
 
 
 def size(path: str) -> int:
+    if is_gcs(path):
+        return int(_gcs().size(path))
     return _gfile().stat(path).length if is_remote(path) else os.path.getsize(path)
 
 
 def rename(source: str, target: str) -> None:
-    """Renames, replacing target (atomic for local paths)."""
-    if is_remote(source) or is_remote(target):
+    """Renames, replacing target (atomic for local paths; on ``gs://`` a copy then a delete, as
+    object stores have no rename)."""
+    if is_gcs(source) and is_gcs(target):
+        gcs = _gcs()
+        gcs.copy(source, target)
+        gcs.rm_file(source)
+    elif is_remote(source) or is_remote(target):
         _gfile().rename(source, target, overwrite=True)
     else:
         os.replace(source, target)
 
 
 def rmtree(path: str) -> None:
-    if is_remote(path):
+    if is_gcs(path):
+        gcs = _gcs()
+        if gcs.exists(path):
+            gcs.rm(path, recursive=True)
+    elif is_remote(path):
         if _gfile().exists(path):
             _gfile().rmtree(path)
     else:
@@ -81,18 +174,24 @@ def rmtree(path: str) -> None:
 
 
 def not_found_errors(path: str) -> tuple[type[BaseException], ...]:
-    """What reading a missing ``path`` raises (remote paths: TensorFlow's NotFoundError too)."""
-    if is_remote(path):
-        import tensorflow as tf  # remote paths only
+    """What reading a missing ``path`` raises (other remote schemes: TensorFlow's NotFoundError
+    too)."""
+    if is_remote(path) and not is_gcs(path):
+        import tensorflow as tf  # other remote schemes only
 
         return (FileNotFoundError, tf.errors.NotFoundError)
     return (FileNotFoundError,)
 
 
 def io_errors(path: str) -> tuple[type[BaseException], ...]:
-    """What a failed read or write of ``path`` raises (remote paths: TensorFlow's OpError too)."""
+    """What a failed read or write of ``path`` raises (gs://: gcsfs's HttpError too; other remote
+    schemes: TensorFlow's OpError)."""
+    if is_gcs(path):
+        from gcsfs.retry import HttpError  # gs:// paths only
+
+        return (OSError, HttpError)
     if is_remote(path):
-        import tensorflow as tf  # remote paths only
+        import tensorflow as tf  # other remote schemes only
 
         return (OSError, tf.errors.OpError)
     return (OSError,)
@@ -109,8 +208,10 @@ def write_refusal(path: str, err: BaseException) -> str | None:
     """Why writing ``path`` failed when its file system refuses writes there ("read-only file
     system", "permission denied", ...); None for any other failure (a full disk, a bad path)."""
     if isinstance(err, OSError):
+        if is_gcs(path) and str(err).startswith("Forbidden"):  # gcsfs: HTTP 403
+            return "permission denied"
         return _REFUSALS.get(err.errno)
-    if is_remote(path):
+    if is_remote(path) and not is_gcs(path):
         import tensorflow as tf  # remote paths only
 
         if isinstance(err, tf.errors.PermissionDeniedError):

@@ -4,8 +4,10 @@ Only process 0 writes. The console gets one short line per record (a train line:
 accuracies, learning rate, gradient norm, throughput, MFU, ETA); the metrics file and TensorBoard
 get every metric. ``metrics.jsonl`` holds one JSON object per record (``"split"`` is ``train``
 or ``eval``); on resume, records after the restored step are dropped so that the file reads as one
-uninterrupted run. Files go through ``bertjax.fs`` (``tf.io.gfile`` for remote paths), so WORKDIR may be ``gs://...``: a local file is
+uninterrupted run. Files go through ``bertjax.fs``, so WORKDIR may be ``gs://...``: a local file is
 appended to, a remote one (no append on object stores) is rewritten whole, atomically, at each record.
+TensorBoard's writer (TensorFlow, whose GCS client reads no emulator setting) writes a ``gs://``
+WORKDIR's event files in a local folder, each copied whole into WORKDIR/tensorboard at each record.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import json
 import logging
 import math
 import os
+import shutil
+import tempfile
 import time
 from typing import Any
 
@@ -69,13 +73,17 @@ class MetricsWriter:
         self.remote = "://" in workdir
         self._lines: list[str] = []
         self._tb = None
+        self._tb_folder = os.path.join(workdir, "tensorboard")
+        self._tb_staging = None  # the local folder of a gs:// WORKDIR's event files
         if self.enabled:
             fs.makedirs(workdir)
             if self.remote and fs.exists(self.path):
                 with fs.open_file(self.path, "r") as f:
                     self._lines = f.read().splitlines(keepends=True)
             if tensorboard:
-                self._tb = _tensorboard_writer(os.path.join(workdir, "tensorboard"))
+                if fs.is_gcs(workdir):
+                    self._tb_staging = tempfile.mkdtemp(prefix="bertjax-tensorboard-")
+                self._tb = _tensorboard_writer(self._tb_staging or self._tb_folder)
 
     def truncate_after(self, step: int) -> None:
         """Drops records with a step beyond ``step`` (resume after a crash), atomically."""
@@ -124,12 +132,26 @@ class MetricsWriter:
                     if isinstance(v, float):
                         summary.scalar(f"{split}/{k}", v)
             writer.flush()
+            self._upload_events()
         values = {k: v for k, v in record.items() if k not in ("step", "split")}
         log.info("%s", console_line(split, step, values, total_steps, eta))
+
+    def _upload_events(self) -> None:
+        """Copies the staged event files whole into the bucket (each one upload)."""
+        if self._tb_staging is None:
+            return
+        for name in sorted(os.listdir(self._tb_staging)):
+            with open(os.path.join(self._tb_staging, name), "rb") as f:
+                fs.write_bytes(f"{self._tb_folder}/{name}", f.read())
 
     def close(self) -> None:
         if self._tb is not None:
             self._tb[0].close()
+            self._tb = None
+            self._upload_events()
+        if self._tb_staging is not None:
+            shutil.rmtree(self._tb_staging, ignore_errors=True)
+            self._tb_staging = None
 
 
 class Throughput:

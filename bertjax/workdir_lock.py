@@ -4,7 +4,7 @@ A second run on the same WORKDIR refuses to start with one line naming the holde
 cannot be written (a read-only file system, no permission) is a one-line error naming it. The lock is
 created exclusively where the filesystem allows it (a complete file hard-linked into place on
 local paths); on
-``gs://`` and other ``tf.io.gfile`` filesystems, which have no exclusive create, it is written only
+``gs://`` and other remote filesystems, which have no exclusive create, it is written only
 if absent and then read back after a short wait: of two runs racing for it, only the one whose
 token is there goes on. A daemon thread refreshes the lock's heartbeat every ``heartbeat_s``.
 
@@ -135,6 +135,13 @@ class WorkdirLock:
             return self._create_file()
         except fs.io_errors(self.path) as err:
             why = fs.write_refusal(self.path, err)
+            bucket = fs.bucket(self.path)
+            if why is None and bucket and isinstance(err, FileNotFoundError):
+                if not fs.exists(bucket):
+                    raise WorkdirNotWritableError(
+                        f"{self.workdir}: WORKDIR's bucket {bucket} does not exist (or this "
+                        "account cannot see it): create it or use another WORKDIR"
+                    ) from None
             if why is None:
                 raise
             raise WorkdirNotWritableError(

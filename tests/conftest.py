@@ -247,3 +247,58 @@ HEAVY_FIRST = (
 def pytest_collection_modifyitems(items):
     rank = {name: i for i, name in enumerate(HEAVY_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: files stay whole
+
+
+# -------------------------------------------------------------------------------------------------
+# A local GCS emulator (tests/gcs_emulator.py), one per test process, for the gs:// tests.
+# -------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="session")
+def gcs_emulator(tmp_path_factory):
+    """The running emulator, with every client pointed at it (``STORAGE_EMULATOR_HOST`` and what
+    it implies) for the rest of the session's process and its subprocesses; skipped when the
+    ``gcp-storage-emulator`` or ``gcsfs`` package is missing."""
+    import importlib.util
+
+    for package in ("gcp_storage_emulator", "gcsfs"):
+        if importlib.util.find_spec(package) is None:
+            pytest.skip(f"{package} is not installed (pip install -e '.[test]')")
+    import gcs_emulator as emulator_lib
+
+    emulator = emulator_lib.start(str(tmp_path_factory.mktemp("gcs-emulator")))
+    saved = {key: os.environ.get(key) for key in emulator.environment()}
+    os.environ.update(emulator.environment())  # before gcsfs is imported: it reads one of them
+    yield emulator
+    emulator.stop()
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+@pytest.fixture(scope="module")
+def xla_cache_in_process(tmp_path_factory):
+    """A persistent XLA cache for the module's in-process runs: each program compiles once (the
+    executables, hence the losses, are those a fresh compile gives)."""
+    from jax._src import compilation_cache as cc
+
+    settings = {
+        "jax_compilation_cache_dir": str(tmp_path_factory.mktemp("xla_cache")),
+        "jax_persistent_cache_min_compile_time_secs": 0.0,
+        "jax_persistent_cache_min_entry_size_bytes": 0,
+    }
+    old = {k: getattr(jax.config, k) for k in settings}
+    cc.reset_cache()
+    for key, value in settings.items():
+        jax.config.update(key, value)
+    yield
+    for key, value in old.items():
+        jax.config.update(key, value)
+    cc.reset_cache()
+
+
+@pytest.fixture
+def gcs_bucket(gcs_emulator, request):
+    """A new, empty bucket for the test: ``gs://NAME``."""
+    name = "".join(c if c.isalnum() else "-" for c in request.node.name.lower())[:50].strip("-")
+    return gcs_emulator.create_bucket(f"{name}-{os.getpid()}")

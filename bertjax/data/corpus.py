@@ -32,6 +32,7 @@ import os
 import re
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
+from bertjax import fs
 from bertjax.data import formats
 
 FORMATS = ("bert", "text", "jsonl", "parquet")
@@ -125,11 +126,9 @@ def is_heading(line: str) -> bool:
 
 
 def _expand_files(pattern: str) -> list[str]:
-    """The files matching one glob (sorted), through tf.io.gfile for remote schemes."""
+    """The files matching one glob (sorted), through bertjax.fs for remote schemes."""
     if formats.is_remote(pattern):
-        import tensorflow as tf
-
-        return sorted(tf.io.gfile.glob(pattern))
+        return sorted(fs.glob(pattern))
     if glob_lib.has_magic(pattern):
         return sorted(p for p in glob_lib.glob(pattern, recursive=True) if os.path.isfile(p))
     if os.path.isdir(pattern):

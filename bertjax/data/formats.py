@@ -1,4 +1,4 @@
-"""Byte streams of corpus files (local or any `tf.io.gfile` scheme, `.gz`/`.zst` decompressed) and
+"""Byte streams of corpus files (local, gs:// or any `tf.io.gfile` scheme, `.gz`/`.zst` decompressed) and
 the texts of row corpora: JSONL (one JSON object per line) and Parquet, one document per row.
 
 Everything streams: JSONL line by line, Parquet one record batch of a row group at a time, so memory
@@ -23,21 +23,20 @@ _PARQUET_BATCH_ROWS = 1024
 
 
 def is_remote(path: str) -> bool:
-    """True for a path with a scheme (gs://, s3://, ...), read through tf.io.gfile."""
+    """True for a path with a scheme (gs://, s3://, ...), read through bertjax.fs."""
     return "://" in path
 
 
 def open_raw(path: str) -> BinaryIO:
-    """The file's bytes: builtin open for local paths, a tf.io.gfile.GFile for remote ones."""
+    """The file's bytes: builtin open for local paths, ``bertjax.fs`` for remote ones (gcsfs for
+    gs://, tf.io.gfile for other schemes: workers stay TensorFlow-free for local and gs://)."""
     if is_remote(path):
-        import tensorflow as tf  # only for remote files: workers stay TensorFlow-free locally
-
-        return tf.io.gfile.GFile(path, "rb")
+        return fs.open_file(path, "rb")
     return open(path, "rb")  # noqa: SIM115 - the caller closes it
 
 
 class _RandomAccess(io.RawIOBase):
-    """A tf.io.gfile.GFile as the seekable raw file pyarrow reads Parquet from."""
+    """A remote file (gcsfs or tf.io.gfile) as the seekable raw file pyarrow reads Parquet from."""
 
     def __init__(self, gfile):
         super().__init__()

@@ -26,7 +26,9 @@ import numpy as np
 import tensorflow as tf
 from absl import logging
 
+from bertjax import fs
 from bertjax.data import masking, shard_faults
+from bertjax.data import records as records_lib
 from bertjax.data.array_data import ArrayData, check_state  # noqa: F401  (ArrayData re-exported)
 from bertjax.data.metadata import METADATA_FILE, read_metadata  # noqa: F401  (re-exported)
 from bertjax.data.shard_faults import ShardCorruptedError  # noqa: F401  (re-exported)
@@ -78,7 +80,7 @@ def list_shards(data_dir: str, split: str) -> list[str]:
     pattern = f"{str(data_dir).rstrip('/')}/{split}-*-of-*.tfrecord"
     paths = sorted(
         p
-        for p in tf.io.gfile.glob(pattern)
+        for p in fs.glob(pattern)
         if (m := _SHARD_RE.match(p.rsplit("/", 1)[-1])) and m["split"] == split
     )
     if not paths:
@@ -322,11 +324,20 @@ def pretraining_dataset(
     block = int(shuffle_buffer)
 
     all_files, all_counts = tf.constant(files), tf.constant(counts, tf.int64)
+    through_fs = any(fs.is_gcs(f) for f in files)
 
     def read_shard(name: tf.Tensor) -> tf.data.Dataset:
         """A shard's records; an error once it holds more or fewer than metadata.json says."""
         count = tf.gather(all_counts, tf.argmax(tf.cast(tf.equal(all_files, name), tf.int32)))
-        return tf.data.TFRecordDataset(name).apply(tf.data.experimental.assert_cardinality(count))
+        if through_fs:  # gs://: bertjax.fs's client (TensorFlow's cannot reach an emulator)
+            shard = tf.data.Dataset.from_generator(
+                records_lib.read_records,
+                args=(name,),
+                output_signature=tf.TensorSpec((), tf.string),
+            )
+        else:
+            shard = tf.data.TFRecordDataset(name)
+        return shard.apply(tf.data.experimental.assert_cardinality(count))
 
     def epoch_records(epoch: tf.Tensor) -> tf.data.Dataset:
         """(epoch, index in epoch, serialized record), starting at the resume offset."""

@@ -5,6 +5,8 @@
 int64 varints and little-endian float32s); `RecordWriter` frames records as TFRecord (length, masked
 CRC-32C of the length, data, masked CRC-32C of the data) with the `crc32c` package, and falls back
 to `tf.io.TFRecordWriter` when that package is missing. Tests compare both with TensorFlow.
+`read_records` reads them back through `bertjax.fs` (the input pipeline's reader for `gs://`,
+which TensorFlow's own GCS client cannot reach behind an emulator).
 """
 
 from __future__ import annotations
@@ -86,6 +88,23 @@ def example_bytes(features: Mapping[str, bytes]) -> bytes:
 def _masked_crc(data: bytes) -> bytes:
     crc = _crc32c.crc32c(data)
     return _UINT32.pack((((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF)
+
+
+def read_records(path: str | bytes):
+    """Yields the records of a TFRecord file (uncompressed), local or remote, checking each CRC:
+    a file cut short or corrupted is a one-line ValueError naming it."""
+    path = path.decode() if isinstance(path, bytes) else str(path)
+    with fs.open_file(path, "rb") as f:
+        index = 0
+        while header := f.read(12):
+            if len(header) < 12 or _masked_crc(header[:8]) != header[8:]:
+                raise ValueError(f"{path}: record {index} has a corrupted or cut length")
+            (length,) = _UINT64.unpack(header[:8])
+            data, crc = f.read(length), f.read(4)
+            if len(data) < length or _masked_crc(data) != crc:
+                raise ValueError(f"{path}: record {index} is corrupted or cut short")
+            yield data
+            index += 1
 
 
 class RecordWriter:

@@ -52,7 +52,7 @@ _CACHE_LIMIT = 1 << 20  # entries in the word -> ids cache before it is cleared
 
 # Vocabulary files.
 def load_vocab(path: str) -> list[str]:
-    """Reads a BERT vocab.txt (one token per line, id = line number - 1) via tf.io.gfile.
+    """Reads a BERT vocab.txt (one token per line, id = line number - 1) through bertjax.fs (local or gs://).
 
     Raises ValueError naming the file and line for an empty file, an empty or whitespace-holding
     token, a duplicate token, invalid UTF-8 or a missing special token (SPECIAL_TOKENS).

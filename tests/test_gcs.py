@@ -1,0 +1,117 @@
+"""gs:// end to end against a local GCS emulator (tests/gcs_emulator.py): bertjax.fs, the atomic
+writes, the workdir lock and metrics, Orbax checkpoints, pretraining and its resume."""
+
+import gzip
+import json
+import pathlib
+
+import pytest
+from train_fixtures import set_keys, tiny_config
+
+from bertjax import atomic, fs, train
+from bertjax.data import corpus, records
+
+
+def test_fs_round_trip_in_bucket(gcs_bucket):
+    """Every bertjax.fs call on gs:// reaches the emulator through gcsfs."""
+    folder = f"{gcs_bucket}/a/b"
+    fs.makedirs(folder)
+    with fs.open_file(f"{folder}/x.txt", "w") as f:
+        f.write("héllo\nworld\n")
+    atomic.write_json(f"{folder}/y.json", {"k": 1})
+    assert fs.exists(f"{folder}/x.txt") and fs.isdir(folder) and not fs.exists(f"{folder}/z")
+    with fs.open_file(f"{folder}/x.txt", "r") as f:
+        assert f.read().splitlines() == ["héllo", "world"]
+    assert fs.read_bytes(f"{folder}/y.json").startswith(b"{")
+    assert fs.glob(f"{folder}/*.json") == [f"{folder}/y.json"]
+    assert fs.size(f"{folder}/x.txt") == len("héllo\nworld\n".encode())
+    fs.rename(f"{folder}/x.txt", f"{folder}/x2.txt")
+    assert sorted(fs.glob(f"{folder}/*")) == [f"{folder}/x2.txt", f"{folder}/y.json"]
+    with pytest.raises(fs.not_found_errors(folder)):
+        fs.read_bytes(f"{folder}/x.txt")
+    fs.remove(f"{folder}/x2.txt")
+    fs.rmtree(f"{gcs_bucket}/a")
+    assert fs.glob(f"{gcs_bucket}/a/**") == []
+
+
+def _bucket_metrics(workdir, split="train"):
+    with fs.open_file(f"{workdir}/metrics.jsonl", "r") as f:
+        return [r for r in map(json.loads, f.read().splitlines()) if r["split"] == split]
+
+
+@pytest.mark.slow
+def test_pretrain_in_a_bucket_then_resume_gives_the_uninterrupted_losses(
+    gcs_bucket, tmp_path, xla_cache_in_process
+):
+    """Checkpoints, metrics.jsonl, TensorBoard events and the lock in the bucket; a run stopped at
+    step 2 and run again gives the losses of an uninterrupted run, bitwise."""
+    config = tiny_config(tmp_path, steps=4, tensorboard=True)
+    reference = train.train_and_evaluate(config, f"{gcs_bucket}/ref")
+    losses = [r["loss"] for r in _bucket_metrics(f"{gcs_bucket}/ref")]
+    assert len(losses) == 4
+    run = f"{gcs_bucket}/run"
+    train.train_and_evaluate(
+        set_keys(tiny_config(tmp_path, steps=4), {"train.stop_at_step": 2}), run
+    )
+    assert [r["step"] for r in _bucket_metrics(run)] == [1, 2]
+    result = train.train_and_evaluate(tiny_config(tmp_path, steps=4, tensorboard=True), run)
+    assert [r["loss"] for r in _bucket_metrics(run)] == losses
+    assert result["train"]["loss"] == reference["train"]["loss"]
+    steps = sorted(p.rsplit("/", 1)[1] for p in fs.glob(f"{run}/checkpoints/*"))
+    assert [s for s in steps if s.isdigit()] == ["2", "4"], steps
+    assert fs.glob(f"{run}/tensorboard/events.out.tfevents.*")
+    assert not fs.exists(f"{run}/run.lock")
+
+
+def test_a_workdir_in_a_bucket_that_does_not_exist_is_one_line_before_any_work(
+    gcs_emulator, tmp_path, monkeypatch
+):
+    def no_work(*args):
+        raise AssertionError("training work started")
+
+    monkeypatch.setattr(train, "_train_and_evaluate", no_work)
+    with pytest.raises(OSError) as err:
+        train.train_and_evaluate(tiny_config(tmp_path), "gs://no-such-bucket/run")
+    assert str(err.value) == (
+        "gs://no-such-bucket/run: WORKDIR's bucket gs://no-such-bucket does not exist (or this "
+        "account cannot see it): create it or use another WORKDIR"
+    )
+
+
+def _upload(folder: pathlib.Path, target: str) -> str:
+    for path in sorted(folder.iterdir()):
+        fs.write_bytes(f"{target}/{path.name}", path.read_bytes())
+    return target
+
+
+@pytest.mark.slow
+def test_records_and_vocabulary_in_a_bucket_train_as_the_local_ones(
+    gcs_bucket, tmp_path, xla_cache_in_process
+):
+    """The prepared records (read through bertjax.fs) and the vocabulary in the bucket: the
+    losses of the same run on the local copies; a corrupted shard there is one line naming it."""
+    local = tiny_config(tmp_path, steps=2)
+    expected = train.train_and_evaluate(local, str(tmp_path / "local"))["train"]["loss"]
+    prepared = _upload(pathlib.Path(local.data.prepared_dir), f"{gcs_bucket}/prepared")
+    vocab = f"{gcs_bucket}/vocab.txt"
+    fs.write_bytes(vocab, pathlib.Path(local.data.vocab).read_bytes())
+    config = set_keys(tiny_config(tmp_path, steps=2), {"data.prepared_dir": prepared})
+    config.data.vocab = vocab
+    assert train.train_and_evaluate(config, f"{gcs_bucket}/run")["train"]["loss"] == expected
+    shard = fs.glob(f"{prepared}/train-00001-*")[0]
+    fs.write_bytes(shard, fs.read_bytes(shard)[:-3])
+    with pytest.raises(ValueError, match=f"^{shard}: record 23 is corrupted or cut short$"):
+        list(records.read_records(shard))
+
+
+def test_a_corpus_glob_in_a_bucket_reads_as_the_local_files(gcs_bucket, tmp_path):
+    """Corpus files found by a gs:// glob (.gz included) through bertjax.fs, as prepare reads them."""
+    text = "First sentence here. Second one.\n\nAnother document.\n"
+    fs.write_bytes(f"{gcs_bucket}/corpus/a.txt", text.encode())
+    fs.write_bytes(f"{gcs_bucket}/corpus/b.txt.gz", gzip.compress(text.encode()))
+    (tmp_path / "a.txt").write_text(text)
+    sources = corpus.list_sources(f"{gcs_bucket}/corpus/*")
+    assert [s.path for s in sources] == [f"{gcs_bucket}/corpus/{n}" for n in ("a.txt", "b.txt.gz")]
+    expected = list(corpus.iter_documents(str(tmp_path / "a.txt"), "text"))
+    for name in ("a.txt", "b.txt.gz"):
+        assert list(corpus.iter_documents(f"{gcs_bucket}/corpus/{name}", "text")) == expected
