@@ -39,30 +39,6 @@ def _bucket_metrics(workdir, split="train"):
         return [r for r in map(json.loads, f.read().splitlines()) if r["split"] == split]
 
 
-@pytest.mark.slow
-def test_pretrain_in_a_bucket_then_resume_gives_the_uninterrupted_losses(
-    gcs_bucket, tmp_path, xla_cache_in_process
-):
-    """Checkpoints, metrics.jsonl, TensorBoard events and the lock in the bucket; a run stopped at
-    step 2 and run again gives the losses of an uninterrupted run, bitwise."""
-    config = tiny_config(tmp_path, steps=4, tensorboard=True)
-    reference = train.train_and_evaluate(config, f"{gcs_bucket}/ref")
-    losses = [r["loss"] for r in _bucket_metrics(f"{gcs_bucket}/ref")]
-    assert len(losses) == 4
-    run = f"{gcs_bucket}/run"
-    train.train_and_evaluate(
-        set_keys(tiny_config(tmp_path, steps=4), {"train.stop_at_step": 2}), run
-    )
-    assert [r["step"] for r in _bucket_metrics(run)] == [1, 2]
-    result = train.train_and_evaluate(tiny_config(tmp_path, steps=4, tensorboard=True), run)
-    assert [r["loss"] for r in _bucket_metrics(run)] == losses
-    assert result["train"]["loss"] == reference["train"]["loss"]
-    steps = sorted(p.rsplit("/", 1)[1] for p in fs.glob(f"{run}/checkpoints/*"))
-    assert [s for s in steps if s.isdigit()] == ["2", "4"], steps
-    assert fs.glob(f"{run}/tensorboard/events.out.tfevents.*")
-    assert not fs.exists(f"{run}/run.lock")
-
-
 def test_a_workdir_in_a_bucket_that_does_not_exist_is_one_line_before_any_work(
     gcs_emulator, tmp_path, monkeypatch
 ):
@@ -85,19 +61,37 @@ def _upload(folder: pathlib.Path, target: str) -> str:
 
 
 @pytest.mark.slow
-def test_records_and_vocabulary_in_a_bucket_train_as_the_local_ones(
+def test_a_run_in_a_bucket_resumes_to_the_local_runs_losses(
     gcs_bucket, tmp_path, xla_cache_in_process
 ):
-    """The prepared records (read through bertjax.fs) and the vocabulary in the bucket: the
-    losses of the same run on the local copies; a corrupted shard there is one line naming it."""
-    local = tiny_config(tmp_path, steps=2)
-    expected = train.train_and_evaluate(local, str(tmp_path / "local"))["train"]["loss"]
+    """Prepared records (read through bertjax.fs), vocabulary, checkpoints, metrics.jsonl,
+    TensorBoard events and the lock all in the bucket: a run stopped at step 2 and run again gives
+    the losses of the uninterrupted run on the local copies, bitwise; a corrupted shard there is
+    one line naming it."""
+    local = tiny_config(tmp_path, steps=4)
+    expected = train.train_and_evaluate(local, str(tmp_path / "local"))
+    with open(tmp_path / "local" / "metrics.jsonl") as f:
+        losses = [r["loss"] for r in map(json.loads, f) if r["split"] == "train"]
+    assert len(losses) == 4
     prepared = _upload(pathlib.Path(local.data.prepared_dir), f"{gcs_bucket}/prepared")
     vocab = f"{gcs_bucket}/vocab.txt"
     fs.write_bytes(vocab, pathlib.Path(local.data.vocab).read_bytes())
-    config = set_keys(tiny_config(tmp_path, steps=2), {"data.prepared_dir": prepared})
-    config.data.vocab = vocab
-    assert train.train_and_evaluate(config, f"{gcs_bucket}/run")["train"]["loss"] == expected
+
+    def bucket_config(**keys):
+        config = set_keys(tiny_config(tmp_path, steps=4, tensorboard=True), keys)
+        config.data.prepared_dir, config.data.vocab = prepared, vocab
+        return config
+
+    run = f"{gcs_bucket}/run"
+    train.train_and_evaluate(bucket_config(**{"train.stop_at_step": 2}), run)
+    assert [r["step"] for r in _bucket_metrics(run)] == [1, 2]
+    result = train.train_and_evaluate(bucket_config(), run)
+    assert [r["loss"] for r in _bucket_metrics(run)] == losses
+    assert result["train"]["loss"] == expected["train"]["loss"]
+    steps = sorted(p.rsplit("/", 1)[1] for p in fs.glob(f"{run}/checkpoints/*"))
+    assert [s for s in steps if s.isdigit()] == ["2", "4"], steps
+    assert fs.glob(f"{run}/tensorboard/events.out.tfevents.*")
+    assert not fs.exists(f"{run}/run.lock")
     shard = fs.glob(f"{prepared}/train-00001-*")[0]
     fs.write_bytes(shard, fs.read_bytes(shard)[:-3])
     with pytest.raises(ValueError, match=f"^{shard}: record 23 is corrupted or cut short$"):
