@@ -394,6 +394,9 @@ class Program:
         operands = self._operand_shapes(comp, inst)
         workspace = ("u8", "s8") if inst.opcode == "custom-call" else ()  # a custom call's scratch
         cost.bytes = sum(nbytes(s) for s in operands) + nbytes(inst.shape, skip=workspace)
+        update = self._in_place_update(inst) if inst.opcode == "fusion" else None
+        if update is not None:  # the buffer is updated in place: only the slice is written
+            cost.bytes -= 2 * nbytes(inst.shape) - nbytes(update)
         if inst.opcode == "fusion":
             self._fused_flops(inst.attr("calls") or "", cost)
         elif inst.opcode == "custom-call":
@@ -486,6 +489,26 @@ class Program:
                 for b, s, op in outputs[:5]
             ],
         }
+
+    def _in_place_update(self, inst: Instruction) -> str | None:
+        """The update's shape when fusion ``inst`` is a dynamic-update-slice of one of its
+        operands (the output aliases that operand: XLA writes the slice in place, as a scan's
+        stacked outputs are), else None."""
+        comp = self.comps.get(inst.attr("calls") or "")
+        if comp is None:
+            return None
+        by_name = {i.name: i for i in comp.instructions}
+        root = comp.root
+        while root.opcode == "bitcast" and root.operands and root.operands[0] in by_name:
+            root = by_name[root.operands[0]]
+        if root.opcode != "dynamic-update-slice" or len(root.operands) < 2:
+            return None
+        buffer, update = (by_name.get(o) for o in root.operands[:2])
+        if buffer is None or update is None or buffer.opcode != "parameter":
+            return None
+        if nbytes(buffer.shape) != nbytes(inst.shape):
+            return None
+        return update.shape
 
     def _fused_root(self, name: str) -> str:
         comp = self.comps.get(name)

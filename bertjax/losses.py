@@ -78,11 +78,21 @@ def masked_lm_loss(
     Returns (loss, accuracy) = (sum w*nll, sum w*correct) / normalizer, normalizer defaulting to
     sum(weights) (as the original BERT, which adds 1e-5 to it; here an all-zero batch gives 0).
     """
+    nll, correct = nll_and_correct(logits, label_ids)
+    return weighted_nll(nll, correct, weights, normalizer)
+
+
+def weighted_nll(
+    nll: Array, correct: Array, weights: Array, normalizer: Array | None = None
+) -> tuple[Array, Array]:
+    """(sum w*nll, sum w*correct) / normalizer (default sum(weights), at least 1e-5): the MLM loss
+    and accuracy from per-prediction cross-entropies and 0/1 correctness (the fused decoder's
+    ``mlm_nll`` and ``mlm_margin >= 0``)."""
     weights = weights.astype(jnp.float32)
     if normalizer is None:
         normalizer = weights.sum()
     normalizer = jnp.maximum(normalizer, 1e-5)
-    nll, correct = nll_and_correct(logits, label_ids)
+    correct = correct.astype(jnp.float32)
     return (nll * weights).sum() / normalizer, (correct * weights).sum() / normalizer
 
 

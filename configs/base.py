@@ -73,6 +73,10 @@ def get_config() -> ml_collections.ConfigDict:
     )
     c.train.async_checkpoints = True
     c.train.transfer_guard = True  # jax_transfer_guard=disallow inside the loop
+    # MLM loss: logits (the [predictions, vocab] logits, then the loss) | chunked (decoder and
+    # cross-entropy fused, a vocabulary chunk at a time: less memory, the logits computed twice)
+    # | auto (chunked above 4 GiB of fp32 logits per device, as with a 256k vocabulary)
+    c.train.mlm_loss = "auto"
     c.train.peak_tflops = 0.0  # per-device peak for MFU on unknown devices (e.g. CPU)
     c.tensorboard = True  # event files in WORKDIR/tensorboard (metrics.jsonl is written always)
 

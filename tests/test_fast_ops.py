@@ -38,6 +38,63 @@ def test_tied_decoder_value_and_gradients_equal_autodiff(dtype):
         )
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("chunk", [8, 37, 0])  # 4 equal chunks + a tail of 5; one; the default
+def test_decoder_nll_equals_the_decoder_then_the_cross_entropy(dtype, chunk):
+    """The fused decoder + cross-entropy, chunk by chunk over the vocabulary, gives the loss,
+    the correctness and the gradients of ``losses.nll_and_correct(tied_decoder(...))``."""
+    k1, k2, k3, k4, k5 = jax.random.split(jax.random.key(1), 5)
+    x = jax.random.normal(k1, (3, 5, 16), dtype)
+    emb = (jax.random.normal(k2, (37, 16)) * 0.5).astype(dtype)
+    bias = jax.random.normal(k3, (37,))
+    labels = jax.random.randint(k4, (3, 5), 0, 37)
+    weights = jax.random.uniform(k5, (3, 5))
+
+    def reference(x, emb, bias):
+        nll, correct = losses.nll_and_correct(tied_decoder(x, emb, bias), labels)
+        return (nll * weights).sum(), correct
+
+    def fused(x, emb, bias):
+        nll, margin = fast_ops.decoder_nll(x, emb, bias, labels, chunk)
+        return (nll * weights).sum(), (margin >= 0).astype(jnp.float32)
+
+    (want, want_correct), want_grads = jax.value_and_grad(reference, (0, 1, 2), has_aux=True)(
+        x, emb, bias
+    )
+    (got, correct), grads = jax.jit(jax.value_and_grad(fused, (0, 1, 2), has_aux=True))(
+        x, emb, bias
+    )
+    tol = 1e-5 if dtype == jnp.float32 else 2e-2
+    np.testing.assert_allclose(got, want, rtol=tol)
+    np.testing.assert_array_equal(correct, want_correct)
+    for a, b in zip(grads, want_grads):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        np.testing.assert_allclose(
+            np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=tol, atol=tol
+        )
+
+
+def test_the_pretraining_loss_has_no_vocabulary_sized_buffer():
+    """The pretraining step's loss (PreTrainingModel with the labels) holds no [predictions,
+    vocab] array: its largest intermediate over the vocabulary is one chunk."""
+    from bertjax.models.heads import PreTrainingModel
+
+    cfg = get_preset("tiny", vocab_size=3 * fast_ops.DECODER_CHUNK + 11, num_layers=1)
+    model = PreTrainingModel(cfg, nsp=False)
+    ids = jnp.ones((2, 8), jnp.int32)
+    positions, labels = jnp.zeros((2, 6), jnp.int32), jnp.ones((2, 6), jnp.int32)
+    params = model.init(jax.random.key(0), ids, ids, ids, positions)["params"]
+
+    def loss(params):
+        out = model.apply({"params": params}, ids, ids, ids, positions, masked_lm_ids=labels)
+        return out["mlm_nll"].sum()
+
+    text = jax.jit(jax.grad(loss)).lower(params).as_text()
+    wide = {int(n) for n in re.findall(r"tensor<\d+x\d+x(\d+)x?f32>", text)}
+    wide |= {int(n) for n in re.findall(r"tensor<12x(\d+)xf32>", text)}
+    assert cfg.vocab_size not in wide and fast_ops.DECODER_CHUNK in wide, sorted(wide)
+
+
 class _SeparateQKV(nn.Module):
     config: object
 
@@ -143,3 +200,35 @@ def test_mixed_precision_einsum_accumulates_in_fp32_forward_and_backward(spec, a
     np.testing.assert_array_equal(fast_ops.einsum(spec, a32, b32), jnp.einsum(spec, a32, b32))
     num_in = 2 if spec.startswith("abcd") else 1  # the same product as fast_ops.contract
     np.testing.assert_array_equal(f32(fast_ops.contract(a, b, num_in)), f32(ours))
+
+
+def test_the_chunked_mlm_loss_trains_as_the_logits(tmp_path):
+    """Two pretraining steps with ``train.mlm_loss=chunked`` give the losses, metrics and params of
+    ``logits`` (to float rounding); an unknown mode is one line naming the key."""
+    from train_fixtures import tiny_config
+
+    from bertjax import train
+
+    def run(mode):
+        config = tiny_config(tmp_path, steps=2, **{"train.mlm_loss": mode})
+        task = train.prepared_task(config, str(tmp_path / mode))
+        setup = train.build(config, str(tmp_path / mode), task)
+        state = setup.init_state(jax.random.key_data(jax.random.key(0)))
+        step = train.jit_train_step(setup, 1)
+        data = task.train_data(setup.phases[0], 0, 1)
+        metrics = []
+        for _ in range(2):
+            state, m = step(state, {k: jnp.asarray(v) for k, v in next(data).items()})
+            metrics.append({k: float(v) for k, v in jax.device_get(m).items()})
+        return jax.device_get(state.params), metrics
+
+    chunked_params, chunked = run("chunked")
+    params, plain = run("logits")
+    for got, want in zip(chunked, plain):
+        assert got.keys() == want.keys()
+        for key in want:
+            np.testing.assert_allclose(got[key], want[key], rtol=1e-5, err_msg=key)
+    for a, b in zip(jax.tree.leaves(chunked_params), jax.tree.leaves(params)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match=r"^config key train.mlm_loss='fused' is not one of"):
+        run("fused")

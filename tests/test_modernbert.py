@@ -662,3 +662,25 @@ def test_training_step_is_finite_with_dropout():
     assert np.isfinite(float(value)) and float(value) != float(other)  # dropout is on
     assert jax.tree.structure(grads) == jax.tree.structure(params)
     assert all(bool(jnp.isfinite(g).all()) and bool((g != 0).any()) for g in jax.tree.leaves(grads))
+
+
+@pytest.mark.parametrize(
+    "preset",
+    ["ettin-17m", "ettin-32m", "ettin-68m", "ettin-150m", "ettin-400m", "ettin-1b", "mmbert-base"],
+)
+def test_the_family_presets_are_the_checkpoints_shapes(preset):
+    """Ettin's and mmBERT's shapes: their config.json (written by config_to_hf) builds
+    transformers' ModernBertForMaskedLM with exactly the parameters bertjax counts, and reads
+    back as the same config; the names give the released sizes (17M ... 1B, mmBERT-base 307M)."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    cfg = modernbert.get_preset(preset, pad_token_id=0, cls_token_id=1, sep_token_id=2)
+    hf = mhf.config_to_hf(cfg)
+    assert mhf.config_from_hf(hf) == cfg
+    with torch.device("meta"):
+        model = transformers.ModernBertForMaskedLM(transformers.ModernBertConfig(**hf))
+    assert cfg.num_params() == sum(p.numel() for p in model.parameters())
+    size = preset.rsplit("-", 1)[1]
+    named = {"base": 307e6}.get(size) or float(size[:-1]) * (1e9 if size[-1] == "b" else 1e6)
+    assert abs(cfg.num_params() / named - 1) < 0.04, (preset, cfg.num_params())

@@ -86,10 +86,11 @@ def masked_lm_sums(model: PreTrainingModel, params, batch: dict) -> tuple:
         batch["input_mask"],
         batch["masked_lm_positions"],
         deterministic=True,
+        masked_lm_ids=batch["masked_lm_ids"],  # the trainer's loss: no [k, vocab] logits
         **packed,
     )
     weights = batch["masked_lm_weights"]
-    loss, accuracy = losses.masked_lm_loss(out["mlm_logits"], batch["masked_lm_ids"], weights, 1.0)
+    loss, accuracy = losses.weighted_nll(out["mlm_nll"], out["mlm_margin"] >= 0, weights, 1.0)
     return loss, accuracy, weights.sum()
 
 

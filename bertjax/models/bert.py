@@ -402,14 +402,15 @@ class MaskedLMHead(nn.Module):
     config: BertConfig
 
     @nn.compact
-    def __call__(self, x: Array, word_embeddings: Array) -> Array:
+    def __call__(self, x: Array, word_embeddings: Array, labels: Array | None = None):
         cfg = self.config
         dtype = dtype_of(cfg.dtype)
         x = dense(cfg, cfg.hidden_size, ("embed", "embed_out"), "dense")(x)
         x = activation(cfg.hidden_act)(x)
         x = layer_norm(cfg, "LayerNorm", epsilon=cfg.layer_norm_eps)(x)
         output_bias = self.param("output_bias", zeros_init(("vocab",)), (cfg.vocab_size,))
-        return fast_ops.tied_decoder(x, word_embeddings.astype(dtype), output_bias)  # [..., vocab]
+        # [..., vocab] logits, or (nll, label - max) at ``labels`` (fast_ops.decode)
+        return fast_ops.decode(x, word_embeddings.astype(dtype), output_bias, labels)
 
 
 def forward_flops_per_sequence(cfg: BertConfig, seq_len: int, num_masked: int) -> float:

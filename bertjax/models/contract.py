@@ -54,7 +54,8 @@ class Architecture:
         called as ``(input_ids, token_type_ids, attention_mask, *, deterministic,
         output_hidden_states, position_ids, pack_ids, pool_positions) -> EncoderOutput``.
       masked_lm_head: ``(config)``, called as ``(hidden [..., H], word_embeddings [V, H]) ->
-        logits [..., V]``.
+        logits [..., V]``, or with ``labels`` [...] as ``(..., labels) -> (nll, label logit -
+        max logit)`` [...] without the logits (``bertjax.layers.fast_ops.decode``).
       token_head: a per-token transform before the token and span classifiers (``(config)`` on
         ``[..., H]``, named ``head``), or None.
       encoder_name: the encoder's subtree in every model's params (``bert``, HF's

@@ -353,7 +353,7 @@ class MaskedLMHead(nn.Module):
     config: EuroBertConfig
 
     @nn.compact
-    def __call__(self, x: Array, word_embeddings: Array) -> Array:
+    def __call__(self, x: Array, word_embeddings: Array, labels: Array | None = None):
         cfg = self.config
         if cfg.mlp_bias:
             bias = self.param("output_bias", zeros_init(("vocab",)), (cfg.vocab_size,))
@@ -367,7 +367,7 @@ class MaskedLMHead(nn.Module):
                 dtype_of(cfg.param_dtype),
             )
         dtype = dtype_of(cfg.dtype)
-        return fast_ops.tied_decoder(x.astype(dtype), word_embeddings.astype(dtype), bias)
+        return fast_ops.decode(x.astype(dtype), word_embeddings.astype(dtype), bias, labels)
 
 
 def forward_flops_per_sequence(cfg: EuroBertConfig, seq_len: int, num_masked: int) -> float:

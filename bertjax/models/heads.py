@@ -60,11 +60,13 @@ def tied_word_embeddings(config: Any, encoder_module: nn.Module) -> Array:
     return nn.meta.unbox(table)
 
 
-def mlm_logits(config: Any, encoder_module: nn.Module, hidden: Array) -> Array:
+def mlm_logits(config: Any, encoder_module: nn.Module, hidden: Array, labels: Array | None = None):
     """The masked-LM head (``predictions``: the architecture's transform, decoder tied to the
-    encoder's word embeddings): [..., hidden] -> [..., vocab]. Call inside a compact module."""
+    encoder's word embeddings): [..., hidden] -> [..., vocab]; with ``labels`` [...] the
+    cross-entropy there and the label's logit minus the largest, [...] each, without the logits
+    (``bertjax.layers.fast_ops.decoder_nll``). Call inside a compact module."""
     head = architecture(config).masked_lm_head(config, name="predictions")
-    return head(hidden, tied_word_embeddings(config, encoder_module))
+    return head(hidden, tied_word_embeddings(config, encoder_module), labels)
 
 
 def nsp_logits(config: Any, pooled: Array) -> Array:
@@ -105,12 +107,15 @@ class PreTrainingModel(nn.Module):
         deterministic: bool = True,
         position_ids: Array | None = None,  # [batch, seq]
         pack_ids: Array | None = None,  # [batch, seq]
+        masked_lm_ids: Array | None = None,  # [batch, k]
     ) -> dict[str, Array]:
         """Returns mlm_logits [batch, k or seq, vocab] and nsp_logits [batch, 2] plus encoder outputs.
 
         ``masked_lm_positions`` [batch, k] evaluates the MLM head only there (the training path); None
         evaluates every position. ``position_ids`` / ``pack_ids`` [batch, seq] describe packed rows
-        (see the encoder); positions are then row-global.
+        (see the encoder); positions are then row-global. ``masked_lm_ids`` [batch, k] (the labels
+        at those positions) returns ``mlm_nll`` and ``mlm_margin`` (label logit minus the largest;
+        >= 0: correct) [batch, k] instead of the logits, which then never exist in full.
         """
         cfg = self.config
         enc = encoder(cfg, add_pooler=self.nsp or architecture(cfg).pooler_in_pretraining)
@@ -125,11 +130,11 @@ class PreTrainingModel(nn.Module):
         seq = out.sequence_output
         if masked_lm_positions is not None:
             seq = gather_positions(seq, masked_lm_positions)  # [batch, k, hidden]
-        result = {
-            "sequence_output": out.sequence_output,
-            "pooled_output": out.pooled_output,
-            "mlm_logits": mlm_logits(cfg, enc, seq),
-        }
+        result = {"sequence_output": out.sequence_output, "pooled_output": out.pooled_output}
+        if masked_lm_ids is None:
+            result["mlm_logits"] = mlm_logits(cfg, enc, seq)
+        else:
+            result["mlm_nll"], result["mlm_margin"] = mlm_logits(cfg, enc, seq, masked_lm_ids)
         if self.nsp:
             result["nsp_logits"] = nsp_logits(cfg, out.pooled_output)
         return result

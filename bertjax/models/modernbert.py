@@ -182,6 +182,21 @@ PRESETS: dict[str, dict[str, Any]] = {
     "modernbert-mini": dict(num_layers=6, hidden_size=256, num_heads=4, intermediate_size=384),
     "modernbert-base": dict(num_layers=22, hidden_size=768, num_heads=12, intermediate_size=1152),
     "modernbert-large": dict(num_layers=28, hidden_size=1024, num_heads=16, intermediate_size=2624),
+    # The ModernBERT family at other shapes (their checkpoints' config.json gives the rest when
+    # loaded): Ettin's encoders (Weller et al., 2025; ModernBERT's 50,368-token vocabulary) and
+    # mmBERT (Marone et al., 2025; Gemma 2's 256,000-token vocabulary).
+    "ettin-17m": dict(num_layers=7, hidden_size=256, num_heads=4, intermediate_size=384),
+    "ettin-32m": dict(num_layers=10, hidden_size=384, num_heads=6, intermediate_size=576),
+    "ettin-68m": dict(num_layers=19, hidden_size=512, num_heads=8, intermediate_size=768),
+    "ettin-150m": dict(num_layers=22, hidden_size=768, num_heads=12, intermediate_size=1152),
+    "ettin-400m": dict(num_layers=28, hidden_size=1024, num_heads=16, intermediate_size=2624),
+    "ettin-1b": dict(num_layers=28, hidden_size=1792, num_heads=28, intermediate_size=3840),
+    "mmbert-small": dict(
+        num_layers=22, hidden_size=384, num_heads=6, intermediate_size=1152, vocab_size=256_000
+    ),
+    "mmbert-base": dict(
+        num_layers=22, hidden_size=768, num_heads=12, intermediate_size=1152, vocab_size=256_000
+    ),
 }
 
 
@@ -444,7 +459,7 @@ class MaskedLMHead(nn.Module):
     config: ModernBertConfig
 
     @nn.compact
-    def __call__(self, x: Array, word_embeddings: Array) -> Array:
+    def __call__(self, x: Array, word_embeddings: Array, labels: Array | None = None):
         cfg = self.config
         x = _transform(cfg, x)
         if cfg.decoder_bias:
@@ -459,7 +474,7 @@ class MaskedLMHead(nn.Module):
                 dtype_of(cfg.param_dtype),
             )
         embeddings = word_embeddings.astype(dtype_of(cfg.dtype))
-        return fast_ops.tied_decoder(x, embeddings, bias)  # [..., vocab]
+        return fast_ops.decode(x, embeddings, bias, labels)  # [..., vocab] or (nll, margin)
 
 
 def forward_flops_per_sequence(cfg: ModernBertConfig, seq_len: int, num_masked: int) -> float:

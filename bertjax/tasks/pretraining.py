@@ -10,6 +10,7 @@ feeds their ``pack_ids`` / ``position_ids`` to the model; the masked positions a
 from __future__ import annotations
 
 import logging
+import math
 import os
 
 import jax
@@ -27,6 +28,9 @@ from bertjax.tasks.base import Phase, Task, register
 from bertjax.text import load_tokenizer
 
 log = logging.getLogger("bertjax")
+
+MLM_LOSS_MODES = ("auto", "logits", "chunked")  # train.mlm_loss (PretrainingTask.chunked_mlm_loss)
+CHUNKED_ABOVE_BYTES = 2**32  # auto: chunked above 4 GiB of fp32 MLM logits per device
 
 
 @register("pretrain")
@@ -342,19 +346,44 @@ class PretrainingTask(Task):
             "examples": jnp.asarray(batch["input_ids"].shape[0], jnp.float32),
         }
 
+    def chunked_mlm_loss(self, predictions: tuple[int, ...], vocab_size: int) -> bool:
+        """Whether the MLM loss runs the decoder and the cross-entropy fused, the vocabulary a
+        chunk at a time (``train.mlm_loss``: ``chunked``; ``logits``: the [predictions, vocab]
+        logits, then the loss; ``auto``: chunked when those fp32 logits would take more than
+        ``CHUNKED_ABOVE_BYTES`` per device, as with a 256k vocabulary). The chunked form computes
+        the logits twice (forward, then backward): about a fifth of mmBERT-base's step time for
+        a quarter of its memory (docs/performance.md)."""
+        mode = self.config.train.get("mlm_loss", "auto")
+        if mode not in MLM_LOSS_MODES:
+            raise ValueError(f"config key train.mlm_loss={mode!r} is not one of {MLM_LOSS_MODES}")
+        if mode != "auto":
+            return mode == "chunked"
+        per_device = math.prod(predictions) * vocab_size * 4 / jax.device_count()
+        return per_device > CHUNKED_ABOVE_BYTES
+
     def loss(self, model, params, batch, rng, normalizers, deterministic):
+        chunked = self.chunked_mlm_loss(batch["masked_lm_ids"].shape, model.config.vocab_size)
         out = model.apply(
             {"params": params},
             **self.model_inputs(batch),
+            masked_lm_ids=batch["masked_lm_ids"] if chunked else None,
             deterministic=deterministic,
             rngs={"dropout": rng},
         )
-        mlm_loss, mlm_acc = losses.masked_lm_loss(
-            out["mlm_logits"],
-            batch["masked_lm_ids"],
-            batch["masked_lm_weights"],
-            normalizers["mlm_weight"],
-        )
+        if chunked:  # the decoder and the cross-entropy fused: no [predictions, vocab] logits
+            mlm_loss, mlm_acc = losses.weighted_nll(
+                out["mlm_nll"],
+                jax.lax.stop_gradient(out["mlm_margin"]) >= 0,
+                batch["masked_lm_weights"],
+                normalizers["mlm_weight"],
+            )
+        else:
+            mlm_loss, mlm_acc = losses.masked_lm_loss(
+                out["mlm_logits"],
+                batch["masked_lm_ids"],
+                batch["masked_lm_weights"],
+                normalizers["mlm_weight"],
+            )
         metrics = {"mlm_loss": mlm_loss, "mlm_accuracy": mlm_acc}
         total = mlm_loss
         if self.config.data.nsp:
