@@ -12,10 +12,13 @@ import jax
 import numpy as np
 import pytest
 from hf_random import randomize
+from train_fixtures import read_metrics, tiny_config, write_vocab
 
+import bertjax
+from bertjax import train
 from bertjax.convert import hf as convert_hf
+from bertjax.convert import load_checkpoint, save_checkpoint, unflatten_params
 from bertjax.convert import nomicbert_hf as nhf
-from bertjax.convert import unflatten_params
 from bertjax.models import nomicbert
 from bertjax.models.heads import PreTrainingModel, SequenceClassifier, TokenClassifier
 
@@ -257,3 +260,133 @@ def test_config_round_trip_presets_and_errors():
         nhf.hf_architecture(("qa",))
     with pytest.raises(ValueError, match="gives an odd head_dim"):
         nomicbert.get_preset("nomicbert-tiny", hidden_size=132, num_heads=4)
+
+
+# ---------------------------------------------------------------------------------------------
+# Through the user-facing paths
+# ---------------------------------------------------------------------------------------------
+def _hf_dir(path, vocab_size: int, variant: str = "untied"):
+    torch.manual_seed(0)
+    model = transformers.NomicBertForMaskedLM(_hf_config(variant, vocab_size)).eval()
+    randomize(model, seed=4)
+    model.save_pretrained(path)
+    return model
+
+
+def test_load_pretrained_and_continued_pretraining(tmp_path):
+    """load_pretrained gives transformers' logits; hf -> bertjax -> hf is exact; pretraining from
+    the directory starts from its weights (encoder and untied decoder) and trains."""
+    vocab = write_vocab(tmp_path / "vocab.txt")
+    size = len(vocab.read_text().split())
+    model = _hf_dir(tmp_path / "hf", size)
+    ids, mask, types = _batch(size, seed=1)
+    with torch.no_grad():
+        t_ids, t_mask, t_types = (torch.from_numpy(a).long() for a in (ids, mask, types))
+        want = model(t_ids, attention_mask=t_mask, token_type_ids=t_types).logits
+    bert = bertjax.load_pretrained(str(tmp_path / "hf"))
+    assert bert.config.architecture == "nomicbert" and "mlm" in bert.heads
+    real = mask.astype(bool)
+    _close(
+        "load_pretrained",
+        np.asarray(bert(ids, token_type_ids=types, attention_mask=mask).mlm_logits)[real],
+        want.numpy()[real],
+        1e-4,
+    )
+    save_checkpoint(load_checkpoint(str(tmp_path / "hf")), str(tmp_path / "bj"), "bertjax")
+    save_checkpoint(load_checkpoint(str(tmp_path / "bj")), str(tmp_path / "back"), "hf")
+    for name, value in load_checkpoint(str(tmp_path / "hf")).tensors.items():
+        np.testing.assert_array_equal(load_checkpoint(str(tmp_path / "back")).tensors[name], value)
+
+    c = tiny_config(tmp_path, steps=2)
+    c.init_checkpoint = str(tmp_path / "hf")
+    c.data.nsp = False
+    c.train.eval_every = 1
+    c.train.eval_steps = 1
+    train.train_and_evaluate(c, str(tmp_path / "run"))
+    evals = read_metrics(tmp_path / "run", "eval")
+    assert [e["step"] for e in evals][:1] == [0] and all(np.isfinite(e["mlm_loss"]) for e in evals)
+    task = train.prepared_task(c, str(tmp_path / "run"))
+    setup = train.build(c, str(tmp_path / "run"), task)
+    assert setup.model.config.architecture == "nomicbert"
+    assert not setup.model.config.tie_word_embeddings
+    state = setup.init_state(jax.random.key_data(jax.random.key(0)))
+    assert "decoder" in state.params["predictions"]
+    want_params = task.source.pretrained.params
+    for head in ("nomic_bert", "predictions"):
+        for a, b in zip(jax.tree.leaves(want_params[head]), jax.tree.leaves(state.params[head])):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+# ---------------------------------------------------------------------------------------------
+# Fine-tuning every task kind from a transformers NomicBERT directory
+# ---------------------------------------------------------------------------------------------
+FINE_TUNING = {  # kind -> (task, config module, data folder, overrides)
+    "glue": ("glue/sst2", "glue", "glue", {}),
+    "ner": ("ner/conll2003", "ner", "ner", {}),
+    "squad": ("squad/v1.1", "squad", "squad", {"data.max_query_length": 10, "data.doc_stride": 8}),
+    "swag": ("swag", "swag", "swag", {}),
+}
+
+
+@pytest.fixture(scope="module")
+def nomic_mlm(files, tmp_path_factory):
+    """A transformers NomicBertForMaskedLM (untied) over the fine-tuning files' vocabulary."""
+    path = tmp_path_factory.mktemp("nomic") / "hf"
+    size = len((files / "vocab.txt").read_text().split())
+    torch.manual_seed(0)
+    config = _hf_config("untied", size, hidden_size=48, num_hidden_layers=2)
+    model = transformers.NomicBertForMaskedLM(config).eval()
+    randomize(model, seed=5)
+    model.save_pretrained(path)
+    (path / "vocab.txt").write_text((files / "vocab.txt").read_text())
+    return path
+
+
+@pytest.mark.usefixtures("compilation_cache")
+@pytest.mark.parametrize("kind", list(FINE_TUNING))
+def test_every_fine_tuning_task_trains_from_a_nomicbert_directory(files, nomic_mlm, tmp_path, kind):
+    """Each task trains 2 steps from the directory's encoder; the run's folder loads as the model
+    it trained, and exports to transformers where transformers has the class (sequence and token
+    classification, multiple choice as the sequence classifier that scores each choice, as BERT's
+    export does), giving the same logits; QA says in one line that it exports to bertjax's formats
+    only (transformers has no NomicBERT QA class)."""
+    import importlib
+
+    from helpers import small_config
+
+    from bertjax import convert
+
+    task, module, data_dir, extra = FINE_TUNING[kind]
+    c = importlib.import_module(f"configs.{module}").get_config()
+    c = small_config(c, files, data_dir, task=task, init_checkpoint=str(nomic_mlm), **extra)
+    c.train.steps = 2
+    workdir = tmp_path / "run"
+    result = train.train_and_evaluate(c, str(workdir))
+    assert result["step"] == 2 and np.isfinite(result["train"]["loss"])
+    ckpt = load_checkpoint(str(workdir))
+    assert ckpt.config.architecture == "nomicbert" and not ckpt.config.tie_word_embeddings
+    if kind == "squad":
+        with pytest.raises(ValueError) as info:
+            convert.save_checkpoint(ckpt, str(tmp_path / "hf"), "hf")
+        assert "\n" not in str(info.value) and "--to=bertjax" in str(info.value)
+        assert not (tmp_path / "hf").exists()
+        return
+    convert.main([str(workdir), "--to=hf", str(tmp_path / "hf")])
+    auto = "ForTokenClassification" if kind == "ner" else "ForSequenceClassification"
+    hf, loading = getattr(transformers, "AutoModel" + auto).from_pretrained(
+        tmp_path / "hf", attn_implementation="eager", output_loading_info=True
+    )
+    assert not any(loading.values()), loading
+    ids, mask, types = _batch(ckpt.config.vocab_size, seed=3)
+    ours = bertjax.load_pretrained(str(workdir))
+    with torch.no_grad():
+        t_ids, t_mask, t_types = (torch.from_numpy(a).long() for a in (ids, mask, types))
+        want = hf.eval()(t_ids, attention_mask=t_mask, token_type_ids=t_types)
+    if kind != "ner":  # a sequence classifier: SST-2's 2 labels, SWAG's one score per choice
+        assert hf.config.num_labels == (2 if kind == "glue" else 1)
+        _close(
+            f"{kind} export",
+            ours(ids, token_type_ids=types, attention_mask=mask).logits,
+            want.logits.numpy(),
+            1e-4,
+        )

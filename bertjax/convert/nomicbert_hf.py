@@ -37,6 +37,20 @@ _WORDS = "nomic_bert.embeddings.word_embeddings.weight"
 _DECODER = "cls.predictions.decoder.weight"
 _DECODER_BIAS = "cls.predictions.decoder.bias"
 _OUTPUT_BIAS = "cls.predictions.bias"
+# The original (nomic-ai) names, which the hub checkpoints have and transformers' save_pretrained
+# writes (its conversion_mapping for nomic_bert), -> transformers' module names; ``attn.Wqkv`` is
+# the query, key and value weights stacked on the output axis.
+_ORIGINAL_NAMES = (
+    ("encoder.layers.", "layers."),
+    ("emb_ln.", "embeddings.LayerNorm."),
+    ("attn.out_proj.", "self_attn.o_proj."),
+    ("mlp.fc11.", "mlp.up_proj."),
+    ("mlp.fc12.", "mlp.gate_proj."),
+    ("mlp.fc2.", "mlp.down_proj."),
+    (".norm1.", ".post_attention_layernorm."),
+    (".norm2.", ".post_mlp_layernorm."),
+)
+_FUSED_QKV = "attn.Wqkv."
 # config.json's special-token ids <- the roles of bertjax's tokenizers.
 TOKEN_IDS = {"pad_token_id": "pad"}
 
@@ -178,20 +192,36 @@ def hf_names(cfg: NomicBertConfig, heads=("mlm",), num_labels: int = 0) -> list[
     return [(path, name) for path, name, _, _ in _rows(cfg, heads, num_labels)]
 
 
+def _module_names(named: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """A state dict in transformers' module names, from either those or the original ones."""
+    state = {}
+    for name, value in named.items():
+        for original, module in _ORIGINAL_NAMES:
+            name = name.replace(original, module)
+        if _FUSED_QKV in name:
+            for proj, part in zip(("q_proj", "k_proj", "v_proj"), np.split(np.asarray(value), 3)):
+                state[name.replace(_FUSED_QKV, f"self_attn.{proj}.")] = part
+        else:
+            state[name] = np.asarray(value)
+    return state
+
+
 def from_hf_tensors(
     cfg: NomicBertConfig, named: dict[str, np.ndarray], source: str, architecture: str | None = None
 ) -> tuple[dict[str, np.ndarray], tuple[str, ...]]:
     """A transformers NomicBERT state dict (NumPy) -> (flat bertjax tensors, heads present).
 
-    Names of a bare NomicBertModel (no ``nomic_bert.`` prefix) are accepted; the heads are read
+    transformers' module names and the original ones (``encoder.layers.{i}.attn.Wqkv``, ``fc11``,
+    ``emb_ln``, ...: the hub's, and what ``save_pretrained`` writes) are both read; names of a bare
+    NomicBertModel (no ``nomic_bert.`` prefix) are accepted; the heads are read
     from the names (``cls.*``: mlm; ``nomic_bert.pooler.*``: pooler; ``classifier.*``:
     classifier). A tied decoder weight and bias must equal the word embeddings and the output
     bias. One ValueError naming ``source`` lists every missing, unexpected and mis-shaped
     tensor."""
     del architecture  # the names tell every NomicBERT class apart
     state = {}
-    for name, value in named.items():
-        state[_PREFIX + name if name.startswith(_ENCODER_PREFIXES) else name] = np.asarray(value)
+    for name, value in _module_names(named).items():
+        state[_PREFIX + name if name.startswith(_ENCODER_PREFIXES) else name] = value
     mlm = any(k.startswith("cls.") for k in state)
     if mlm and cfg.tie_word_embeddings:
         hf_table.untie(state, _DECODER, _WORDS, source)
