@@ -72,10 +72,11 @@ def _bertjax_logger_restored():
 # -------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def hf_dirs(tmp_path_factory):
-    """Tiny random transformers encoders (helpers.tiny_hf): {"bert", "modernbert", "eurobert":
-    DIR}."""
+    """Tiny random transformers encoders (helpers.tiny_hf): {"bert", "modernbert", "eurobert",
+    "nomicbert": DIR}."""
     root = tmp_path_factory.mktemp("hf")
-    return {kind: tiny_hf(root / kind, kind) for kind in ("bert", "modernbert", "eurobert")}
+    kinds = ("bert", "modernbert", "eurobert", "nomicbert")
+    return {kind: tiny_hf(root / kind, kind) for kind in kinds}
 
 
 @pytest.fixture(scope="module")

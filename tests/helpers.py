@@ -159,7 +159,7 @@ VOCAB += [*".,!?:", *WORDS]
 
 
 def tiny_hf(path, kind: str):
-    """A random transformers encoder (BERT, ModernBERT or EuroBERT) with a WordPiece
+    """A random transformers encoder (BERT, ModernBERT, EuroBERT or NomicBERT) with a WordPiece
     tokenizer.json."""
     import transformers
 
@@ -184,6 +184,11 @@ def tiny_hf(path, kind: str):
             mask_token_id=4,
         )
         model = transformers.EuroBertModel(config)
+    elif kind == "nomicbert":  # RoPE, SwiGLU, post-LN; an untied MLM decoder does not matter here
+        config = transformers.NomicBertConfig(
+            **common, num_attention_heads=4, max_position_embeddings=64, pad_token_id=0
+        )
+        model = transformers.NomicBertModel(config)
     else:
         config = transformers.ModernBertConfig(
             **common,
@@ -252,7 +257,7 @@ def cross_encoder_dir(path, hf_dir, activation_fn=None):
         device="cpu",
         activation_fn=activation_fn,
     )
-    randomize(model.model, seed=5, only=("classifier", "head", "bert.pooler"))
+    randomize(model.model, seed=5, only=("classifier", "head", "bert.pooler", "nomic_bert.pooler"))
     model.save(str(path))
     return path
 

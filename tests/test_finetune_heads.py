@@ -49,6 +49,18 @@ TASKS = {  # kind -> (task, config module, data folder, overrides, transformers 
 
 
 def _hf_config(arch: str, vocab_size: int, num_labels: int):
+    if arch == "nomicbert":
+        return transformers.NomicBertConfig(
+            vocab_size=vocab_size,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=40,
+            max_position_embeddings=64,
+            pad_token_id=0,
+            num_labels=num_labels,
+            attn_implementation="eager",
+        )
     if arch == "eurobert":
         return transformers.EuroBertConfig(
             vocab_size=vocab_size,
@@ -99,7 +111,8 @@ def _write_hf_model(files, path, arch: str, suffix: str, num_labels: int, seed: 
     """A random transformers task model saved as a directory (vocab.txt beside it); its weights
     are rescaled to O(1) activations (HF's 0.02 init leaves every layer near the identity)."""
     vocab_size = len((files / "vocab.txt").read_text().split())
-    prefix = {"modernbert": "ModernBert", "eurobert": "EuroBert"}.get(arch, "Bert")
+    prefix = {"modernbert": "ModernBert", "eurobert": "EuroBert", "nomicbert": "NomicBert"}
+    prefix = prefix.get(arch, "Bert")
     torch.manual_seed(seed)
     config = _hf_config(arch, vocab_size, num_labels)
     model = getattr(transformers, prefix + suffix)(config).eval()
@@ -153,6 +166,8 @@ def _torch_logits(model, arch: str, batch):
         ("bert", "choice"),
         ("eurobert", "sequence"),  # transformers has no EuroBERT QA or multiple-choice class
         ("eurobert", "token"),
+        ("nomicbert", "sequence"),  # nor a NomicBERT one
+        ("nomicbert", "token"),
     ],
 )
 def test_fine_tuning_starts_from_the_checkpoints_task_head(files, tmp_path, caplog, arch, kind):

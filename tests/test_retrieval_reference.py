@@ -121,7 +121,7 @@ def _flat(tree):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["bert", "modernbert", "eurobert"])
+@pytest.mark.parametrize("kind", ["bert", "modernbert", "eurobert", "nomicbert"])
 def test_training_steps_equal_sentence_transformers(tmp_path, kind):
     st_dir = helpers.st_dir(
         tmp_path / "st", helpers.tiny_hf(tmp_path / "hf", kind), "mean", dense=torch.nn.Tanh()

@@ -12,19 +12,16 @@ only (one line says so).
 
 from __future__ import annotations
 
-import json
-import os
 from typing import Any
 
 import numpy as np
-from safetensors.numpy import save_file
 
 import bertjax.convert.hf_table as hf_table
 from bertjax.layers.core import ACTIVATIONS
-from bertjax.layers.rope import frequencies, parse_schedule, schedule_json
 from bertjax.models.eurobert import POOLINGS, EuroBertConfig
 
 MODEL_TYPE = "eurobert"
+ARCHITECTURE = EuroBertConfig.architecture  # bertjax's name
 _ARCHITECTURES = {  # heads present -> the transformers class whose state dict holds exactly them
     frozenset(): "EuroBertModel",
     frozenset({"mlm"}): "EuroBertForMaskedLM",
@@ -47,18 +44,6 @@ TOKEN_IDS = {
 # ---------------------------------------------------------------------------------------------
 # config.json
 # ---------------------------------------------------------------------------------------------
-def _rope(hf: dict[str, Any]) -> tuple[float, str]:
-    """(rope_theta, schedule JSON) from ``rope_parameters`` (transformers 5) or the older
-    top-level ``rope_theta`` + ``rope_scaling``."""
-    params = dict(hf.get("rope_parameters") or {})
-    params.update(hf.get("rope_scaling") or {})
-    theta = params.get("rope_theta", hf.get("rope_theta", 10_000.0))  # transformers' default
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type in ("yarn", "longrope", "llama3"):
-        params.setdefault("original_max_position_embeddings", hf.get("max_position_embeddings"))
-    return float(theta), schedule_json(params)
-
-
 def config_from_hf(hf: dict[str, Any]) -> EuroBertConfig:
     """A EuroBertConfig from a transformers EuroBERT config.json (dict); a setting bertjax cannot
     run is a ValueError naming the key."""
@@ -79,7 +64,7 @@ def config_from_hf(hf: dict[str, Any]) -> EuroBertConfig:
     if int(hf.get("pretraining_tp", 1) or 1) != 1:
         raise ValueError(f"HF config: pretraining_tp={hf['pretraining_tp']} is not 1")
     kv = hf.get("num_key_value_heads")
-    theta, schedule = _rope(hf)
+    theta, schedule = hf_table.rope_from_hf(hf, 10_000.0)  # transformers' default
     values: dict[str, Any] = dict(
         vocab_size=hf.get("vocab_size", 128256),
         hidden_size=hidden,
@@ -98,19 +83,8 @@ def config_from_hf(hf: dict[str, Any]) -> EuroBertConfig:
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         classifier_pooling=hf.get("classifier_pooling", "late"),
     )
-    for key in TOKEN_IDS:
-        if key in hf:
-            value = hf[key][0] if isinstance(hf[key], list) and hf[key] else hf[key]
-            values[key] = None if value in (None, []) else int(value)
-    dtype = hf.get("dtype", hf.get("torch_dtype"))
-    if dtype in ("float32", "bfloat16", "float16"):
-        values["param_dtype"] = dtype
-    cfg = EuroBertConfig(**values)
-    try:
-        frequencies(parse_schedule(schedule), theta, cfg.head_dim, cfg.max_position_embeddings)
-    except ValueError as e:
-        raise ValueError(f"HF config: rope_parameters: {e}") from None
-    return cfg.replace(rope_scaling=schedule)
+    values.update(hf_table.metadata(hf, TOKEN_IDS))
+    return hf_table.with_rope(EuroBertConfig(**values), schedule)
 
 
 def config_to_hf(cfg: EuroBertConfig, heads=("mlm",), num_labels: int = 0) -> dict[str, Any]:
@@ -133,11 +107,7 @@ def config_to_hf(cfg: EuroBertConfig, heads=("mlm",), num_labels: int = 0) -> di
         "attention_bias": cfg.attention_bias,
         "attention_dropout": cfg.attention_dropout,
         "mlp_bias": cfg.mlp_bias,
-        "rope_parameters": {
-            "rope_type": "default",
-            **parse_schedule(cfg.rope_scaling),
-            "rope_theta": cfg.rope_theta,
-        },
+        "rope_parameters": hf_table.rope_parameters(cfg),
         "tie_word_embeddings": cfg.tie_word_embeddings,
         "classifier_pooling": cfg.classifier_pooling,
         "dtype": cfg.param_dtype,
@@ -234,10 +204,8 @@ def to_hf_tensors(
     """Flat bertjax tensors -> the state dict of :func:`hf_architecture` (``heads``): unprefixed
     names for a bare EuroBertModel, ``model.`` ones with heads (a tied ``lm_head.weight`` is
     left to transformers, which ties it on load)."""
-    classifier = flat.get("classifier/kernel")
-    num_labels = int(classifier.shape[-1]) if classifier is not None else 0
     arch = hf_architecture(heads, hf_class)
-    out = hf_table.write(_rows(cfg, heads, num_labels), flat, "to_hf_tensors")
+    out = hf_table.write(_rows(cfg, heads, hf_table.num_labels(flat)), flat, "to_hf_tensors")
     if arch == "EuroBertModel":
         out = {k.removeprefix("model."): a for k, a in out.items()}
     return out
@@ -248,10 +216,5 @@ def write_hf_dir(
 ) -> None:
     """Writes config.json + model.safetensors that transformers' ``from_pretrained`` loads as the
     class holding ``heads``."""
-    classifier = flat.get("classifier/kernel")
-    num_labels = int(classifier.shape[-1]) if classifier is not None else 0
     state = to_hf_tensors(cfg, flat, heads, hf_class)  # refuses heads no class holds, first
-    os.makedirs(path, exist_ok=True)
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(config_to_hf(cfg, heads, num_labels), f, indent=2, sort_keys=True)
-    save_file(state, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    hf_table.write_dir(path, config_to_hf(cfg, heads, hf_table.num_labels(flat)), state)

@@ -28,6 +28,7 @@ from safetensors.numpy import load_file, save_file
 
 import bertjax.convert.eurobert_hf as eurobert_hf
 import bertjax.convert.modernbert_hf as modernbert_hf
+import bertjax.convert.nomicbert_hf as nomicbert_hf
 from bertjax.convert.bert_layout import (
     MATRIX_ROLES,
     from_original,
@@ -53,8 +54,11 @@ SAFETENSORS = "model.safetensors"
 TORCH_BIN = "pytorch_model.bin"
 _ENCODER_PREFIXES = ("embeddings.", "encoder.", "pooler.")
 # The architectures converted by one name table (bertjax.convert.hf_table), by config.json's
-# model_type (= the bertjax architecture name); BERT is converted through its Google names.
-TABLE_FAMILIES = {family.MODEL_TYPE: family for family in (modernbert_hf, eurobert_hf)}
+# model_type (NomicBERT's is nomic_bert) and by bertjax architecture name; BERT is converted
+# through its Google names.
+_TABLE_MODULES = (modernbert_hf, eurobert_hf, nomicbert_hf)
+TABLE_FAMILIES = {family.MODEL_TYPE: family for family in _TABLE_MODULES}
+FAMILY_OF_ARCHITECTURE = {family.ARCHITECTURE: family for family in _TABLE_MODULES}
 MODEL_TYPES = ("bert", *TABLE_FAMILIES)
 _SPECIAL_NAMES = {
     "cls/predictions/output_bias": "cls.predictions.bias",
@@ -395,7 +399,7 @@ def _write_tokenizer_files(ckpt: Checkpoint, directory: str, tokenizer, tokens) 
     else:
         config = {"tokenizer_class": "BertTokenizer", "do_lower_case": tokenizer.do_lower_case}
         config.update(special)
-        if ckpt.config.architecture in TABLE_FAMILIES:
+        if ckpt.config.architecture in FAMILY_OF_ARCHITECTURE:
             # transformers 5 builds these families' tokenizers from tokenizer.json only (a
             # vocab.txt alone needs sentencepiece or tiktoken to convert): the same WordPiece.
             from tokenizers.implementations import BertWordPieceTokenizer
@@ -419,7 +423,11 @@ def _write_tokenizer_files(ckpt: Checkpoint, directory: str, tokenizer, tokens) 
 def bare_encoder(ckpt: Checkpoint) -> Checkpoint:
     """``ckpt`` with only the tensors of the bare transformers encoder class (``BertModel`` keeps
     the pooler, ``ModernBertModel`` has none): what a sentence-transformers directory stores."""
-    keep = ("encoder",) if ckpt.config.architecture in TABLE_FAMILIES else ("encoder", "pooler")
+    keep = (
+        ("encoder",)
+        if ckpt.config.architecture in FAMILY_OF_ARCHITECTURE
+        else ("encoder", "pooler")
+    )
     tensors = {k: v for k, v in ckpt.tensors.items() if head_of(k) in keep}
     if "pooler" in keep and not any(head_of(k) == "pooler" for k in tensors):
         tensors.update(initial_pooler(ckpt.config))
@@ -441,7 +449,7 @@ def write_hf(ckpt: Checkpoint, directory: str) -> None:
     transformers loads as is (``AutoModel*``, ``AutoTokenizer``, ``pipeline("fill-mask")``): the
     special-token ids of config.json are the vocabulary's, never a preset's."""
     tokenizer, tokens = _special_tokens(ckpt)
-    family = TABLE_FAMILIES.get(ckpt.config.architecture)
+    family = FAMILY_OF_ARCHITECTURE.get(ckpt.config.architecture)
     if family is not None:
         cfg = ckpt.config
         if tokenizer is not None:

@@ -1,5 +1,6 @@
 """Name tables between bertjax parameters and transformers state dicts (NumPy only), for the
-architectures whose converter is one table (``modernbert_hf``, ``eurobert_hf``).
+architectures whose converter is one table (``modernbert_hf``, ``eurobert_hf``,
+``nomicbert_hf``), and the RoPE settings of their config.json.
 
 A table row is ``(bertjax path, HF state-dict name, transform, bertjax shape)``; the transform
 says how the array is laid out on each side:
@@ -12,11 +13,16 @@ says how the array is laid out on each side:
 
 from __future__ import annotations
 
+import json
 import math
+import os
+from typing import Any
 
 import numpy as np
+from safetensors.numpy import save_file
 
 from bertjax.convert.checkpoint import fmt_shape, listing, mismatch_report
+from bertjax.layers.rope import parse_schedule, schedule_json
 
 Row = tuple[str, str, str, tuple]
 
@@ -113,3 +119,61 @@ def untie(state: dict, tied_name: str, words_name: str, source: str) -> None:
             f"{source}: {tied_name} {fmt_shape(tied.shape)} is not tied to {words_name} although "
             "config.json has tie_word_embeddings=true"
         )
+
+
+def rope_from_hf(hf: dict[str, Any], default_theta: float) -> tuple[float, str]:
+    """(rope_theta, schedule JSON) of a config.json: ``rope_parameters`` (transformers 5) or the
+    older top-level ``rope_theta`` + ``rope_scaling``; ``default_theta`` where neither says."""
+    params = dict(hf.get("rope_parameters") or {})
+    params.update(hf.get("rope_scaling") or {})
+    theta = params.get("rope_theta", hf.get("rope_theta", default_theta))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type in ("yarn", "longrope", "llama3"):
+        params.setdefault("original_max_position_embeddings", hf.get("max_position_embeddings"))
+    return float(theta), schedule_json(params)
+
+
+def with_rope(cfg, schedule: str):
+    """``cfg`` (a ``bertjax.layers.rope.RopeConfig``) with the schedule of :func:`rope_from_hf`;
+    one it cannot run is a ValueError naming ``rope_parameters``."""
+    try:
+        return cfg.replace(rope_scaling=schedule)
+    except ValueError as e:
+        raise ValueError(f"HF config: rope_parameters: {e}") from None
+
+
+def rope_parameters(cfg) -> dict[str, Any]:
+    """config.json's ``rope_parameters`` of a rotary config."""
+    return {
+        "rope_type": "default",
+        **parse_schedule(cfg.rope_scaling),
+        "rope_theta": cfg.rope_theta,
+    }
+
+
+def num_labels(flat: dict[str, np.ndarray]) -> int:
+    """The classifier's number of labels in flat bertjax tensors (0 without a classifier)."""
+    classifier = flat.get("classifier/kernel")
+    return int(classifier.shape[-1]) if classifier is not None else 0
+
+
+def write_dir(path: str, config: dict[str, Any], state: dict[str, np.ndarray]) -> None:
+    """config.json + model.safetensors in ``path`` (created), as ``from_pretrained`` reads them."""
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f, indent=2, sort_keys=True)
+    save_file(state, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+
+
+def metadata(hf: dict[str, Any], token_keys) -> dict[str, Any]:
+    """The special-token ids of ``token_keys`` that config.json has (None where null; the first
+    of a list) and ``param_dtype`` from its ``dtype`` (or ``torch_dtype``), as config fields."""
+    values: dict[str, Any] = {}
+    for key in token_keys:
+        if key in hf:
+            value = hf[key][0] if isinstance(hf[key], list) and hf[key] else hf[key]
+            values[key] = None if value in (None, []) else int(value)
+    dtype = hf.get("dtype", hf.get("torch_dtype"))
+    if dtype in ("float32", "bfloat16", "float16"):
+        values["param_dtype"] = dtype
+    return values

@@ -30,7 +30,8 @@ from bertjax.layers.core import ACTIVATIONS
 from bertjax.layers.rope import frequencies, parse_schedule, schedule_json
 from bertjax.models.modernbert import ModernBertConfig
 
-MODEL_TYPE = "modernbert"  # config.json's model_type = bertjax's architecture name
+MODEL_TYPE = "modernbert"  # config.json's model_type
+ARCHITECTURE = ModernBertConfig.architecture  # bertjax's name
 HEADS = ("pooler", "mlm", "classifier", "token_head", "qa")
 # config.json's special-token ids <- the roles of the vocabulary's tokens.
 TOKEN_IDS = {"pad_token_id": "pad", "cls_token_id": "cls", "sep_token_id": "sep"}

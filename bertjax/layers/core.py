@@ -213,6 +213,14 @@ def pool_members(
     return positions, members
 
 
+def tanh_pooler(config, x: Array, pool_positions: Array | None, name: str) -> Array:
+    """BERT's pooler: a Dense [hidden, hidden] (``name``) and tanh on the first token of every row
+    ([batch, hidden]) or at ``pool_positions`` [batch, k] ([batch, k, hidden]). Call inside a
+    compact module."""
+    first = x[:, 0] if pool_positions is None else gather_positions(x, pool_positions)
+    return jnp.tanh(dense(config, config.hidden_size, ("embed", "embed_out"), name)(first))
+
+
 def output_dense(config, features: int, name: str) -> nn.Dense:
     """A float32 output layer [embed] -> [features] (NSP and task heads), logically named."""
     return nn.Dense(
@@ -240,6 +248,19 @@ def attention_bias(attention_mask: Array, dtype: Any, pack_ids: Array | None = N
     else:
         allowed = attention_mask[:, None, :, :]
     return jnp.where(allowed > 0, 0.0, jnp.finfo(dtype).min).astype(dtype)
+
+
+def embed_table(config, num: int, names: tuple[str | None, str], name: str) -> nn.Embed:
+    """An embedding table [num, hidden] (normal(initializer_range), logically named), read with
+    :func:`embedding_lookup`."""
+    return nn.Embed(
+        num,
+        config.hidden_size,
+        dtype=dtype_of(config.dtype),
+        param_dtype=dtype_of(config.param_dtype),
+        embedding_init=normal_init(config, names),
+        name=name,
+    )
 
 
 def embedding_lookup(table: nn.Embed, ids: Array) -> Array:

@@ -218,3 +218,33 @@ def apply_rope(x: Array, rope: tuple[Array, Array]) -> Array:
     x1, x2 = jnp.split(xf, 2, axis=-1)
     rotated = jnp.concatenate([-x2, x1], axis=-1)
     return (xf * cos + rotated * sin).astype(x.dtype)
+
+
+class RopeConfig:
+    """Mixed into a rotary encoder's config dataclass with ``rope_theta``, ``rope_scaling`` (a
+    schedule's JSON, "" = default), ``head_dim`` and ``max_position_embeddings``."""
+
+    def rope(self, seq_len: int | None = None) -> tuple[np.ndarray, float]:
+        """(inverse frequencies float32 [head_dim // 2], cos/sin scale) for ``seq_len`` tokens."""
+        schedule = parse_schedule(self.rope_scaling)
+        return frequencies(
+            schedule, self.rope_theta, self.head_dim, self.max_position_embeddings, seq_len
+        )
+
+    def check_rope(self) -> None:
+        """ValueError naming the key: an odd head_dim, a non-positive rope_theta, a schedule
+        that gives no frequencies."""
+
+        def bad(key, why):
+            raise ValueError(f"model config: {key}={getattr(self, key)!r} {why}")
+
+        if self.head_dim % 2:
+            bad("hidden_size", f"gives an odd head_dim={self.head_dim} (RoPE needs it even)")
+        if self.rope_theta <= 0:
+            bad("rope_theta", "must be positive")
+        if self.max_position_embeddings < 1:
+            bad("max_position_embeddings", "must be >= 1")
+        try:
+            self.rope()
+        except ValueError as e:
+            bad("rope_scaling", str(e))

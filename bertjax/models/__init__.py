@@ -1,8 +1,8 @@
 """The architecture registry: ``model.architecture`` names one entry of ``ARCHITECTURES``.
 
-Each architecture module (``bert``, ``modernbert``, ``eurobert``) ends with ``ARCHITECTURE =
-Architecture(...)`` (``bertjax.models.contract``): its config and presets, encoder, heads,
-parameter and FLOP counts, whether it scans, its pretraining heads. Adding an architecture is one
+Each architecture module (``bert``, ``modernbert``, ``eurobert``, ``nomicbert``) ends with
+``ARCHITECTURE = Architecture(...)`` (``bertjax.models.contract``): its config and presets, encoder,
+heads, parameter and FLOP counts, whether it scans, its pretraining heads. Adding an architecture is one
 module here plus one line in ``ARCHITECTURES``; ``tests/test_layout.py`` checks the contract of every
 entry. Task heads (``bertjax.models.heads``), the trainer, ``plan``, ``compile``, ``convert``,
 ``load_pretrained`` and the benchmarks reach an architecture only through :func:`architecture` /
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from bertjax.models import bert, eurobert, modernbert
+from bertjax.models import bert, eurobert, modernbert, nomicbert
 from bertjax.models.contract import Architecture
 
 ARCHITECTURES: dict[str, Architecture] = {
@@ -22,6 +22,7 @@ ARCHITECTURES: dict[str, Architecture] = {
         bert.ARCHITECTURE,
         modernbert.ARCHITECTURE,
         eurobert.ARCHITECTURE,
+        nomicbert.ARCHITECTURE,
     )
 }
 DEFAULT = bert.ARCHITECTURE.name  # a config or checkpoint without ``architecture``

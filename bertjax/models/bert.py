@@ -45,11 +45,11 @@ from bertjax.layers.core import (
     check_common_fields,
     dense,
     dtype_of,
+    embed_table,
     embedding_lookup,
-    gather_positions,
     layer_norm,
-    normal_init,
     remat,
+    tanh_pooler,
     zeros_init,
 )
 from bertjax.layers.dropout import Dropout
@@ -178,27 +178,20 @@ class BertEmbeddings(nn.Module):
                 f"{cfg.max_position_embeddings} of the model"
             )
 
-        def embed(num, names, name):
-            return nn.Embed(
-                num,
-                cfg.hidden_size,
-                dtype=dtype_of(cfg.dtype),
-                param_dtype=dtype_of(cfg.param_dtype),
-                embedding_init=normal_init(cfg, names),
-                name=name,
-            )
-
         # embedding_lookup: the tables' gradients accumulate in the parameter dtype (see there)
         words = embedding_lookup(
-            embed(cfg.vocab_size, ("vocab", "embed"), "word_embeddings"), input_ids
+            embed_table(cfg, cfg.vocab_size, ("vocab", "embed"), "word_embeddings"), input_ids
         )
-        table = embed(cfg.max_position_embeddings, (None, "embed"), "position_embeddings")
+        table = embed_table(
+            cfg, cfg.max_position_embeddings, (None, "embed"), "position_embeddings"
+        )
         if position_ids is None:  # rows 0..seq-1: a slice, whose gradient is no scatter
             positions = table.embedding[None, :seq_len].astype(table.dtype)  # [1, seq, hidden]
         else:
             positions = embedding_lookup(table, position_ids)
         types = embedding_lookup(
-            embed(cfg.type_vocab_size, (None, "embed"), "token_type_embeddings"), token_type_ids
+            embed_table(cfg, cfg.type_vocab_size, (None, "embed"), "token_type_embeddings"),
+            token_type_ids,
         )
         x = words + positions + types  # [batch, seq, hidden]
         x = layer_norm(cfg, "LayerNorm", epsilon=cfg.layer_norm_eps)(x)
@@ -389,10 +382,8 @@ class BertModel(nn.Module):
         )
         pooled = None
         if self.add_pooler:
-            pooled = dense(cfg, cfg.hidden_size, ("embed", "embed_out"), "pooler")(
-                x[:, 0] if pool_positions is None else gather_positions(x, pool_positions)
-            )
-            pooled = jnp.tanh(pooled)  # [batch, hidden], or [batch, k, hidden] at pool_positions
+            # [batch, hidden], or [batch, k, hidden] at pool_positions
+            pooled = tanh_pooler(cfg, x, pool_positions, "pooler")
         return BertOutput(sequence_output=x, pooled_output=pooled, hidden_states=hidden)
 
 
@@ -400,6 +391,10 @@ class MaskedLMHead(nn.Module):
     """Dense + activation + LayerNorm transform, decoder tied to the word embeddings, output bias."""
 
     config: BertConfig
+
+    def decoder(self, word_embeddings: Array) -> Array:
+        """The decoder's weights [vocab, hidden]: the word embeddings (a subclass may untie)."""
+        return word_embeddings
 
     @nn.compact
     def __call__(self, x: Array, word_embeddings: Array, labels: Array | None = None):
@@ -409,8 +404,9 @@ class MaskedLMHead(nn.Module):
         x = activation(cfg.hidden_act)(x)
         x = layer_norm(cfg, "LayerNorm", epsilon=cfg.layer_norm_eps)(x)
         output_bias = self.param("output_bias", zeros_init(("vocab",)), (cfg.vocab_size,))
+        weights = self.decoder(word_embeddings).astype(dtype)
         # [..., vocab] logits, or (nll, label - max) at ``labels`` (fast_ops.decode)
-        return fast_ops.decode(x, word_embeddings.astype(dtype), output_bias, labels)
+        return fast_ops.decode(x, weights, output_bias, labels)
 
 
 def forward_flops_per_sequence(cfg: BertConfig, seq_len: int, num_masked: int) -> float:

@@ -36,22 +36,19 @@ from typing import Any, ClassVar
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from bertjax.layers import fast_ops
-from bertjax.layers.attention import attend, kernel_seed, resolve_impl
+from bertjax.layers.blocks import GatedMLP, RopeSelfAttention, check_length, rope_inputs
 from bertjax.layers.core import (
     BATCH_LENGTH_EMBED,
-    BATCH_LENGTH_HEADS_KV,
-    BATCH_LENGTH_MLP,
     EncoderConfig,
     EncoderOutput,
     Linear,
     RMSNorm,
     activation,
-    attention_bias,
     check_common_fields,
     dtype_of,
+    embed_table,
     embedding_lookup,
     gather_positions,
     normal_init,
@@ -59,8 +56,7 @@ from bertjax.layers.core import (
     remat,
     zeros_init,
 )
-from bertjax.layers.rope import apply_rope, frequencies, parse_schedule, rope_tables
-from bertjax.layers.splash_attention import segment_ids_from_mask
+from bertjax.layers.rope import RopeConfig
 from bertjax.models.contract import Architecture
 
 Array = jax.Array
@@ -69,7 +65,7 @@ POOLINGS = ("bos", "mean", "late")
 
 
 @dataclasses.dataclass(frozen=True)
-class EuroBertConfig(EncoderConfig):
+class EuroBertConfig(RopeConfig, EncoderConfig):
     """Architecture and numerics of a EuroBERT encoder (defaults: EuroBERT/EuroBERT-210m)."""
 
     vocab_size: int = 128256
@@ -107,39 +103,25 @@ class EuroBertConfig(EncoderConfig):
 
     def __post_init__(self):
         check_common_fields(self)
+        self.check_rope()
 
         def bad(key, why):
             raise ValueError(f"model config: {key}={getattr(self, key)!r} {why}")
 
         if self.scan_layers:
             bad("scan_layers", "is not supported by EuroBERT yet; use False")
-        if self.head_dim % 2:
-            bad("hidden_size", f"gives an odd head_dim={self.head_dim} (RoPE needs it even)")
         if self.num_kv_heads < 0 or self.num_heads % self.kv_heads:
             bad("num_kv_heads", f"does not divide num_heads={self.num_heads}")
         if self.classifier_pooling not in POOLINGS:
             bad("classifier_pooling", f"is not one of {POOLINGS}")
-        for key in ("rms_norm_eps", "rope_theta", "initializer_range"):
+        for key in ("rms_norm_eps", "initializer_range"):
             if getattr(self, key) <= 0:
                 bad(key, "must be positive")
-        if self.max_position_embeddings < 1:
-            bad("max_position_embeddings", "must be >= 1")
-        try:
-            self.rope()
-        except ValueError as e:
-            bad("rope_scaling", str(e))
 
     @property
     def kv_heads(self) -> int:
         """The number of key-value heads (``num_kv_heads``, or ``num_heads`` when 0)."""
         return self.num_kv_heads or self.num_heads
-
-    def rope(self, seq_len: int | None = None) -> tuple[np.ndarray, float]:
-        """(inverse frequencies float32 [head_dim // 2], cos/sin scale) for ``seq_len`` tokens."""
-        schedule = parse_schedule(self.rope_scaling)
-        return frequencies(
-            schedule, self.rope_theta, self.head_dim, self.max_position_embeddings, seq_len
-        )
 
     def num_params(self, include_heads: bool = True, include_pooler: bool = False) -> int:
         """Analytic parameter count: the encoder, plus the MLM decoder (``include_heads``: what
@@ -183,55 +165,6 @@ def get_preset(name: str, **overrides: Any) -> EuroBertConfig:
     return EuroBertConfig(**{**PRESETS[name], **overrides})
 
 
-class EuroBertAttention(nn.Module):
-    """Grouped-query self-attention with RoPE on queries and keys."""
-
-    config: EuroBertConfig
-
-    @nn.compact
-    def __call__(self, x, bias, rope, deterministic: bool, segment_ids=None) -> Array:
-        cfg = self.config
-        h, n, g, d = cfg.hidden_size, cfg.num_heads, cfg.kv_heads, cfg.head_dim
-        ab = cfg.attention_bias
-        q = Linear(cfg, (h, n, d), ("embed", "heads", "kv"), 1, ab, name="q_proj")(x)
-        k = Linear(cfg, (h, g, d), ("embed", "heads", "kv"), 1, ab, name="k_proj")(x)
-        v = Linear(cfg, (h, g, d), ("embed", "heads", "kv"), 1, ab, name="v_proj")(x)
-        q, k = apply_rope(q, rope), apply_rope(k, rope)
-        if g != n:  # transformers' repeat_kv: query head j reads key-value head j // (n // g)
-            k, v = jnp.repeat(k, n // g, axis=2), jnp.repeat(v, n // g, axis=2)
-        q, k, v = (nn.with_logical_constraint(t, BATCH_LENGTH_HEADS_KV) for t in (q, k, v))
-        ctx = attend(
-            q,
-            k,
-            v,
-            bias,
-            impl=cfg.attention_impl,
-            dropout_rate=cfg.attention_dropout,
-            dropout_impl=cfg.dropout_impl,
-            deterministic=deterministic,
-            segment_ids=segment_ids,
-            kernel_seed=kernel_seed(self),
-        )  # [batch, seq, heads, head_dim]
-        ctx = nn.with_logical_constraint(ctx, BATCH_LENGTH_HEADS_KV)
-        out = Linear(cfg, (n, d, h), ("heads", "kv", "embed"), 2, ab, name="o_proj")(ctx)
-        return nn.with_logical_constraint(out, BATCH_LENGTH_EMBED)  # [batch, seq, hidden]
-
-
-class EuroBertMLP(nn.Module):
-    """down_proj(act(gate_proj(x)) * up_proj(x))."""
-
-    config: EuroBertConfig
-
-    @nn.compact
-    def __call__(self, x: Array) -> Array:
-        cfg = self.config
-        h, i, mb = cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias
-        gate = Linear(cfg, (h, i), ("embed", "mlp"), 1, mb, name="gate_proj")(x)
-        up = Linear(cfg, (h, i), ("embed", "mlp"), 1, mb, name="up_proj")(x)
-        y = nn.with_logical_constraint(activation(cfg.hidden_act)(gate) * up, BATCH_LENGTH_MLP)
-        return Linear(cfg, (i, h), ("mlp", "embed"), 1, mb, name="down_proj")(y)
-
-
 class EuroBertLayer(nn.Module):
     """Pre-RMSNorm layer: x += Attn(norm(x)); x += MLP(norm(x))."""
 
@@ -241,9 +174,10 @@ class EuroBertLayer(nn.Module):
     def __call__(self, x, bias, rope, deterministic: bool, segment_ids=None) -> Array:
         cfg = self.config
         h = RMSNorm(cfg, cfg.rms_norm_eps, name="input_layernorm")(x)
-        x = x + EuroBertAttention(cfg, name="self_attn")(h, bias, rope, deterministic, segment_ids)
+        attn = RopeSelfAttention(cfg, cfg.num_kv_heads, cfg.attention_bias, name="self_attn")
+        x = x + attn(h, bias, rope, deterministic, segment_ids)
         h = RMSNorm(cfg, cfg.rms_norm_eps, name="post_attention_layernorm")(x)
-        x = x + EuroBertMLP(cfg, name="mlp")(h)
+        x = x + GatedMLP(cfg, cfg.mlp_bias, name="mlp")(h)
         return nn.with_logical_constraint(x, BATCH_LENGTH_EMBED)
 
 
@@ -304,30 +238,12 @@ class EuroBertModel(nn.Module):
     ) -> EncoderOutput:
         del token_type_ids  # EuroBERT has no segment embeddings
         cfg = self.config
-        seq_len = input_ids.shape[1]
-        if seq_len > cfg.max_position_embeddings:
-            raise ValueError(
-                f"sequence length {seq_len} exceeds max_position_embeddings="
-                f"{cfg.max_position_embeddings} of the model"
-            )
+        check_length(cfg, input_ids)
         if attention_mask is None:
             attention_mask = jnp.ones_like(input_ids)
-        words = nn.Embed(
-            cfg.vocab_size,
-            cfg.hidden_size,
-            dtype=dtype_of(cfg.dtype),
-            param_dtype=dtype_of(cfg.param_dtype),
-            embedding_init=normal_init(cfg, ("vocab", "embed")),
-            name="embed_tokens",
-        )
+        words = embed_table(cfg, cfg.vocab_size, ("vocab", "embed"), "embed_tokens")
         x = nn.with_logical_constraint(embedding_lookup(words, input_ids), BATCH_LENGTH_EMBED)
-        bias = attention_bias(attention_mask, jnp.float32, pack_ids)  # [batch, 1, 1 or q, k]
-        segment_ids = None
-        if resolve_impl(cfg.attention_impl) == "splash":
-            segment_ids = segment_ids_from_mask(attention_mask, pack_ids)
-        if position_ids is None:
-            position_ids = jnp.arange(seq_len)[None, :]  # [1, seq]
-        rope = rope_tables(position_ids, *cfg.rope(seq_len))
+        bias, segment_ids, rope = rope_inputs(cfg, attention_mask, position_ids, pack_ids)
         # static_argnums counts self: (self, x, bias, rope, deterministic, segment_ids)
         layer_cls = remat(EuroBertLayer, cfg.remat, static_argnums=(4,))
         hidden_states = [x]

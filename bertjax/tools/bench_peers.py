@@ -27,12 +27,20 @@ import subprocess
 import sys
 import time
 
-PEER_FRAMEWORKS = ("flax", "torch", "torch-modernbert", "torch-eurobert", "torch-cls")
+PEER_FRAMEWORKS = (
+    "flax",
+    "torch",
+    "torch-modernbert",
+    "torch-eurobert",
+    "torch-nomicbert",
+    "torch-cls",
+)
 # The peers of each architecture, by its transformers reference class (``Architecture.hf_reference``).
 PEERS = {
     "BertForPreTraining": ("flax", "torch"),
     "ModernBertForMaskedLM": ("torch-modernbert",),
     "EuroBertForMaskedLM": ("torch-eurobert",),
+    "NomicBertForMaskedLM": ("torch-nomicbert",),
 }
 
 
@@ -267,6 +275,30 @@ def bench_torch_eurobert(a) -> dict:
     return _bench_torch_model(model, batch, a, "transformers-torch-eurobert", ("norm",))
 
 
+def bench_torch_nomicbert(a) -> dict:
+    """Eager PyTorch NomicBertForMaskedLM (full-sequence logits, its own MLM loss from
+    ``labels``, SDPA attention), clip_grad_norm_ and AdamW."""
+    import torch
+    from transformers import NomicBertConfig, NomicBertForMaskedLM
+
+    torch.manual_seed(0)
+    config = NomicBertConfig(
+        vocab_size=a.vocab,
+        hidden_size=a.hidden,
+        num_hidden_layers=a.layers,
+        num_attention_heads=a.heads,
+        intermediate_size=a.intermediate,
+        max_position_embeddings=max(2048, a.seq),
+        hidden_dropout_prob=a.dropout,
+        attention_probs_dropout_prob=a.dropout,
+        pad_token_id=0,
+    )
+    model = NomicBertForMaskedLM(config)
+    hf = synthetic_batch(a.batch, a.seq, a.masked, a.vocab)
+    batch = {k: hf[k] for k in ("input_ids", "attention_mask", "labels")}
+    return _bench_torch_model(model, batch, a, "transformers-torch-nomicbert", ("bias", "norm"))
+
+
 def bench_torch_cls(a) -> dict:
     """Fine-tuning in eager PyTorch: BertForSequenceClassification (2 labels, its own loss) trained
     as ``_bench_torch_model`` does, then the dev set's forward passes (``eval_examples`` rows in
@@ -396,6 +428,7 @@ def main(argv: list[str] | None = None) -> None:
         "torch": bench_torch,
         "torch-modernbert": bench_torch_modernbert,
         "torch-eurobert": bench_torch_eurobert,
+        "torch-nomicbert": bench_torch_nomicbert,
         "torch-cls": bench_torch_cls,
     }
     result = runners[a.framework](a)

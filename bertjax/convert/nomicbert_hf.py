@@ -1,0 +1,264 @@
+"""Hugging Face NomicBERT checkpoints <-> bertjax ``nomicbert`` parameters (NumPy only).
+
+One table (:func:`hf_names`, rows of ``bertjax.convert.hf_table``) pairs every flat bertjax path
+with its transformers state-dict name. Heads: ``mlm`` is NomicBertForMaskedLM's ``cls.predictions``
+(``transform`` as bertjax ``predictions/{dense,LayerNorm}``; the output bias is
+``cls.predictions.bias``, which transformers ties to ``decoder.bias`` as it ties ``decoder.weight``
+to the word embeddings; with ``tie_word_embeddings=false`` the decoder's own weight and bias are
+bertjax ``predictions/decoder`` and ``predictions/output_bias``, and ``cls.predictions.bias``,
+which transformers' forward then never reads, is written as a copy of the decoder's bias),
+``pooler`` is NomicBertForSequenceClassification's ``nomic_bert.pooler.dense`` and ``classifier``
+its ``classifier``; NomicBertForTokenClassification holds the ``classifier`` alone. transformers
+has no NomicBERT class for extractive QA or multiple choice: such a run exports to bertjax's
+formats only (one line says so).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+import bertjax.convert.hf_table as hf_table
+from bertjax.layers.core import ACTIVATIONS
+from bertjax.models.nomicbert import NomicBertConfig
+
+MODEL_TYPE = "nomic_bert"
+ARCHITECTURE = NomicBertConfig.architecture  # bertjax's name (config.json's is MODEL_TYPE)
+_ARCHITECTURES = {  # heads present -> the transformers class whose state dict holds exactly them
+    frozenset(): "NomicBertModel",
+    frozenset({"mlm"}): "NomicBertForMaskedLM",
+    frozenset({"pooler", "classifier"}): "NomicBertForSequenceClassification",
+    frozenset({"classifier"}): "NomicBertForTokenClassification",
+}
+_PREFIX = "nomic_bert."  # HF's base_model_prefix
+_ENCODER_PREFIXES = ("embeddings.", "layers.", "pooler.")  # NomicBertModel's own names
+_WORDS = "nomic_bert.embeddings.word_embeddings.weight"
+_DECODER = "cls.predictions.decoder.weight"
+_DECODER_BIAS = "cls.predictions.decoder.bias"
+_OUTPUT_BIAS = "cls.predictions.bias"
+# The original (nomic-ai) names, which the hub checkpoints have and transformers' save_pretrained
+# writes (its conversion_mapping for nomic_bert), -> transformers' module names; ``attn.Wqkv`` is
+# the query, key and value weights stacked on the output axis.
+_ORIGINAL_NAMES = (
+    ("encoder.layers.", "layers."),
+    ("emb_ln.", "embeddings.LayerNorm."),
+    ("attn.out_proj.", "self_attn.o_proj."),
+    ("mlp.fc11.", "mlp.up_proj."),
+    ("mlp.fc12.", "mlp.gate_proj."),
+    ("mlp.fc2.", "mlp.down_proj."),
+    (".norm1.", ".post_attention_layernorm."),
+    (".norm2.", ".post_mlp_layernorm."),
+)
+_FUSED_QKV = "attn.Wqkv."
+# config.json's special-token ids <- the roles of bertjax's tokenizers.
+TOKEN_IDS = {"pad_token_id": "pad"}
+
+
+# ---------------------------------------------------------------------------------------------
+# config.json
+# ---------------------------------------------------------------------------------------------
+def config_from_hf(hf: dict[str, Any]) -> NomicBertConfig:
+    """A NomicBertConfig from a transformers NomicBERT config.json (dict); a setting bertjax
+    cannot run is a ValueError naming the key."""
+    if hf.get("model_type", MODEL_TYPE) != MODEL_TYPE:
+        raise ValueError(f"HF config: model_type={hf['model_type']!r} is not {MODEL_TYPE!r}")
+    hidden, heads = hf.get("hidden_size", 768), hf.get("num_attention_heads", 12)
+    if hf.get("head_dim") not in (None, hidden // max(heads, 1)):
+        raise ValueError(
+            f"HF config: head_dim={hf['head_dim']} is not hidden_size // num_attention_heads "
+            "(bertjax's NomicBERT derives it)"
+        )
+    if hf.get("hidden_act", "silu") not in ACTIVATIONS:
+        raise ValueError(f"HF config: hidden_act={hf['hidden_act']!r} is not one of {ACTIVATIONS}")
+    theta, schedule = hf_table.rope_from_hf(hf, 1000.0)  # NomicBertConfig.default_theta
+    values: dict[str, Any] = dict(
+        vocab_size=hf.get("vocab_size", 30528),
+        hidden_size=hidden,
+        num_layers=int(hf.get("num_hidden_layers", 12)),
+        num_heads=heads,
+        intermediate_size=hf.get("intermediate_size", 3072),
+        hidden_act=hf.get("hidden_act", "silu"),
+        hidden_dropout=float(hf.get("hidden_dropout_prob", 0.0) or 0.0),
+        attention_dropout=float(hf.get("attention_probs_dropout_prob", 0.0) or 0.0),
+        max_position_embeddings=hf.get("max_position_embeddings", 2048),
+        type_vocab_size=hf.get("type_vocab_size", 2),
+        initializer_range=hf.get("initializer_range", 0.02),
+        layer_norm_eps=hf.get("layer_norm_eps", 1e-12),
+        rope_theta=theta,
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)),
+    )
+    values.update(hf_table.metadata(hf, ("pad_token_id", "bos_token_id", "eos_token_id")))
+    return hf_table.with_rope(NomicBertConfig(**values), schedule)
+
+
+def config_to_hf(cfg: NomicBertConfig, heads=("mlm",), num_labels: int = 0) -> dict[str, Any]:
+    """A config.json dict that transformers' NomicBertConfig loads, for the class holding
+    ``heads``; ``num_labels`` > 0 writes id2label/label2id."""
+    hf: dict[str, Any] = {
+        "architectures": [hf_architecture(heads)],
+        "model_type": MODEL_TYPE,
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": cfg.hidden_act,
+        "hidden_dropout_prob": cfg.hidden_dropout,
+        "attention_probs_dropout_prob": cfg.attention_dropout,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "type_vocab_size": cfg.type_vocab_size,
+        "initializer_range": cfg.initializer_range,
+        "layer_norm_eps": cfg.layer_norm_eps,
+        "rope_parameters": hf_table.rope_parameters(cfg),
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+        "dtype": cfg.param_dtype,
+        "pad_token_id": cfg.pad_token_id,
+        "bos_token_id": cfg.bos_token_id,
+        "eos_token_id": cfg.eos_token_id,
+    }
+    if num_labels:
+        hf["id2label"] = {str(i): f"LABEL_{i}" for i in range(num_labels)}
+        hf["label2id"] = {f"LABEL_{i}": i for i in range(num_labels)}
+    return hf
+
+
+def hf_architecture(heads, hf_class: str | None = None) -> str:
+    """The transformers class whose state dict holds exactly ``heads``."""
+    del hf_class  # no two NomicBERT classes hold the same heads
+    arch = _ARCHITECTURES.get(frozenset(heads))
+    if arch is None:
+        raise ValueError(
+            f"no Hugging Face NomicBERT class holds exactly the heads {sorted(heads)} "
+            f"(transformers has {sorted(_ARCHITECTURES.values())}); export this run with "
+            "--to=bertjax"
+        )
+    return arch
+
+
+# ---------------------------------------------------------------------------------------------
+# The name table
+# ---------------------------------------------------------------------------------------------
+def _norm(table: hf_table.Table, path: str, name: str, h: int) -> None:
+    table.add(f"{path}/scale", f"{name}.weight", "copy", (h,))
+    table.add(f"{path}/bias", f"{name}.bias", "copy", (h,))
+
+
+def _rows(cfg: NomicBertConfig, heads, num_labels: int) -> list[hf_table.Row]:
+    """(bertjax path, HF name, transform, bertjax shape) of the encoder and the given heads."""
+    h, n, d = cfg.hidden_size, cfg.num_heads, cfg.head_dim
+    i, v = cfg.intermediate_size, cfg.vocab_size
+    table = hf_table.Table()
+    emb = "nomic_bert.embeddings"
+    table.add("nomic_bert/embeddings/word_embeddings/embedding", _WORDS, "copy", (v, h))
+    types = f"{emb}.token_type_embeddings.weight"
+    table.add(
+        "nomic_bert/embeddings/token_type_embeddings/embedding",
+        types,
+        "copy",
+        (cfg.type_vocab_size, h),
+    )
+    _norm(table, "nomic_bert/embeddings/LayerNorm", f"{emb}.LayerNorm", h)
+    for layer in range(cfg.num_layers):
+        src, dst = f"nomic_bert.layers.{layer}", f"nomic_bert/layer_{layer}"
+        for proj in ("q_proj", "k_proj", "v_proj"):
+            table.linear(f"{dst}/self_attn/{proj}", f"{src}.self_attn.{proj}", (h, n, d), False)
+        table.linear(
+            f"{dst}/self_attn/o_proj", f"{src}.self_attn.o_proj", (n, d, h), False, "linear_heads"
+        )
+        _norm(table, f"{dst}/post_attention_layernorm", f"{src}.post_attention_layernorm", h)
+        table.linear(f"{dst}/mlp/gate_proj", f"{src}.mlp.gate_proj", (h, i), False)
+        table.linear(f"{dst}/mlp/up_proj", f"{src}.mlp.up_proj", (h, i), False)
+        table.linear(f"{dst}/mlp/down_proj", f"{src}.mlp.down_proj", (i, h), False)
+        _norm(table, f"{dst}/post_mlp_layernorm", f"{src}.post_mlp_layernorm", h)
+    if "pooler" in heads:
+        table.linear("nomic_bert/pooler", "nomic_bert.pooler.dense", (h, h), True)
+    if "mlm" in heads:
+        table.linear("predictions/dense", "cls.predictions.transform.dense", (h, h), True)
+        _norm(table, "predictions/LayerNorm", "cls.predictions.transform.layer_norm", h)
+        if cfg.tie_word_embeddings:
+            table.add("predictions/output_bias", _OUTPUT_BIAS, "copy", (v,))
+        else:
+            table.add("predictions/decoder", _DECODER, "copy", (v, h))
+            table.add("predictions/output_bias", _DECODER_BIAS, "copy", (v,))
+    if "classifier" in heads and num_labels > 0:
+        table.linear("classifier", "classifier", (h, num_labels), True)
+    return table.rows
+
+
+def hf_names(cfg: NomicBertConfig, heads=("mlm",), num_labels: int = 0) -> list[tuple[str, str]]:
+    """(bertjax flat path, HF state-dict name) of the encoder plus ``heads``."""
+    return [(path, name) for path, name, _, _ in _rows(cfg, heads, num_labels)]
+
+
+def _module_names(named: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """A state dict in transformers' module names, from either those or the original ones."""
+    state = {}
+    for name, value in named.items():
+        for original, module in _ORIGINAL_NAMES:
+            name = name.replace(original, module)
+        if _FUSED_QKV in name:
+            for proj, part in zip(("q_proj", "k_proj", "v_proj"), np.split(np.asarray(value), 3)):
+                state[name.replace(_FUSED_QKV, f"self_attn.{proj}.")] = part
+        else:
+            state[name] = np.asarray(value)
+    return state
+
+
+def from_hf_tensors(
+    cfg: NomicBertConfig, named: dict[str, np.ndarray], source: str, architecture: str | None = None
+) -> tuple[dict[str, np.ndarray], tuple[str, ...]]:
+    """A transformers NomicBERT state dict (NumPy) -> (flat bertjax tensors, heads present).
+
+    transformers' module names and the original ones (``encoder.layers.{i}.attn.Wqkv``, ``fc11``,
+    ``emb_ln``, ...: the hub's, and what ``save_pretrained`` writes) are both read; names of a bare
+    NomicBertModel (no ``nomic_bert.`` prefix) are accepted; the heads are read
+    from the names (``cls.*``: mlm; ``nomic_bert.pooler.*``: pooler; ``classifier.*``:
+    classifier). A tied decoder weight and bias must equal the word embeddings and the output
+    bias. One ValueError naming ``source`` lists every missing, unexpected and mis-shaped
+    tensor."""
+    del architecture  # the names tell every NomicBERT class apart
+    state = {}
+    for name, value in _module_names(named).items():
+        state[_PREFIX + name if name.startswith(_ENCODER_PREFIXES) else name] = value
+    mlm = any(k.startswith("cls.") for k in state)
+    if mlm and cfg.tie_word_embeddings:
+        hf_table.untie(state, _DECODER, _WORDS, source)
+        hf_table.untie(state, _DECODER_BIAS, _OUTPUT_BIAS, source)
+    elif mlm:  # untied: transformers' forward reads the decoder's bias, never this one
+        state.pop(_OUTPUT_BIAS, None)
+    present = {
+        "pooler": any(k.startswith("nomic_bert.pooler.") for k in state),
+        "mlm": mlm,
+        "classifier": any(k.startswith("classifier.") for k in state),
+    }
+    heads = tuple(h for h, here in present.items() if here)
+    labels = state.get("classifier.weight", state.get("classifier.bias"))
+    num_labels = int(labels.shape[0]) if labels is not None and labels.ndim else 0
+    what = f"{source}: NomicBERT checkpoint (heads {list(heads)}) does not match its config"
+    return hf_table.read(_rows(cfg, heads, num_labels), state, what), heads
+
+
+def to_hf_tensors(
+    cfg: NomicBertConfig, flat: dict[str, np.ndarray], heads, hf_class: str | None = None
+) -> dict[str, np.ndarray]:
+    """Flat bertjax tensors -> the state dict of :func:`hf_architecture` (``heads``): unprefixed
+    names for a bare NomicBertModel, ``nomic_bert.`` ones with heads (a tied decoder is left to
+    transformers, which ties it on load)."""
+    arch = hf_architecture(heads, hf_class)
+    out = hf_table.write(_rows(cfg, heads, hf_table.num_labels(flat)), flat, "to_hf_tensors")
+    if "mlm" in heads and not cfg.tie_word_embeddings:
+        out[_OUTPUT_BIAS] = out[_DECODER_BIAS].copy()
+    if arch == "NomicBertModel":
+        out = {k.removeprefix(_PREFIX): a for k, a in out.items()}
+    return out
+
+
+def write_hf_dir(
+    path: str, cfg: NomicBertConfig, flat: dict[str, np.ndarray], heads, hf_class=None
+) -> None:
+    """Writes config.json + model.safetensors that transformers' ``from_pretrained`` loads as the
+    class holding ``heads``."""
+    state = to_hf_tensors(cfg, flat, heads, hf_class)  # refuses heads no class holds, first
+    hf_table.write_dir(path, config_to_hf(cfg, heads, hf_table.num_labels(flat)), state)

@@ -1,0 +1,392 @@
+"""NomicBERT: bertjax.models.nomicbert against transformers' NomicBertModel / NomicBertForMaskedLM /
+NomicBertForSequenceClassification / NomicBertForTokenClassification on padded batches with two
+segments (tied and untied decoders, SiLU and GELU, default and linear RoPE schedules, one and two
+token types), the conversion table both ways through directories that transformers loads, and
+continued pretraining and fine-tuning from a transformers NomicBERT directory."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import numpy as np
+import pytest
+from hf_random import randomize
+from train_fixtures import read_metrics, tiny_config, write_vocab
+
+import bertjax
+from bertjax import train
+from bertjax.convert import hf as convert_hf
+from bertjax.convert import load_checkpoint, save_checkpoint, unflatten_params
+from bertjax.convert import nomicbert_hf as nhf
+from bertjax.models import nomicbert
+from bertjax.models.heads import PreTrainingModel, SequenceClassifier, TokenClassifier
+
+transformers = pytest.importorskip("transformers")
+torch = pytest.importorskip("torch")
+
+TOL = 1e-5
+LENGTHS = (21, 14)  # a padded batch
+NUM_LABELS = 3
+VARIANTS = {
+    # the checkpoints' layout: tied decoder, SiLU, RoPE base 1000, two token types, 4 heads
+    "tied": dict(num_attention_heads=4),
+    # an untied decoder, a GELU MLP and transform, 3 heads, another base and LayerNorm eps
+    "untied": dict(
+        num_attention_heads=3,
+        tie_word_embeddings=False,
+        hidden_act="gelu",
+        layer_norm_eps=1e-5,
+        rope_parameters={"rope_type": "default", "rope_theta": 500.0},
+    ),
+    # 2 heads, one token type, a linear RoPE schedule
+    "linear": dict(
+        num_attention_heads=2,
+        type_vocab_size=1,
+        rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1000.0},
+    ),
+}
+
+
+def _hf_config(variant: str, vocab_size: int = 301, **extra):
+    values = dict(
+        vocab_size=vocab_size,
+        hidden_size=48,
+        intermediate_size=80,
+        num_hidden_layers=3,
+        max_position_embeddings=64,
+        pad_token_id=0,
+        num_labels=NUM_LABELS,
+        attn_implementation="eager",
+        rope_parameters={"rope_type": "default", "rope_theta": 1000.0},
+    )
+    values.update(VARIANTS[variant], **extra)
+    return transformers.NomicBertConfig(**values)
+
+
+def _batch(vocab: int, lengths=LENGTHS, seed: int = 0, types: int = 2):
+    """ids, mask and token types (a second segment from position 8 when there are two types)."""
+    rng = np.random.default_rng(seed)
+    seq = max(lengths)
+    ids = rng.integers(4, vocab, (len(lengths), seq)).astype(np.int32)
+    mask = (np.arange(seq)[None, :] < np.array(lengths)[:, None]).astype(np.int32)
+    ids[:, 0] = 2  # [CLS]
+    segments = np.where((np.arange(seq)[None, :] >= 8) & (mask > 0) & (types > 1), 1, 0)
+    return np.where(mask > 0, ids, 0), mask, segments.astype(np.int32)
+
+
+def _state(model) -> dict[str, np.ndarray]:
+    return {k: v.numpy().copy() for k, v in model.state_dict().items()}
+
+
+@functools.cache
+def _reference(variant: str):
+    """HF ForMaskedLM, ForSequenceClassification and ForTokenClassification sharing one random
+    encoder, their state dicts (as save_pretrained writes them) and outputs on the padded batch."""
+    torch.manual_seed(0)
+    hfc = _hf_config(variant)
+    mlm = transformers.NomicBertForMaskedLM(hfc).eval()
+    randomize(mlm, seed=1)
+    if not hfc.tie_word_embeddings:  # the bias transformers' forward never reads: as exported
+        with torch.no_grad():
+            mlm.cls.predictions.bias.copy_(mlm.cls.predictions.decoder.bias)
+    encoder = {k: v for k, v in mlm.state_dict().items() if k.startswith("nomic_bert.")}
+    models = {"mlm": mlm}
+    for which, cls in (
+        ("clf", transformers.NomicBertForSequenceClassification),
+        ("tok", transformers.NomicBertForTokenClassification),
+    ):
+        models[which] = cls(hfc).eval()
+        models[which].load_state_dict(encoder, strict=False)
+        randomize(models[which], seed=2, only=("nomic_bert.pooler.", "classifier."))
+    ids, mask, types = _batch(hfc.vocab_size, types=hfc.type_vocab_size)
+    t_ids, t_mask, t_types = (torch.from_numpy(a).long() for a in (ids, mask, types))
+    with torch.no_grad():
+        out = mlm(t_ids, attention_mask=t_mask, token_type_ids=t_types, output_hidden_states=True)
+        logits = {
+            w: models[w](t_ids, attention_mask=t_mask, token_type_ids=t_types).logits.numpy()
+            for w in ("clf", "tok")
+        }
+    state = {w: _state(m) for w, m in models.items()}
+    if hfc.tie_word_embeddings:  # what save_pretrained writes: the tied decoder is dropped
+        state["mlm"].pop("cls.predictions.decoder.weight")
+        state["mlm"].pop("cls.predictions.decoder.bias")
+    return dict(
+        config=hfc,
+        ids=ids,
+        mask=mask,
+        types=types,
+        state=state,
+        hidden=[h.numpy() for h in out.hidden_states],
+        logits={"mlm": out.logits.numpy(), **logits},
+    )
+
+
+def _converted(variant: str, which: str):
+    ref = _reference(variant)
+    cfg = nhf.config_from_hf(ref["config"].to_dict())
+    flat, heads = nhf.from_hf_tensors(cfg, ref["state"][which], f"hf-{which}")
+    return cfg, flat, heads
+
+
+def _close(name, got, want, tol=TOL, report=None):
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    assert got.shape == want.shape, (name, got.shape, want.shape)
+    diff = float(np.max(np.abs(got - want)))
+    if report is not None:
+        report[name] = diff
+    assert diff <= tol, f"{name}: max abs difference {diff:.3e} > {tol}"
+
+
+def _apply(module, flat, *args, **kwargs):
+    params = unflatten_params(flat)
+    return jax.jit(lambda p: module.apply({"params": p}, *args, **kwargs))(params)
+
+
+# ---------------------------------------------------------------------------------------------
+# Numerical identity with transformers
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_encoder_and_heads_match_transformers(variant):
+    ref = _reference(variant)
+    ids, mask, types = ref["ids"], ref["mask"], ref["types"]
+    real = mask.astype(bool)
+    diffs: dict[str, float] = {}
+
+    cfg, flat, heads = _converted(variant, "mlm")
+    assert heads == ("mlm",) and cfg.num_layers == 3
+    assert cfg.tie_word_embeddings == ("predictions/decoder" not in flat)
+    prefix = "nomic_bert/"
+    encoder_flat = {k[len(prefix) :]: v for k, v in flat.items() if k.startswith(prefix)}
+    out = _apply(
+        nomicbert.NomicBertModel(cfg, add_pooler=False),
+        encoder_flat,
+        ids,
+        types,
+        mask,
+        output_hidden_states=True,
+    )
+    assert len(out.hidden_states) == len(ref["hidden"]) == cfg.num_layers + 1
+    for i, (got, want) in enumerate(zip(out.hidden_states, ref["hidden"])):
+        _close(f"hidden_states[{i}]", np.asarray(got)[real], want[real], report=diffs)
+    _close("last", np.asarray(out.sequence_output)[real], ref["hidden"][-1][real], report=diffs)
+
+    model = PreTrainingModel(cfg, nsp=False)
+    full = _apply(model, flat, ids, types, mask)
+    want = ref["logits"]["mlm"][real]
+    _close("mlm_logits", np.asarray(full["mlm_logits"])[real], want, report=diffs)
+    positions = np.array([[0, 5, 20, 13], [1, 8, 13, 3]], np.int32)
+    at = _apply(model, flat, ids, types, mask, positions)["mlm_logits"]
+    want = np.take_along_axis(ref["logits"]["mlm"], positions[:, :, None], axis=1)
+    _close("mlm_logits_at_positions", at, want, report=diffs)
+
+    cfg, flat, heads = _converted(variant, "clf")
+    assert heads == ("pooler", "classifier")
+    logits = _apply(SequenceClassifier(cfg, num_labels=NUM_LABELS), flat, ids, types, mask)
+    _close("classifier", logits, ref["logits"]["clf"], report=diffs)
+
+    cfg, flat, heads = _converted(variant, "tok")
+    assert heads == ("classifier",)
+    logits = _apply(TokenClassifier(cfg, num_labels=NUM_LABELS), flat, ids, types, mask)
+    _close("token_classifier", np.asarray(logits)[real], ref["logits"]["tok"][real], report=diffs)
+    print(variant, {k: f"{v:.1e}" for k, v in diffs.items()})
+
+
+@pytest.mark.parametrize("variant", ["tied", "untied"])
+def test_export_round_trip_loads_in_transformers(variant, tmp_path):
+    ref = _reference(variant)
+    ids, mask, types = (torch.from_numpy(ref[k]).long() for k in ("ids", "mask", "types"))
+    for which in ("mlm", "clf", "tok"):
+        cfg, flat, heads = _converted(variant, which)
+        state = nhf.to_hf_tensors(cfg, flat, heads)
+        original = ref["state"][which]
+        assert sorted(state) == sorted(original)
+        for name, value in original.items():
+            np.testing.assert_array_equal(state[name], value, err_msg=name)
+        nhf.write_hf_dir(str(tmp_path / which), cfg, flat, heads)
+        cls = getattr(transformers, nhf.hf_architecture(heads))
+        loaded, info = cls.from_pretrained(
+            str(tmp_path / which), attn_implementation="eager", output_loading_info=True
+        )
+        assert not any(info.values()), info
+        with torch.no_grad():
+            got = loaded.eval()(ids, attention_mask=mask, token_type_ids=types).logits.numpy()
+        np.testing.assert_array_equal(got, ref["logits"][which])
+        back = convert_hf.load_hf(str(tmp_path / which))  # what load_pretrained and convert read
+        assert back.config == cfg and back.heads == heads
+        assert all(np.array_equal(back.tensors[k], v) for k, v in flat.items())
+    # A bare NomicBertModel state dict (no "nomic_bert." prefix) reads as the encoder alone.
+    bare = {
+        k[len("nomic_bert.") :]: v
+        for k, v in ref["state"]["mlm"].items()
+        if k.startswith("nomic_bert.")
+    }
+    enc_flat, enc_heads = nhf.from_hf_tensors(cfg, bare, "bare")
+    assert enc_heads == () and sorted(nhf.to_hf_tensors(cfg, enc_flat, ())) == sorted(bare)
+
+
+def test_config_round_trip_presets_and_errors():
+    cfg = nomicbert.get_preset("nomic-embed-text-v1.5")
+    assert (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.intermediate_size) == (
+        12,
+        768,
+        12,
+        3072,
+    )
+    assert cfg.vocab_size == 30528 and cfg.rope_theta == 1000.0 and cfg.tie_word_embeddings
+    hf = transformers.NomicBertConfig(**nhf.config_to_hf(cfg))
+    assert hf.rope_parameters["rope_theta"] == 1000.0
+    assert nhf.config_from_hf(hf.to_dict()) == cfg
+    # transformers' defaults are the nomic-embed-text-v1.5 shapes, as the preset's
+    assert nhf.config_from_hf(transformers.NomicBertConfig().to_dict()) == cfg
+    # The published shapes: the parameter counts are the transformers models'.
+    small = cfg.replace(num_layers=2)
+    for tied in (True, False):
+        c = small.replace(tie_word_embeddings=tied)
+        with torch.device("meta"):
+            ref = transformers.NomicBertForMaskedLM(
+                transformers.NomicBertConfig(**nhf.config_to_hf(c))
+            )
+            clf = transformers.NomicBertForSequenceClassification(
+                transformers.NomicBertConfig(**nhf.config_to_hf(c, ("pooler", "classifier")))
+            )
+        want = sum(p.numel() for p in ref.parameters())
+        assert c.num_params() + (0 if tied else c.vocab_size) == want  # + the unread bias
+        encoder = sum(p.numel() for n, p in clf.named_parameters() if n.startswith("nomic_bert."))
+        assert c.num_params(include_heads=False, include_pooler=True) == encoder
+    with pytest.raises(ValueError, match="head_dim=32 is not hidden_size"):
+        nhf.config_from_hf({"model_type": "nomic_bert", "head_dim": 32})
+    with pytest.raises(ValueError, match="no Hugging Face NomicBERT class holds exactly"):
+        nhf.hf_architecture(("qa",))
+    with pytest.raises(ValueError, match="gives an odd head_dim"):
+        nomicbert.get_preset("nomicbert-tiny", hidden_size=132, num_heads=4)
+
+
+# ---------------------------------------------------------------------------------------------
+# Through the user-facing paths
+# ---------------------------------------------------------------------------------------------
+def _hf_dir(path, vocab_size: int, variant: str = "untied"):
+    torch.manual_seed(0)
+    model = transformers.NomicBertForMaskedLM(_hf_config(variant, vocab_size)).eval()
+    randomize(model, seed=4)
+    model.save_pretrained(path)
+    return model
+
+
+def test_load_pretrained_and_continued_pretraining(tmp_path):
+    """load_pretrained gives transformers' logits; hf -> bertjax -> hf is exact; pretraining from
+    the directory starts from its weights (encoder and untied decoder) and trains."""
+    vocab = write_vocab(tmp_path / "vocab.txt")
+    size = len(vocab.read_text().split())
+    model = _hf_dir(tmp_path / "hf", size)
+    ids, mask, types = _batch(size, seed=1)
+    with torch.no_grad():
+        t_ids, t_mask, t_types = (torch.from_numpy(a).long() for a in (ids, mask, types))
+        want = model(t_ids, attention_mask=t_mask, token_type_ids=t_types).logits
+    bert = bertjax.load_pretrained(str(tmp_path / "hf"))
+    assert bert.config.architecture == "nomicbert" and "mlm" in bert.heads
+    real = mask.astype(bool)
+    _close(
+        "load_pretrained",
+        np.asarray(bert(ids, token_type_ids=types, attention_mask=mask).mlm_logits)[real],
+        want.numpy()[real],
+        1e-4,
+    )
+    save_checkpoint(load_checkpoint(str(tmp_path / "hf")), str(tmp_path / "bj"), "bertjax")
+    save_checkpoint(load_checkpoint(str(tmp_path / "bj")), str(tmp_path / "back"), "hf")
+    for name, value in load_checkpoint(str(tmp_path / "hf")).tensors.items():
+        np.testing.assert_array_equal(load_checkpoint(str(tmp_path / "back")).tensors[name], value)
+
+    c = tiny_config(tmp_path, steps=2)
+    c.init_checkpoint = str(tmp_path / "hf")
+    c.data.nsp = False
+    c.train.eval_every = 1
+    c.train.eval_steps = 1
+    train.train_and_evaluate(c, str(tmp_path / "run"))
+    evals = read_metrics(tmp_path / "run", "eval")
+    assert [e["step"] for e in evals][:1] == [0] and all(np.isfinite(e["mlm_loss"]) for e in evals)
+    task = train.prepared_task(c, str(tmp_path / "run"))
+    setup = train.build(c, str(tmp_path / "run"), task)
+    assert setup.model.config.architecture == "nomicbert"
+    assert not setup.model.config.tie_word_embeddings
+    state = setup.init_state(jax.random.key_data(jax.random.key(0)))
+    assert "decoder" in state.params["predictions"]
+    want_params = task.source.pretrained.params
+    for head in ("nomic_bert", "predictions"):
+        for a, b in zip(jax.tree.leaves(want_params[head]), jax.tree.leaves(state.params[head])):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+# ---------------------------------------------------------------------------------------------
+# Fine-tuning every task kind from a transformers NomicBERT directory
+# ---------------------------------------------------------------------------------------------
+FINE_TUNING = {  # kind -> (task, config module, data folder, overrides)
+    "glue": ("glue/sst2", "glue", "glue", {}),
+    "ner": ("ner/conll2003", "ner", "ner", {}),
+    "squad": ("squad/v1.1", "squad", "squad", {"data.max_query_length": 10, "data.doc_stride": 8}),
+    "swag": ("swag", "swag", "swag", {}),
+}
+
+
+@pytest.fixture(scope="module")
+def nomic_mlm(files, tmp_path_factory):
+    """A transformers NomicBertForMaskedLM (untied) over the fine-tuning files' vocabulary."""
+    path = tmp_path_factory.mktemp("nomic") / "hf"
+    size = len((files / "vocab.txt").read_text().split())
+    torch.manual_seed(0)
+    config = _hf_config("untied", size, hidden_size=48, num_hidden_layers=2)
+    model = transformers.NomicBertForMaskedLM(config).eval()
+    randomize(model, seed=5)
+    model.save_pretrained(path)
+    (path / "vocab.txt").write_text((files / "vocab.txt").read_text())
+    return path
+
+
+@pytest.mark.usefixtures("compilation_cache")
+@pytest.mark.parametrize("kind", list(FINE_TUNING))
+def test_every_fine_tuning_task_trains_from_a_nomicbert_directory(files, nomic_mlm, tmp_path, kind):
+    """Each task trains 2 steps from the directory's encoder; the run's folder loads as the model
+    it trained, and exports to transformers where transformers has the class (sequence and token
+    classification, multiple choice as the sequence classifier that scores each choice, as BERT's
+    export does), giving the same logits; QA says in one line that it exports to bertjax's formats
+    only (transformers has no NomicBERT QA class)."""
+    import importlib
+
+    from helpers import small_config
+
+    from bertjax import convert
+
+    task, module, data_dir, extra = FINE_TUNING[kind]
+    c = importlib.import_module(f"configs.{module}").get_config()
+    c = small_config(c, files, data_dir, task=task, init_checkpoint=str(nomic_mlm), **extra)
+    c.train.steps = 2
+    workdir = tmp_path / "run"
+    result = train.train_and_evaluate(c, str(workdir))
+    assert result["step"] == 2 and np.isfinite(result["train"]["loss"])
+    ckpt = load_checkpoint(str(workdir))
+    assert ckpt.config.architecture == "nomicbert" and not ckpt.config.tie_word_embeddings
+    if kind == "squad":
+        with pytest.raises(ValueError) as info:
+            convert.save_checkpoint(ckpt, str(tmp_path / "hf"), "hf")
+        assert "\n" not in str(info.value) and "--to=bertjax" in str(info.value)
+        assert not (tmp_path / "hf").exists()
+        return
+    convert.main([str(workdir), "--to=hf", str(tmp_path / "hf")])
+    auto = "ForTokenClassification" if kind == "ner" else "ForSequenceClassification"
+    hf, loading = getattr(transformers, "AutoModel" + auto).from_pretrained(
+        tmp_path / "hf", attn_implementation="eager", output_loading_info=True
+    )
+    assert not any(loading.values()), loading
+    ids, mask, types = _batch(ckpt.config.vocab_size, seed=3)
+    ours = bertjax.load_pretrained(str(workdir))
+    with torch.no_grad():
+        t_ids, t_mask, t_types = (torch.from_numpy(a).long() for a in (ids, mask, types))
+        want = hf.eval()(t_ids, attention_mask=t_mask, token_type_ids=t_types)
+    if kind != "ner":  # a sequence classifier: SST-2's 2 labels, SWAG's one score per choice
+        assert hf.config.num_labels == (2 if kind == "glue" else 1)
+        _close(
+            f"{kind} export",
+            ours(ids, token_type_ids=types, attention_mask=mask).logits,
+            want.logits.numpy(),
+            1e-4,
+        )
