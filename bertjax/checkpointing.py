@@ -74,19 +74,26 @@ def run_config_json(
 class Checkpointer:
     """A thin wrapper over ``ocp.CheckpointManager`` with bertjax's three items."""
 
-    def __init__(self, directory: str, *, keep: int = 3, async_save: bool = True):
+    def __init__(
+        self, directory: str, *, keep: int = 3, async_save: bool = True, read_only: bool = False
+    ):
+        """``read_only``: a reader of someone else's checkpoints (``convert``, ``load_pretrained``,
+        an init checkpoint): it creates, cleans up and removes nothing there; in particular not a
+        step another process is writing now, which a writer's manager would take for the
+        leftover of an interrupted save and remove."""
         directory = os.fspath(directory)  # Orbax needs an absolute path (WORKDIR=workdirs/demo)
         self.directory = epath.Path(directory if "://" in directory else os.path.abspath(directory))
+        self.read_only = read_only
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=keep,
-            create=True,
+            max_to_keep=None if read_only else keep,
+            create=not read_only,
             enable_async_checkpointing=async_save,
-            cleanup_tmp_directories=True,
+            cleanup_tmp_directories=not read_only,
             # Orbax removes a retired step file by file and the folder last: a kill in between
             # left a step folder without its files. Renamed aside first, it is never seen half
             # removed. (Ignored on gs://, where Orbax removes objects directly.)
-            todelete_subdir=DELETED,
-        )
+            todelete_subdir=None if read_only else DELETED,
+        )  # (not Orbax's read_only, which logs a warning for each manager)
         self.manager = ocp.CheckpointManager(
             self.directory, options=options, handler_registry=_handler_registry()
         )
@@ -98,7 +105,12 @@ class Checkpointer:
         """Removes the steps Orbax has renamed into ``.deleted/`` (on the primary process, which
         is the one that retires them). Each is renamed whole, so none is still being written."""
         retired = self.directory / DELETED
-        if jax.process_index() != 0 or fs.is_remote(self.directory) or not retired.exists():
+        if (
+            self.read_only
+            or jax.process_index() != 0
+            or fs.is_remote(self.directory)
+            or not retired.exists()
+        ):
             return
         for path in retired.iterdir():  # not the folder: Orbax may be renaming into it now
             shutil.rmtree(path, ignore_errors=True)
@@ -384,7 +396,7 @@ def abstract_like(tree: Any, shardings: Any) -> Any:
 def restore_params(directory: str, abstract_params: Any | None = None, step: int | None = None):
     """Loads only the ``params`` of a bertjax checkpoint directory (a run's WORKDIR/checkpoints or
     a directory written by ``bertjax convert --to=bertjax``). Returns (params, config_dict, step)."""
-    ckpt = Checkpointer(directory, async_save=False)
+    ckpt = Checkpointer(directory, async_save=False, read_only=True)
     try:
         step = ckpt.latest_step() if step is None else step
         if step is None:
