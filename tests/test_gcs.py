@@ -5,6 +5,7 @@ import gzip
 import json
 import pathlib
 
+import numpy as np
 import pytest
 from train_fixtures import set_keys, tiny_config
 
@@ -109,3 +110,71 @@ def test_a_corpus_glob_in_a_bucket_reads_as_the_local_files(gcs_bucket, tmp_path
     expected = list(corpus.iter_documents(str(tmp_path / "a.txt"), "text"))
     for name in ("a.txt", "b.txt.gz"):
         assert list(corpus.iter_documents(f"{gcs_bucket}/corpus/{name}", "text")) == expected
+
+
+def _upload_tree(folder: pathlib.Path, target: str) -> str:
+    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+        fs.write_bytes(f"{target}/{path.relative_to(folder)}", path.read_bytes())
+    return target
+
+
+def test_convert_and_load_pretrained_from_and_to_a_bucket(
+    gcs_bucket, tmp_path, uncased_vocab, monkeypatch
+):
+    """A Hugging Face directory in a bucket converts (format detected there) to a bertjax
+    checkpoint in the bucket, which ``load_pretrained("gs://...")`` runs as the local original,
+    bitwise, and which converts back to Hugging Face in the bucket with the same tensors. An
+    existing DST is refused, a missing SRC is one line naming it, and an upload cut short leaves a
+    DST that is not taken for a checkpoint (the files that make it one go last)."""
+    from helpers import make_hf_model
+
+    from bertjax import convert
+    from bertjax.convert import remote
+    from bertjax.convert.hf import read_safetensors
+    from bertjax.pretrained import load_pretrained
+
+    local = tmp_path / "hf"
+    make_hf_model(local, uncased_vocab)
+    hf = _upload_tree(local, f"{gcs_bucket}/models/hf")
+    convert.main([hf, "--to=bertjax", f"{gcs_bucket}/models/bj"])
+    assert fs.exists(f"{gcs_bucket}/models/bj/0/commit_success.txt")
+    assert fs.read_bytes(f"{gcs_bucket}/models/bj/vocab.txt") == (local / "vocab.txt").read_bytes()
+    ids = np.array([[2, 50, 60, 70, 3, 0], [2, 80, 3, 90, 3, 0]], np.int32)
+    expected = load_pretrained(str(local))(ids)
+    model = load_pretrained(f"{gcs_bucket}/models/bj")
+    assert model.directory == f"{gcs_bucket}/models/bj"
+    got = model(ids)
+    for name in ("sequence_output", "pooled_output", "mlm_logits", "nsp_logits"):
+        np.testing.assert_array_equal(getattr(got, name), getattr(expected, name), name)
+    convert.main([f"{gcs_bucket}/models/bj", "--to=hf", f"{gcs_bucket}/models/hf2"])
+    back = tmp_path / "back.safetensors"
+    fs.download(f"{gcs_bucket}/models/hf2/model.safetensors", str(back))
+    original = read_safetensors(str(local / "model.safetensors"))
+    written = read_safetensors(str(back))
+    assert written.keys() == original.keys()
+    for key in original:
+        np.testing.assert_array_equal(written[key], original[key], key)
+    from_hf2 = load_pretrained(f"{gcs_bucket}/models/hf2")(ids)  # read from a local copy
+    np.testing.assert_array_equal(from_hf2.mlm_logits, expected.mlm_logits)
+
+    with pytest.raises(FileExistsError, match=f"^{gcs_bucket}/models/hf2: output already exists"):
+        convert.main([hf, "--to=hf", f"{gcs_bucket}/models/hf2"])
+    with pytest.raises(FileNotFoundError, match=f"^{gcs_bucket}/nothing: checkpoint not found$"):
+        convert.load_checkpoint(f"{gcs_bucket}/nothing")
+
+    uploaded = []
+
+    def cut_short(source, target):  # the connection drops before the last files
+        if len(uploaded) == 3:
+            raise OSError("connection reset")
+        uploaded.append(target)
+        fs.write_bytes(target, pathlib.Path(source).read_bytes())
+
+    monkeypatch.setattr(remote.fs, "upload", cut_short)
+    for fmt in ("hf", "bertjax"):
+        uploaded.clear()
+        with pytest.raises(OSError, match="connection reset"):
+            convert.main([str(local), f"--to={fmt}", f"{gcs_bucket}/cut/{fmt}"])
+        assert len(uploaded) == 3 and not any(remote._marker_rank(p) for p in uploaded)
+        with pytest.raises((ValueError, FileNotFoundError)):
+            convert.load_checkpoint(f"{gcs_bucket}/cut/{fmt}", fmt)
