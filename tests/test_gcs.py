@@ -63,7 +63,7 @@ def _upload(folder: pathlib.Path, target: str) -> str:
 
 @pytest.mark.slow
 def test_a_run_in_a_bucket_resumes_to_the_local_runs_losses(
-    gcs_bucket, tmp_path, xla_cache_in_process
+    gcs_emulator, gcs_bucket, tmp_path, xla_cache_in_process
 ):
     """Prepared records (read through bertjax.fs), vocabulary, checkpoints, metrics.jsonl,
     TensorBoard events and the lock all in the bucket: a run stopped at step 2 and run again gives
@@ -86,11 +86,30 @@ def test_a_run_in_a_bucket_resumes_to_the_local_runs_losses(
     run = f"{gcs_bucket}/run"
     train.train_and_evaluate(bucket_config(**{"train.stop_at_step": 2}), run)
     assert [r["step"] for r in _bucket_metrics(run)] == [1, 2]
-    result = train.train_and_evaluate(bucket_config(), run)
-    assert [r["loss"] for r in _bucket_metrics(run)] == losses
+    # A save of step 4 cut short by a crash: some of its objects, no commit file.
+    step2 = f"{run}/checkpoints/2"
+    names = [n for n in fs.list_files(step2) if n != "commit_success.txt"]
+    assert "commit_success.txt" in fs.list_files(step2) and len(names) > 3
+    for name in names[:-2]:
+        fs.write_bytes(f"{run}/checkpoints/4/{name}", fs.read_bytes(f"{step2}/{name}"))
+    # The resume keeps one step (step 2 is retired on gs:// once 4 is saved), and the emulator
+    # dies at the first upload of step 4 (a fault in the middle of the checkpoint write), to come
+    # back a second later with what it held: the clients retry and the run goes on.
+    restarted = gcs_emulator.kill_during_upload("run/checkpoints/4/")
+    result = train.train_and_evaluate(bucket_config(**{"train.keep_checkpoints": 1}), run)
+    restarted.join(timeout=60)
+    assert not restarted.is_alive(), "the emulator did not die during the save of step 4"
+    assert [r["loss"] for r in _bucket_metrics(run)] == losses  # resumed from 2, not the partial 4
     assert result["train"]["loss"] == expected["train"]["loss"]
     steps = sorted(p.rsplit("/", 1)[1] for p in fs.glob(f"{run}/checkpoints/*"))
-    assert [s for s in steps if s.isdigit()] == ["2", "4"], steps
+    assert [s for s in steps if s.isdigit()] == ["4"], steps
+    assert "commit_success.txt" in fs.list_files(f"{run}/checkpoints/4")
+    # Step 2 was retired commit file first: never complete-looking with objects missing.
+    bucket_name = gcs_bucket.split("://", 1)[1]
+    retired = [
+        d for d in gcs_emulator.deletions() if d.startswith(f"{bucket_name}/run/checkpoints/2/")
+    ]
+    assert retired[0].endswith("/2/commit_success.txt") and len(retired) == len(names) + 1, retired
     assert fs.glob(f"{run}/tensorboard/events.out.tfevents.*")
     assert not fs.exists(f"{run}/run.lock")
     shard = fs.glob(f"{prepared}/train-00001-*")[0]
