@@ -63,12 +63,14 @@ def _upload(folder: pathlib.Path, target: str) -> str:
 
 @pytest.mark.slow
 def test_a_run_in_a_bucket_resumes_to_the_local_runs_losses(
-    gcs_emulator, gcs_bucket, tmp_path, xla_cache_in_process
+    gcs_emulator, gcs_bucket, tmp_path, xla_cache_in_process, files
 ):
     """Prepared records (read through bertjax.fs), vocabulary, checkpoints, metrics.jsonl,
     TensorBoard events and the lock all in the bucket: a run stopped at step 2 and run again gives
     the losses of the uninterrupted run on the local copies, bitwise; a corrupted shard there is
-    one line naming it."""
+    one line naming it. The emulator is killed in the middle of a checkpoint write, a partial
+    step is never resumed from, retired steps go commit file first, and a fine-tuning run starts
+    from the run in the bucket."""
     local = tiny_config(tmp_path, steps=4)
     expected = train.train_and_evaluate(local, str(tmp_path / "local"))
     with open(tmp_path / "local" / "metrics.jsonl") as f:
@@ -116,6 +118,38 @@ def test_a_run_in_a_bucket_resumes_to_the_local_runs_losses(
     fs.write_bytes(shard, fs.read_bytes(shard)[:-3])
     with pytest.raises(ValueError, match=f"^{shard}: record 23 is corrupted or cut short$"):
         list(records.read_records(shard))
+
+    _finetune_from(run, str(tmp_path / "local"), files, tmp_path / "finetune")
+
+
+def _finetune_from(run, local_run, files, workdir):
+    """A GLUE fine-tuning run whose init_checkpoint is the run in the bucket (its vocabulary, in
+    the bucket too, is the one it recorded) starts from that run's params: those of the local
+    run, bitwise."""
+    import jax
+    from flax import traverse_util
+    from helpers import small_config
+
+    from bertjax.pretrained import load_pretrained
+    from bertjax.tasks.registry import get_task
+    from configs import glue as glue_config
+
+    expected = load_pretrained(local_run)  # the local run's newest step: 4, as in the bucket
+    model = load_pretrained(run)
+    # The vocabulary in the bucket, read from a local copy of it.
+    assert model.tokenizer.vocab_file != expected.tokenizer.vocab_file
+    assert model.tokenizer.vocab == expected.tokenizer.vocab
+    c = small_config(glue_config.get_config(), files, "glue", init_checkpoint=run)
+    c.data.vocab = ""  # the init checkpoint's
+    task = get_task(c.task, c, str(workdir))
+    task.after_prepare()
+    setup = train.build(c, str(workdir), task)
+    state = setup.init_state(jax.random.key_data(jax.random.key(0)))
+    got = traverse_util.flatten_dict(jax.device_get(state.params["bert"]), sep="/")
+    want = traverse_util.flatten_dict(expected.params["bert"], sep="/")
+    assert got.keys() <= want.keys() and "embeddings/word_embeddings/embedding" in got
+    for key, value in got.items():
+        np.testing.assert_array_equal(value, want[key], key)
 
 
 def test_a_corpus_glob_in_a_bucket_reads_as_the_local_files(gcs_bucket, tmp_path):
