@@ -127,6 +127,8 @@ def upload_folder(local: str, remote: str, overwrite: bool = False) -> None:
         for name in sorted((n for n in old if _marker_rank(n)), key=_marker_rank, reverse=True):
             fs.remove(f"{remote}/{name}")  # no longer a checkpoint from here on
         fs.rmtree(remote)
-    names = sorted(fs.list_files(local), key=lambda n: (_marker_rank(n), n))
+    # Markers last; among markers of a kind the deepest first: an Orbax step's own
+    # commit_success.txt after those of its items (state/, data/, config/).
+    names = sorted(fs.list_files(local), key=lambda n: (_marker_rank(n), -n.count("/"), n))
     for name in names:
         fs.upload(os.path.join(local, name), f"{remote}/{name}")
