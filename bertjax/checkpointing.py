@@ -74,31 +74,45 @@ def run_config_json(
 class Checkpointer:
     """A thin wrapper over ``ocp.CheckpointManager`` with bertjax's three items."""
 
-    def __init__(self, directory: str, *, keep: int = 3, async_save: bool = True):
+    def __init__(
+        self, directory: str, *, keep: int = 3, async_save: bool = True, read_only: bool = False
+    ):
+        """``read_only``: a reader of someone else's checkpoints (``convert``, ``load_pretrained``,
+        an init checkpoint): it creates, cleans up and removes nothing there; in particular not a
+        step another process is writing now, which a writer's manager would take for the
+        leftover of an interrupted save and remove."""
         directory = os.fspath(directory)  # Orbax needs an absolute path (WORKDIR=workdirs/demo)
         self.directory = epath.Path(directory if "://" in directory else os.path.abspath(directory))
+        self.read_only = read_only
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=keep,
-            create=True,
+            max_to_keep=None if read_only else keep,
+            create=not read_only,
             enable_async_checkpointing=async_save,
-            cleanup_tmp_directories=True,
+            cleanup_tmp_directories=not read_only,
             # Orbax removes a retired step file by file and the folder last: a kill in between
             # left a step folder without its files. Renamed aside first, it is never seen half
             # removed. (Ignored on gs://, where Orbax removes objects directly.)
-            todelete_subdir=DELETED,
-        )
+            todelete_subdir=None if read_only else DELETED,
+        )  # (not Orbax's read_only, which logs a warning for each manager)
         self.manager = ocp.CheckpointManager(
             self.directory, options=options, handler_registry=_handler_registry()
         )
         self._failed = False
         self._saving: int | None = None  # the step of the last save started
+        if fs.is_gcs(self.directory) and not read_only:
+            _uncommit_before_removing(self.manager)
         self._remove_retired()
 
     def _remove_retired(self) -> None:
         """Removes the steps Orbax has renamed into ``.deleted/`` (on the primary process, which
         is the one that retires them). Each is renamed whole, so none is still being written."""
         retired = self.directory / DELETED
-        if jax.process_index() != 0 or fs.is_remote(self.directory) or not retired.exists():
+        if (
+            self.read_only
+            or jax.process_index() != 0
+            or fs.is_remote(self.directory)
+            or not retired.exists()
+        ):
             return
         for path in retired.iterdir():  # not the folder: Orbax may be renaming into it now
             shutil.rmtree(path, ignore_errors=True)
@@ -236,6 +250,35 @@ class Checkpointer:
             f"({reason}); the last complete checkpoint: {last}"
             + ("; free space, then run again to resume from it" if full else "")
         )
+
+
+COMMIT_FILE = "commit_success.txt"  # what makes a step folder on gs:// complete, for Orbax
+
+
+def _uncommit_before_removing(manager: ocp.CheckpointManager) -> None:
+    """On gs://, where there is no atomic rename, Orbax takes a step folder holding
+    ``commit_success.txt`` for complete, and removes a retired step as one recursive delete whose
+    order is the store's: a kill in between could leave the commit file beside half the step's
+    objects, a step that looks complete but is not. This makes the removal of a step delete its
+    commit file first, on its own, so that from then on the step is an unfinished one (which the
+    next writer's manager cleans up)."""
+    deleter = getattr(manager, "_checkpoint_deleter", None)
+    path_deleter = getattr(deleter, "_path_deleter", None)
+    if (
+        path_deleter is None
+    ):  # another Orbax: its deleter is not wrapped (tests/test_gcs.py sees it)
+        log.warning("Orbax's step deleter not found: retired steps on gs:// are removed as is")
+        return
+    remove = path_deleter.delete
+
+    def delete(path, *, destination=None, **kwargs):
+        if destination is None:
+            commit = f"{path}/{COMMIT_FILE}"
+            if fs.exists(commit):
+                fs.remove(commit)
+        return remove(path, destination=destination, **kwargs)
+
+    path_deleter.delete = delete
 
 
 class CheckpointRestoreError(ValueError):
@@ -384,7 +427,7 @@ def abstract_like(tree: Any, shardings: Any) -> Any:
 def restore_params(directory: str, abstract_params: Any | None = None, step: int | None = None):
     """Loads only the ``params`` of a bertjax checkpoint directory (a run's WORKDIR/checkpoints or
     a directory written by ``bertjax convert --to=bertjax``). Returns (params, config_dict, step)."""
-    ckpt = Checkpointer(directory, async_save=False)
+    ckpt = Checkpointer(directory, async_save=False, read_only=True)
     try:
         step = ckpt.latest_step() if step is None else step
         if step is None:

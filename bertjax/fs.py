@@ -101,6 +101,14 @@ def isdir(path: str) -> bool:
     return _gfile().isdir(path) if is_remote(path) else os.path.isdir(path)
 
 
+def isfile(path: str) -> bool:
+    if is_gcs(path):
+        return _gcs().isfile(path)
+    if is_remote(path):
+        return _gfile().exists(path) and not _gfile().isdir(path)
+    return os.path.isfile(path)
+
+
 def read_bytes(path: str) -> bytes:
     with open_file(path, "rb") as f:
         return f.read()
@@ -171,6 +179,53 @@ def rmtree(path: str) -> None:
             _gfile().rmtree(path)
     else:
         shutil.rmtree(path, ignore_errors=True)
+
+
+def list_files(folder: str) -> list[str]:
+    """Every file under ``folder``, recursively, as sorted paths relative to it ("a/b.json"); none
+    when it does not exist."""
+    folder = str(folder).rstrip("/")
+    if is_gcs(folder):
+        gcs = _gcs()
+        if not gcs.isdir(folder):
+            return []
+        inside = folder.split("://", 1)[1] + "/"
+        found = gcs.find(folder)
+        return sorted(p[len(inside) :] for p in found if p.startswith(inside))
+    if is_remote(folder):
+        gfile = _gfile()
+        if not gfile.isdir(folder):
+            return []
+        return sorted(
+            f"{root}/{name}"[len(folder) + 1 :]
+            for root, _, names in gfile.walk(folder)
+            for name in names
+        )
+    return sorted(
+        os.path.relpath(os.path.join(root, name), folder)
+        for root, _, names in os.walk(folder)
+        for name in names
+    )
+
+
+def download(source: str, target: str) -> None:
+    """Copies the file ``source`` (any scheme) to the local path ``target``, its folders made."""
+    os.makedirs(os.path.dirname(os.path.abspath(target)), exist_ok=True)
+    if is_gcs(source):
+        _gcs().get_file(source, target)
+        return
+    with open_file(source, "rb") as f, open(target, "wb") as out:
+        shutil.copyfileobj(f, out)
+
+
+def upload(source: str, target: str) -> None:
+    """Copies the local file ``source`` to ``target`` (any scheme): on ``gs://`` one object, whole
+    or not at all."""
+    if is_gcs(target):
+        _gcs().put_file(source, target)
+        return
+    with open(source, "rb") as f, open_file(target, "wb") as out:
+        shutil.copyfileobj(f, out)
 
 
 def not_found_errors(path: str) -> tuple[type[BaseException], ...]:

@@ -9,7 +9,10 @@ Run as a script, this file is the emulator with what TensorStore (Orbax's checkp
 GCS and the package leaves out (``serve``): a download names its object's generation
 (``x-goog-generation``; TensorStore fails with "Malformed StorageGeneration" without it), and the
 generation preconditions (``ifGenerationMatch`` on writes, ``ifGenerationNotMatch`` on reads) are
-honoured as GCS does."""
+honoured as GCS does. Two hooks for the fault tests: ``$GCS_EMULATOR_DIE_ON`` (a substring of
+object names) makes the process die, without a reply, when an upload of such an object arrives
+(before storing it: a fault in the middle of a write), and every object deleted is appended to
+``deletions.log`` beside the data (the order in which a client removed things)."""
 
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -40,13 +44,18 @@ class Emulator:
         self.process: subprocess.Popen | None = None
         self._log = None
 
-    def start(self, timeout_s: float = 30.0) -> None:
-        """Starts the emulator (again, on the same port and data after ``stop``)."""
+    def start(self, timeout_s: float = 30.0, die_on: str | None = None) -> None:
+        """Starts the emulator (again, on the same port and data after ``stop``); ``die_on``: it
+        dies at the first upload of an object whose name holds that string."""
         os.makedirs(self.data_dir, exist_ok=True)
         self._log = open(os.path.join(self.data_dir, "..", "emulator.log"), "ab")  # noqa: SIM115
+        env = {**os.environ, "STORAGE_BASE": self.data_dir, "STORAGE_DIR": "store"}
+        env.pop("GCS_EMULATOR_DIE_ON", None)
+        if die_on:
+            env["GCS_EMULATOR_DIE_ON"] = die_on
         self.process = subprocess.Popen(
             [sys.executable, os.path.abspath(__file__), str(self.port)],
-            env={**os.environ, "STORAGE_BASE": self.data_dir, "STORAGE_DIR": "store"},
+            env=env,
             stdout=self._log,
             stderr=subprocess.STDOUT,
         )
@@ -71,6 +80,32 @@ class Emulator:
         if self._log is not None:
             self._log.close()
             self._log = None
+
+    def deletions(self) -> list[str]:
+        """The objects deleted so far, in order (``bucket/name``)."""
+        path = os.path.join(self.data_dir, "..", "deletions.log")
+        if not os.path.exists(path):
+            return []
+        with open(path, encoding="utf-8") as f:
+            return f.read().splitlines()
+
+    def kill_during_upload(self, name_part: str, down_s: float = 1.0) -> threading.Thread:
+        """Restarts the emulator so that it dies at the first upload of an object whose name
+        holds ``name_part``, then, ``down_s`` seconds after it died, starts it again (same port,
+        same data, no fault). Returns the watching thread (join it: it ends once restarted)."""
+        self.stop()
+        self.start(die_on=name_part)
+        process = self.process
+
+        def watch():
+            process.wait()
+            time.sleep(down_s)
+            self.stop()
+            self.start()
+
+        thread = threading.Thread(target=watch, daemon=True)
+        thread.start()
+        return thread
 
     def create_bucket(self, name: str) -> str:
         """Creates bucket ``name``; returns ``gs://name``."""
@@ -114,7 +149,16 @@ def serve(port: int) -> None:
     from gcp_storage_emulator import server
     from gcp_storage_emulator.handlers import objects
 
-    download, insert = objects.download, objects.insert
+    download, insert, delete = objects.download, objects.insert, objects._delete
+    die_on = os.environ.get("GCS_EMULATOR_DIE_ON")
+    deletions = os.path.join(os.environ["STORAGE_BASE"], "..", "deletions.log")
+
+    def delete_and_record(storage, bucket_name, object_id):
+        deleted = delete(storage, bucket_name, object_id)
+        if deleted:
+            with open(deletions, "a", encoding="utf-8") as f:
+                f.write(f"{bucket_name}/{object_id}\n")
+        return deleted
 
     def download_with_generation(request, response, storage, *args, **kwargs):
         bucket, name = request.params["bucket_name"], request.params["object_id"]
@@ -129,6 +173,12 @@ def serve(port: int) -> None:
         return download(request, response, storage, *args, **kwargs)
 
     def insert_if_generation_matches(request, response, storage, *args, **kwargs):
+        if die_on:
+            name = request.query.get("name", [None])[0]
+            if name is None and isinstance(request.data, dict):
+                name = (request.data.get("meta") or {}).get("name")
+            if name and die_on in name:
+                os._exit(1)  # a fault in the middle of a write: no reply, nothing stored
         expected = request.query.get("ifGenerationMatch", [None])[0]
         if expected is not None:
             name = request.query.get("name", [None])[0]
@@ -141,6 +191,7 @@ def serve(port: int) -> None:
         return insert(request, response, storage, *args, **kwargs)
 
     objects.download = download_with_generation  # objects.get (alt=media) calls it by name
+    objects._delete = delete_and_record  # objects.delete and batch deletes call it by name
     for _, methods in server.HANDLERS:
         for method, handler in methods.items():
             if handler is download:

@@ -5,6 +5,7 @@ import gzip
 import json
 import pathlib
 
+import numpy as np
 import pytest
 from train_fixtures import set_keys, tiny_config
 
@@ -62,12 +63,14 @@ def _upload(folder: pathlib.Path, target: str) -> str:
 
 @pytest.mark.slow
 def test_a_run_in_a_bucket_resumes_to_the_local_runs_losses(
-    gcs_bucket, tmp_path, xla_cache_in_process
+    gcs_emulator, gcs_bucket, tmp_path, xla_cache_in_process, files
 ):
     """Prepared records (read through bertjax.fs), vocabulary, checkpoints, metrics.jsonl,
     TensorBoard events and the lock all in the bucket: a run stopped at step 2 and run again gives
     the losses of the uninterrupted run on the local copies, bitwise; a corrupted shard there is
-    one line naming it."""
+    one line naming it. The emulator is killed in the middle of a checkpoint write, a partial
+    step is never resumed from, retired steps go commit file first, and a fine-tuning run starts
+    from the run in the bucket."""
     local = tiny_config(tmp_path, steps=4)
     expected = train.train_and_evaluate(local, str(tmp_path / "local"))
     with open(tmp_path / "local" / "metrics.jsonl") as f:
@@ -85,17 +88,68 @@ def test_a_run_in_a_bucket_resumes_to_the_local_runs_losses(
     run = f"{gcs_bucket}/run"
     train.train_and_evaluate(bucket_config(**{"train.stop_at_step": 2}), run)
     assert [r["step"] for r in _bucket_metrics(run)] == [1, 2]
-    result = train.train_and_evaluate(bucket_config(), run)
-    assert [r["loss"] for r in _bucket_metrics(run)] == losses
+    # A save of step 4 cut short by a crash: some of its objects, no commit file.
+    step2 = f"{run}/checkpoints/2"
+    names = [n for n in fs.list_files(step2) if n != "commit_success.txt"]
+    assert "commit_success.txt" in fs.list_files(step2) and len(names) > 3
+    for name in names[:-2]:
+        fs.write_bytes(f"{run}/checkpoints/4/{name}", fs.read_bytes(f"{step2}/{name}"))
+    # The resume keeps one step (step 2 is retired on gs:// once 4 is saved), and the emulator
+    # dies at the first upload of step 4 (a fault in the middle of the checkpoint write), to come
+    # back a second later with what it held: the clients retry and the run goes on.
+    restarted = gcs_emulator.kill_during_upload("run/checkpoints/4/")
+    result = train.train_and_evaluate(bucket_config(**{"train.keep_checkpoints": 1}), run)
+    restarted.join(timeout=60)
+    assert not restarted.is_alive(), "the emulator did not die during the save of step 4"
+    assert [r["loss"] for r in _bucket_metrics(run)] == losses  # resumed from 2, not the partial 4
     assert result["train"]["loss"] == expected["train"]["loss"]
     steps = sorted(p.rsplit("/", 1)[1] for p in fs.glob(f"{run}/checkpoints/*"))
-    assert [s for s in steps if s.isdigit()] == ["2", "4"], steps
+    assert [s for s in steps if s.isdigit()] == ["4"], steps
+    assert "commit_success.txt" in fs.list_files(f"{run}/checkpoints/4")
+    # Step 2 was retired commit file first: never complete-looking with objects missing.
+    bucket_name = gcs_bucket.split("://", 1)[1]
+    retired = [
+        d for d in gcs_emulator.deletions() if d.startswith(f"{bucket_name}/run/checkpoints/2/")
+    ]
+    assert retired[0].endswith("/2/commit_success.txt") and len(retired) == len(names) + 1, retired
     assert fs.glob(f"{run}/tensorboard/events.out.tfevents.*")
     assert not fs.exists(f"{run}/run.lock")
     shard = fs.glob(f"{prepared}/train-00001-*")[0]
     fs.write_bytes(shard, fs.read_bytes(shard)[:-3])
     with pytest.raises(ValueError, match=f"^{shard}: record 23 is corrupted or cut short$"):
         list(records.read_records(shard))
+
+    _finetune_from(run, str(tmp_path / "local"), files, tmp_path / "finetune")
+
+
+def _finetune_from(run, local_run, files, workdir):
+    """A GLUE fine-tuning run whose init_checkpoint is the run in the bucket (its vocabulary, in
+    the bucket too, is the one it recorded) starts from that run's params: those of the local
+    run, bitwise."""
+    import jax
+    from flax import traverse_util
+    from helpers import small_config
+
+    from bertjax.pretrained import load_pretrained
+    from bertjax.tasks.registry import get_task
+    from configs import glue as glue_config
+
+    expected = load_pretrained(local_run)  # the local run's newest step: 4, as in the bucket
+    model = load_pretrained(run)
+    # The vocabulary in the bucket, read from a local copy of it.
+    assert model.tokenizer.vocab_file != expected.tokenizer.vocab_file
+    assert model.tokenizer.vocab == expected.tokenizer.vocab
+    c = small_config(glue_config.get_config(), files, "glue", init_checkpoint=run)
+    c.data.vocab = ""  # the init checkpoint's
+    task = get_task(c.task, c, str(workdir))
+    task.after_prepare()
+    setup = train.build(c, str(workdir), task)
+    state = setup.init_state(jax.random.key_data(jax.random.key(0)))
+    got = traverse_util.flatten_dict(jax.device_get(state.params["bert"]), sep="/")
+    want = traverse_util.flatten_dict(expected.params["bert"], sep="/")
+    assert got.keys() <= want.keys() and "embeddings/word_embeddings/embedding" in got
+    for key, value in got.items():
+        np.testing.assert_array_equal(value, want[key], key)
 
 
 def test_a_corpus_glob_in_a_bucket_reads_as_the_local_files(gcs_bucket, tmp_path):
@@ -109,3 +163,71 @@ def test_a_corpus_glob_in_a_bucket_reads_as_the_local_files(gcs_bucket, tmp_path
     expected = list(corpus.iter_documents(str(tmp_path / "a.txt"), "text"))
     for name in ("a.txt", "b.txt.gz"):
         assert list(corpus.iter_documents(f"{gcs_bucket}/corpus/{name}", "text")) == expected
+
+
+def _upload_tree(folder: pathlib.Path, target: str) -> str:
+    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+        fs.write_bytes(f"{target}/{path.relative_to(folder)}", path.read_bytes())
+    return target
+
+
+def test_convert_and_load_pretrained_from_and_to_a_bucket(
+    gcs_bucket, tmp_path, uncased_vocab, monkeypatch
+):
+    """A Hugging Face directory in a bucket converts (format detected there) to a bertjax
+    checkpoint in the bucket, which ``load_pretrained("gs://...")`` runs as the local original,
+    bitwise, and which converts back to Hugging Face in the bucket with the same tensors. An
+    existing DST is refused, a missing SRC is one line naming it, and an upload cut short leaves a
+    DST that is not taken for a checkpoint (the files that make it one go last)."""
+    from helpers import make_hf_model
+
+    from bertjax import convert
+    from bertjax.convert import remote
+    from bertjax.convert.hf import read_safetensors
+    from bertjax.pretrained import load_pretrained
+
+    local = tmp_path / "hf"
+    make_hf_model(local, uncased_vocab)
+    hf = _upload_tree(local, f"{gcs_bucket}/models/hf")
+    convert.main([hf, "--to=bertjax", f"{gcs_bucket}/models/bj"])
+    assert fs.exists(f"{gcs_bucket}/models/bj/0/commit_success.txt")
+    assert fs.read_bytes(f"{gcs_bucket}/models/bj/vocab.txt") == (local / "vocab.txt").read_bytes()
+    ids = np.array([[2, 50, 60, 70, 3, 0], [2, 80, 3, 90, 3, 0]], np.int32)
+    expected = load_pretrained(str(local))(ids)
+    model = load_pretrained(f"{gcs_bucket}/models/bj")
+    assert model.directory == f"{gcs_bucket}/models/bj"
+    got = model(ids)
+    for name in ("sequence_output", "pooled_output", "mlm_logits", "nsp_logits"):
+        np.testing.assert_array_equal(getattr(got, name), getattr(expected, name), name)
+    convert.main([f"{gcs_bucket}/models/bj", "--to=hf", f"{gcs_bucket}/models/hf2"])
+    back = tmp_path / "back.safetensors"
+    fs.download(f"{gcs_bucket}/models/hf2/model.safetensors", str(back))
+    original = read_safetensors(str(local / "model.safetensors"))
+    written = read_safetensors(str(back))
+    assert written.keys() == original.keys()
+    for key in original:
+        np.testing.assert_array_equal(written[key], original[key], key)
+    from_hf2 = load_pretrained(f"{gcs_bucket}/models/hf2")(ids)  # read from a local copy
+    np.testing.assert_array_equal(from_hf2.mlm_logits, expected.mlm_logits)
+
+    with pytest.raises(FileExistsError, match=f"^{gcs_bucket}/models/hf2: output already exists"):
+        convert.main([hf, "--to=hf", f"{gcs_bucket}/models/hf2"])
+    with pytest.raises(FileNotFoundError, match=f"^{gcs_bucket}/nothing: checkpoint not found$"):
+        convert.load_checkpoint(f"{gcs_bucket}/nothing")
+
+    uploaded = []
+
+    def cut_short(source, target):  # the connection drops before the last files
+        if len(uploaded) == 3:
+            raise OSError("connection reset")
+        uploaded.append(target)
+        fs.write_bytes(target, pathlib.Path(source).read_bytes())
+
+    monkeypatch.setattr(remote.fs, "upload", cut_short)
+    for fmt in ("hf", "bertjax"):
+        uploaded.clear()
+        with pytest.raises(OSError, match="connection reset"):
+            convert.main([str(local), f"--to={fmt}", f"{gcs_bucket}/cut/{fmt}"])
+        assert len(uploaded) == 3 and not any(remote._marker_rank(p) for p in uploaded)
+        with pytest.raises((ValueError, FileNotFoundError)):
+            convert.load_checkpoint(f"{gcs_bucket}/cut/{fmt}", fmt)

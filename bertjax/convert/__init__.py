@@ -17,7 +17,10 @@ import argparse
 import logging
 import os
 import shutil
+import tempfile
 
+from bertjax import fs
+from bertjax.convert import remote
 from bertjax.convert.bert_layout import layout
 from bertjax.convert.checkpoint import (
     HEADS,
@@ -109,6 +112,8 @@ def load_checkpoint(path: str, fmt: str | None = None, vocab: str | None = None)
     ``vocab`` overrides the vocabulary file found beside the checkpoint.
     """
     path = str(path)
+    if fs.is_remote(path):
+        return _load_remote(path.rstrip("/"), fmt, vocab)
     if not os.path.exists(path) and not os.path.exists(path + ".index"):
         raise FileNotFoundError(f"{path}: checkpoint not found")
     fmt = fmt or detect_format(path)
@@ -121,10 +126,49 @@ def load_checkpoint(path: str, fmt: str | None = None, vocab: str | None = None)
     return ckpt
 
 
+def _is_remote_bertjax(path: str) -> bool:
+    """A bertjax checkpoint in a bucket: numbered step folders, or a run's ``checkpoints``."""
+    names = [p.rsplit("/", 1)[-1] for p in fs.glob(f"{path}/*")]
+    return any(n.isdigit() for n in names) or "checkpoints" in names
+
+
+def _load_remote(path: str, fmt: str | None, vocab: str | None) -> Checkpoint:
+    """``load_checkpoint`` of a checkpoint in a bucket (see ``bertjax.convert.remote``): a
+    bertjax one read where it is, any other format from a local copy."""
+    if not fs.exists(path) and not fs.exists(path + ".index"):
+        raise FileNotFoundError(f"{path}: checkpoint not found")
+    if fmt is not None and fmt not in LOADERS:
+        raise ValueError(f"unknown checkpoint format {fmt!r}; choose one of {FORMATS}")
+    if fmt == "bertjax" or (fmt is None and fs.isdir(path) and _is_remote_bertjax(path)):
+        ckpt = load_bertjax(path)
+        ckpt.vocab_file = remote.stage_vocab(str(vocab) if vocab else ckpt.vocab_file)
+        check_vocab(ckpt)
+        return ckpt
+    local = remote.stage(path)
+    try:
+        ckpt = load_checkpoint(local, fmt, remote.stage_vocab(str(vocab)) if vocab else None)
+    except (OSError, ValueError) as err:
+        raise remote.renamed(err, local, path) from None
+    ckpt.source = ckpt.source.replace(local, path)
+    return ckpt
+
+
 def save_checkpoint(ckpt: Checkpoint, directory: str, fmt: str, overwrite: bool = False) -> None:
-    """Writes ``ckpt`` as a directory of format ``fmt`` (atomically: all or nothing)."""
+    """Writes ``ckpt`` as a directory of format ``fmt`` (atomically: all or nothing; in a bucket,
+    written locally then uploaded with the files that make it a checkpoint last)."""
     if fmt not in WRITERS:
         raise ValueError(f"unknown output format {fmt!r}; choose one of {FORMATS}")
+    if fs.is_remote(directory):
+        directory = str(directory).rstrip("/")
+        if remote.is_nonempty(directory) and not overwrite:
+            raise FileExistsError(
+                f"{directory}: output already exists (pass --overwrite to replace it)"
+            )
+        with tempfile.TemporaryDirectory(prefix="bertjax-convert-") as tmp:
+            local = os.path.join(tmp, directory.rsplit("/", 1)[-1])
+            save_checkpoint(ckpt, local, fmt)
+            remote.upload_folder(local, directory, overwrite)
+        return
     with atomic_directory(directory, overwrite) as tmp:
         WRITERS[fmt](ckpt, tmp)
         if ckpt.vocab_file:

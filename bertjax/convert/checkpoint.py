@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 import bertjax.models as models
+from bertjax import fs
 from bertjax.text import load_tokenizer
 
 # token_head: ModernBERT's per-token ``head`` before a token classifier or ``qa_outputs`` (qa).
@@ -176,7 +177,7 @@ def find_vocab(*directories: str) -> str | None:
     """The first vocab.txt / vocab.model / spiece.model / tokenizer.json in the given directories."""
     for directory in directories:
         for name in VOCAB_FILES:
-            if directory and os.path.isfile(os.path.join(directory, name)):
+            if directory and fs.isfile(os.path.join(directory, name)):
                 return os.path.join(directory, name)
     return None
 

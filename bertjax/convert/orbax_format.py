@@ -8,6 +8,7 @@ import os
 import ml_collections
 
 import bertjax.models as models
+from bertjax import fs
 from bertjax.checkpointing import Checkpointer, restore_params
 from bertjax.convert.checkpoint import (
     Checkpoint,
@@ -39,15 +40,19 @@ def _model_config(values: dict, flat: dict, source: str):
 
 
 def _has_steps(directory: str) -> bool:
+    if fs.is_remote(directory):
+        return fs.isdir(directory) and any(
+            p.rsplit("/", 1)[-1].isdigit() for p in fs.glob(f"{directory}/*")
+        )
     return os.path.isdir(directory) and any(n.isdigit() for n in os.listdir(directory))
 
 
 def _steps_dir(path: str) -> str:
     """Where a bertjax checkpoint's numbered steps are: ``path`` itself, else its
     ``checkpoints`` folder (a run's WORKDIR)."""
-    directory = os.path.abspath(path)
+    directory = str(path).rstrip("/") if fs.is_remote(path) else os.path.abspath(path)
     checkpoints = os.path.join(directory, "checkpoints")
-    return checkpoints if not _has_steps(directory) and os.path.isdir(checkpoints) else directory
+    return checkpoints if not _has_steps(directory) and fs.isdir(checkpoints) else directory
 
 
 def run_tokenizer(values: dict, directory: str, depth: int = 0) -> tuple[str | None, bool | None]:
@@ -61,13 +66,13 @@ def run_tokenizer(values: dict, directory: str, depth: int = 0) -> tuple[str | N
     run_dir = os.path.dirname(directory)
     vocab = find_vocab(directory, data.get("prepared_dir", ""), os.path.join(run_dir, "data"))
     for candidate in (recorded.get("vocab_file"), data.get("vocab"), values.get("vocab")):
-        if vocab is None and candidate and os.path.isfile(candidate):
+        if vocab is None and candidate and fs.isfile(candidate):
             vocab = candidate
     lower = recorded.get("do_lower_case")
     for candidate in (data.get("do_lower_case"), values.get("do_lower_case")):
         lower = candidate if lower is None else lower
     init = values.get("init_checkpoint") or ""
-    if vocab is None and init and os.path.isdir(init):  # tokenized with the init checkpoint's
+    if vocab is None and init and fs.isdir(init):  # tokenized with the init checkpoint's
         steps = _steps_dir(init) if depth < 4 else None
         if steps is None or not _has_steps(steps):
             vocab = find_vocab(init)
