@@ -125,6 +125,12 @@ def save_checkpoint(ckpt: Checkpoint, directory: str, fmt: str, overwrite: bool 
     """Writes ``ckpt`` as a directory of format ``fmt`` (atomically: all or nothing)."""
     if fmt not in WRITERS:
         raise ValueError(f"unknown output format {fmt!r}; choose one of {FORMATS}")
+    if ckpt.feature_head and fmt != ST:
+        raise ValueError(
+            f"{ckpt.source}: its task head is feature-based ({ckpt.feature_head}), which no {fmt} "
+            "model runs (their task heads read the last layer); only its encoder exports: "
+            f"--to={ST}"
+        )
     with atomic_directory(directory, overwrite) as tmp:
         WRITERS[fmt](ckpt, tmp)
         if ckpt.vocab_file:
