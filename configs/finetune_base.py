@@ -10,7 +10,8 @@ head alone on a frozen encoder (no gradient, no optimizer state and no dropout f
 the pooler, which only the sequence classifier reads, trains as part of its head), and
 ``head.features`` chooses which combination of the encoder's layers the head reads: ``last`` (the
 fine-tuning head), ``sum_last4``, ``concat_last4`` or ``scalar_mix`` (ELMo's learned weighted sum of
-every layer; GLUE, reranker and NER tasks). ``head.bilstm=True`` puts the paper's two-layer BiLSTM
+every layer; GLUE, reranker and NER tasks), read at [CLS] or (``head.pooling=mean``, sentence tasks)
+as the mean over each example's tokens. ``head.bilstm=True`` puts the paper's two-layer BiLSTM
 under the NER classifier.
 """
 
@@ -63,6 +64,7 @@ def get_config() -> ml_collections.ConfigDict:
     # The task head: which layers it reads (the feature-based approach; see the docstring).
     c.head = ml_collections.ConfigDict()
     c.head.features = "last"  # last | sum_last4 | concat_last4 | scalar_mix
+    c.head.pooling = "cls"  # GLUE / reranker, features other than last: cls | mean (of the tokens)
     c.head.bilstm = False  # NER: a two-layer BiLSTM between the features and the classifier
 
     c.optimizer.learning_rate = 2e-5

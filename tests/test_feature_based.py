@@ -20,8 +20,9 @@ import pytest
 from helpers import small_config
 
 import bertjax
-from bertjax import convert, sharding, train
+from bertjax import convert, flops, sharding, train
 from bertjax.convert.checkpoint import flatten_params
+from bertjax.data import packing
 from bertjax.models.heads import SequenceClassifier
 from configs import glue as glue_config
 from configs import ner as ner_config
@@ -99,7 +100,7 @@ def test_a_frozen_run_keeps_its_encoder_bitwise_and_exports_as_any_run(files, tm
     after training the run's encoder is the checkpoint's bit for bit (its pooler, the head's first
     layer, trained), the optimizer state holds the head alone, and ``load_pretrained(RUN)`` and
     ``bertjax convert RUN --to=hf`` give the run's model."""
-    init = _hf_checkpoint(files, tmp_path / "init")
+    init = _hf_checkpoint(files, tmp_path / "init", num_layers=1)
     c = _frozen(glue_config, files, "glue", init_checkpoint=str(tmp_path / "init"))
     run = tmp_path / "run"
     train.train_and_evaluate(c, str(run))
@@ -160,31 +161,56 @@ def test_a_frozen_encoder_runs_without_dropout():
         assert np.array_equal(encoded(1), encoded(2)) == frozen
 
 
-@pytest.mark.parametrize("features", ["sum_last4", "concat_last4", "scalar_mix"])
-def test_each_feature_combination_reads_its_layers(features):
-    """The classifier reads [CLS] of the combination (the sum, the concatenation of the last four
-    hidden states, or the scalar mix of all five), without pooler, and every head parameter gets
-    a gradient."""
-    model = SequenceClassifier(_bert(num_layers=4), num_labels=3, features=features)
-    params = nn.meta.unbox(jax.jit(model.init)(jax.random.key(0), IDS)["params"])
+@pytest.mark.parametrize(
+    ("features", "pooling"), [("sum_last4", "cls"), ("concat_last4", "mean"), ("scalar_mix", "cls")]
+)
+def test_each_feature_combination_reads_its_layers_packed_or_not(features, pooling):
+    """The classifier reads [CLS] of the combination (the sum or the concatenation of the last
+    four hidden states, the scalar mix of all five) or its mean over the example's tokens, without
+    pooler, and every head parameter gets a gradient. Three examples packed into one row (packed
+    evaluation and batch packing are on by default) give their unpacked logits."""
+    lengths = np.array([5, 3, 6])
+    mask = (np.arange(16)[None, :] < lengths[:, None]).astype(np.int32)  # [3, 16]
+    ids = np.where(mask > 0, np.arange(48).reshape(3, 16) % 37 + 3, 0).astype(np.int32)
+    model = SequenceClassifier(
+        _bert(num_layers=4, max_position_embeddings=16),
+        num_labels=2,
+        features=features,
+        pooling=pooling,
+    )
+    params = nn.meta.unbox(jax.jit(model.init)(jax.random.key(0), ids, None, mask)["params"])
     assert "pooler" not in params["bert"]
     width = 4 * 32 if features == "concat_last4" else 32
-    assert params["classifier"]["kernel"].shape == (width, 3)
+    assert params["classifier"]["kernel"].shape == (width, 2)
     head = {k: v for k, v in params.items() if k != "bert"}
     assert set(head) == (
         {"classifier", "scalar_mix"} if features == "scalar_mix" else {"classifier"}
     )
 
     @jax.jit
-    def run(head):
-        def loss(head):
-            return model.apply({"params": {**params, **head}}, IDS).sum()
+    def unpacked(head):
+        def logits(head):
+            out = model.apply({"params": {**params, **head}}, ids, np.zeros_like(ids), mask)
+            return out.sum(), out
 
-        return model.apply({"params": params}, IDS), jax.grad(loss)(head)
+        return jax.grad(logits, has_aux=True)(head)
 
-    logits, grads = run(head)
-    assert logits.shape == (2, 3) and np.isfinite(logits).all()
+    grads, want = unpacked(head)  # [3, 2]
     assert all(np.abs(g).sum() > 0 for g in jax.tree.leaves(grads))
+    packed, _ = packing.pack_features(
+        {"input_ids": ids, "segment_ids": np.zeros_like(ids), "input_mask": mask}, 4
+    )
+    assert packed["input_ids"].shape[0] == 1  # one row of 14 tokens
+    logits = jax.jit(model.apply)(
+        {"params": params},
+        packed["input_ids"],
+        packed["segment_ids"],
+        packed["input_mask"],
+        position_ids=packed["position_ids"],
+        pack_ids=packed["pack_ids"],
+        cls_positions=packed["cls_positions"],
+    )  # [1, 4, 2]: three examples and an empty slot
+    np.testing.assert_allclose(logits[0, :3], want, rtol=1e-5, atol=1e-5)
 
 
 def test_a_scalar_mix_head_learns_its_layer_weights_on_a_frozen_encoder(files, tmp_path):
@@ -207,6 +233,9 @@ def test_a_scalar_mix_head_learns_its_layer_weights_on_a_frozen_encoder(files, t
     np.testing.assert_array_equal(before["scalar_mix"]["weights"], np.zeros(5))  # 4 layers + 1
     assert _changed(before, after.params) == head
     assert _opt_state_paths(after.opt_state) == {tuple(k.split("/")) for k in head}
+    phase, config = setup.phases[0], setup.model.config  # the encoder's forward pass alone
+    full = flops.train_flops_per_step(config, phase.global_batch_size, 32, 0)
+    assert task.flops_per_step(config, phase) == pytest.approx(full / 3)
 
 
 def test_the_paper_ner_setup_bilstm_on_concat_last4_trains_and_loads_as_its_encoder(
@@ -280,6 +309,19 @@ def test_the_paper_ner_setup_bilstm_on_concat_last4_trains_and_loads_as_its_enco
             "^config key head.features=scalar_mix reads every layer's hidden states: set "
             "model.scan_layers=False",
         ),
+        (
+            ner_config,
+            "ner",
+            {"head.features": "concat_last4", "head.pooling": "mean"},
+            "^config key head.pooling=mean: the head of task ner/conll2003 does not pool",
+        ),
+        (
+            glue_config,
+            "glue",
+            {"head.pooling": "mean"},
+            "^config key head.pooling=mean pools a layer combination: with head.features=last",
+        ),
+        (glue_config, "glue", {"head.pooling": "max"}, "^config key head.pooling='max': choose"),
         (
             ner_config,
             "ner",

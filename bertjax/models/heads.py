@@ -21,8 +21,9 @@ combination of the encoder's layers the head reads. ``last`` (the default) is th
 above; ``sum_last4`` and ``concat_last4`` sum or concatenate the last four layers' hidden states,
 ``scalar_mix`` is ELMo's learned softmax-weighted sum of every hidden state (the embeddings and each
 layer) times a learned ``gamma`` (``scalar_mix/{weights [layers + 1], gamma []}``). These read the
-[CLS] position (the sequence classifier, without pooler) or every token (the token classifier,
-without the architecture's ``head``). ``TokenClassifier(bilstm=True)`` puts the paper's two-layer
+[CLS] position, or with ``pooling="mean"`` the mean over each example's tokens (the sequence
+classifier, without pooler), or every token (the token classifier, without the architecture's
+``head``). ``TokenClassifier(bilstm=True)`` puts the paper's two-layer
 BiLSTM (``bilstm/{forward,backward}_{0,1}``, ``hidden_size`` units each way) between the features and the classifier.
 
 ``SequenceClassifier`` and ``TokenClassifier`` also take packed rows (``bertjax.data.packing``):
@@ -138,6 +139,23 @@ def layer_features(hidden_states: Sequence[Array], features: str) -> Array:
     raise ValueError(f"head.features={features!r} is not one of {FEATURES[1:]}")
 
 
+def mean_tokens(
+    x: Array, attention_mask: Array | None, pack_ids: Array | None, slots: int
+) -> Array:
+    """The mean of ``x`` [batch, seq, F] over each example's tokens: [batch, F] over the
+    attention mask, or [batch, slots, F] over each packed example's tokens (``pack_ids`` 1..slots;
+    an empty slot gives zeros). Padding is never counted (sentence-transformers' mean pooling)."""
+    if pack_ids is None:
+        mask = jnp.ones(x.shape[:2]) if attention_mask is None else attention_mask
+        member = mask[:, None, :] > 0  # [batch, 1, seq]
+    else:  # [batch, slots, seq]
+        member = pack_ids[:, None, :] == jnp.arange(1, slots + 1, dtype=pack_ids.dtype)[:, None]
+    member = member.astype(jnp.float32)
+    total = jnp.einsum("bks,bsf->bkf", member, x, precision=jax.lax.Precision.HIGHEST)
+    mean = total / jnp.maximum(member.sum(-1, keepdims=True), 1.0)
+    return mean[:, 0] if pack_ids is None else mean
+
+
 class BiLSTM(nn.Module):
     """``layers`` bidirectional LSTM layers of ``units`` each way over [batch, seq, features]
     (float32): [batch, seq, 2 * units]. Each row's ``lengths`` first tokens are its sequence (right
@@ -216,6 +234,7 @@ class SequenceClassifier(nn.Module):
     num_labels: int
     features: str = "last"  # FEATURES: the pooled [CLS] of the last layer, or [CLS] of a mix
     frozen_encoder: bool = False  # the encoder runs without dropout (a feature extractor)
+    pooling: str = "cls"  # a mix (features other than last) at [CLS], or its mean over tokens
 
     @nn.compact
     def __call__(
@@ -245,7 +264,13 @@ class SequenceClassifier(nn.Module):
             pooled = out.pooled_output
         else:  # [batch, seq, F] -> [batch, (k,) F] at each [CLS]
             x = layer_features(out.hidden_states, self.features)
-            pooled = x[:, 0] if cls_positions is None else gather_positions(x, cls_positions)
+            if self.pooling == "mean":
+                slots = 0 if cls_positions is None else cls_positions.shape[-1]
+                pooled = mean_tokens(x, attention_mask, pack_ids, slots)
+            elif cls_positions is None:
+                pooled = x[:, 0]
+            else:
+                pooled = gather_positions(x, cls_positions)
         # [batch, (k,) hidden] -> [batch, (k,) labels]
         return classifier_logits(self.config, pooled, self.num_labels, deterministic)
 

@@ -30,8 +30,9 @@ supplies a head, a loss and host-side scoring; this base class turns them into t
   alone: the encoder's parameters (the pooler excepted: the sequence classifier's first layer) get
   no gradient and no optimizer state and stay bitwise as loaded (``frozen_mask``), and the encoder
   runs without dropout, as the feature extractor it is. ``head.features`` (tasks with
-  ``feature_heads``) chooses which layers the head reads and ``head.bilstm`` (``bilstm_head``
-  tasks) adds the paper's BiLSTM (``bertjax.models.heads``); a head option the task cannot use is
+  ``feature_heads``) chooses which layers the head reads, ``head.pooling`` (``pooled_head``
+  tasks) whether a sentence head reads them at [CLS] or as the mean over the example's tokens,
+  and ``head.bilstm`` (``bilstm_head`` tasks) adds the paper's BiLSTM (``bertjax.models.heads``); a head option the task cannot use is
   a one-line error.
 """
 
@@ -108,6 +109,7 @@ class FinetuneTask(Task):
     token_outputs: tuple[str, ...] = ()  # eval outputs per token [b, seq] (the others per example)
     feature_heads = False  # its head reads head.features (sequence and token classifiers)
     bilstm_head = False  # its head takes head.bilstm (token classification)
+    pooled_head = False  # its head takes head.pooling (sequence classification)
     freeze_unsupported = ""  # why train.freeze_encoder cannot apply to the task ("" = it can)
 
     def __init__(self, config, workdir):
@@ -141,6 +143,12 @@ class FinetuneTask(Task):
         return str(head.get("features", "last")) if head is not None else "last"
 
     @property
+    def pooling(self) -> str:
+        """Where a feature-based sentence head reads its mix: cls | mean (head.pooling)."""
+        head = self.config.get("head")
+        return str(head.get("pooling", "cls")) if head is not None else "cls"
+
+    @property
     def bilstm(self) -> bool:
         """Whether the token head has the BiLSTM (config key head.bilstm)."""
         head = self.config.get("head")
@@ -161,6 +169,19 @@ class FinetuneTask(Task):
                     "set head.features=last"
                 )
             check_features(self.features, num_layers=4)  # the name; the layers when built
+        if self.pooling != "cls":
+            if self.pooling != "mean":
+                raise ValueError(f"config key head.pooling={self.pooling!r}: choose cls or mean")
+            if not self.pooled_head:
+                raise ValueError(
+                    f"config key head.pooling={self.pooling}: the head of task {self.name} does "
+                    "not pool (glue/* and reranker heads do); set head.pooling=cls"
+                )
+            if self.features == "last":
+                raise ValueError(
+                    "config key head.pooling=mean pools a layer combination: with "
+                    "head.features=last the head reads the pooler on [CLS]; choose head.features"
+                )
         if self.bilstm and not self.bilstm_head:
             raise ValueError(
                 f"config key head.bilstm=True: task {self.name} has no BiLSTM head (a token "
@@ -186,6 +207,8 @@ class FinetuneTask(Task):
         if self.feature_heads:
             self.check_head(model_config)
             options["features"] = self.features
+        if self.pooled_head:
+            options["pooling"] = self.pooling
         if self.bilstm_head:
             options["bilstm"] = self.bilstm
         return options
@@ -384,9 +407,11 @@ class FinetuneTask(Task):
         return phase.options["max_seq_length"], 0
 
     def flops_per_step(self, model_config, phase):
-        """The encoder's training FLOPs (the small task head is not counted)."""
+        """The encoder's training FLOPs (the small task head is not counted): its forward pass
+        alone when it is frozen (no backward through it)."""
         seq, _ = self.step_shape(phase)
-        return flops.train_flops_per_step(model_config, phase.global_batch_size, seq, 0)
+        train = flops.train_flops_per_step(model_config, phase.global_batch_size, seq, 0)
+        return train / 3.0 if self.freeze_encoder else train
 
     # ---- training ------------------------------------------------------------------------------
     def example_weights(self, batch) -> jax.Array:

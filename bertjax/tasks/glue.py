@@ -41,6 +41,7 @@ class GlueFinetune(FinetuneTask):
     test_splits: tuple[tuple[str, str], ...] = ()
     required_tests: tuple[str, ...] = ()
     feature_heads = True
+    pooled_head = True
 
     def __init__(self, config, workdir):
         super().__init__(config, workdir)

@@ -157,6 +157,7 @@ class RerankerTask(FinetuneTask):
 
     name = "reranker"
     feature_heads = True
+    pooled_head = True
 
     def __init__(self, config, workdir):
         super().__init__(config, workdir)
