@@ -7,7 +7,7 @@ dropout 0.1. Each task's config (glue.py, squad.py, ner.py, swag.py) is a small 
 
 The feature-based approach (BERT paper, Section 5.3): ``train.freeze_encoder=True`` trains the task
 head alone on a frozen encoder (no gradient, no optimizer state and no dropout for the encoder;
-the pooler, which only the sequence classifier reads, trains as part of its head), and
+the pooler, which only the sentence and multiple-choice heads read, trains with them), and
 ``head.features`` chooses which combination of the encoder's layers the head reads: ``last`` (the
 fine-tuning head), ``sum_last4``, ``concat_last4`` or ``scalar_mix`` (ELMo's learned weighted sum of
 every layer; GLUE, reranker and NER tasks), read at [CLS] or (``head.pooling=mean``, sentence tasks)

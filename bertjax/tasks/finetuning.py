@@ -27,7 +27,7 @@ supplies a head, a loss and host-side scoring; this base class turns them into t
   step as unpacked, in fewer rows; ``data.eval_packing`` (on by default) packs evaluation and
   prediction: the same outputs per example (to float rounding) from 2-5x fewer rows.
 * ``train.freeze_encoder`` (the BERT paper's feature-based approach, Section 5.3) trains the head
-  alone: the encoder's parameters (the pooler excepted: the sequence classifier's first layer) get
+  alone: the encoder's parameters (the pooler excepted: the first layer of the heads that read it) get
   no gradient and no optimizer state and stay bitwise as loaded (``frozen_mask``), and the encoder
   runs without dropout, as the feature extractor it is. ``head.features`` (tasks with
   ``feature_heads``) chooses which layers the head reads, ``head.pooling`` (``pooled_head``
@@ -215,7 +215,7 @@ class FinetuneTask(Task):
 
     def frozen_mask(self, model, params):
         """With train.freeze_encoder: True for the encoder's parameters (the architecture's
-        ``encoder_name`` subtree) but its pooler, the sequence classifier's first layer."""
+        ``encoder_name`` subtree) but its pooler, the first layer of the sentence and multiple-choice heads."""
         if not self.freeze_encoder:
             return None
         name = models.architecture(model.config).encoder_name
