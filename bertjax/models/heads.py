@@ -23,8 +23,9 @@ above; ``sum_last4`` and ``concat_last4`` sum or concatenate the last four layer
 layer) times a learned ``gamma`` (``scalar_mix/{weights [layers + 1], gamma []}``). These read the
 [CLS] position, or with ``pooling="mean"`` the mean over each example's tokens (the sequence
 classifier, without pooler), or every token (the token classifier, without the architecture's
-``head``). ``TokenClassifier(bilstm=True)`` puts the paper's two-layer
-BiLSTM (``bilstm/{forward,backward}_{0,1}``, ``hidden_size`` units each way) between the features and the classifier.
+``head``). ``TokenClassifier(bilstm=True)`` puts the paper's two-layer BiLSTM
+(``bilstm/{forward,backward}_{0,1}``, ``hidden_size`` units each way) between the features and
+the classifier.
 
 ``SequenceClassifier`` and ``TokenClassifier`` also take packed rows (``bertjax.data.packing``):
 ``position_ids`` and ``pack_ids`` [batch, seq], and for the classifier ``cls_positions`` [batch, k]

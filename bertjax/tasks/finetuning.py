@@ -27,13 +27,13 @@ supplies a head, a loss and host-side scoring; this base class turns them into t
   step as unpacked, in fewer rows; ``data.eval_packing`` (on by default) packs evaluation and
   prediction: the same outputs per example (to float rounding) from 2-5x fewer rows.
 * ``train.freeze_encoder`` (the BERT paper's feature-based approach, Section 5.3) trains the head
-  alone: the encoder's parameters (the pooler excepted: the first layer of the heads that read it) get
-  no gradient and no optimizer state and stay bitwise as loaded (``frozen_mask``), and the encoder
-  runs without dropout, as the feature extractor it is. ``head.features`` (tasks with
-  ``feature_heads``) chooses which layers the head reads, ``head.pooling`` (``pooled_head``
-  tasks) whether a sentence head reads them at [CLS] or as the mean over the example's tokens,
-  and ``head.bilstm`` (``bilstm_head`` tasks) adds the paper's BiLSTM (``bertjax.models.heads``); a head option the task cannot use is
-  a one-line error.
+  alone: the encoder's parameters (the pooler excepted: the first layer of the heads that read it)
+  get no gradient and no optimizer state and stay bitwise as loaded (``frozen_mask``), and the
+  encoder runs without dropout, as the feature extractor it is. ``head.features`` (tasks with
+  ``feature_heads``) chooses which layers the head reads, ``head.pooling`` (``pooled_head`` tasks)
+  whether a sentence head reads them at [CLS] or as the mean over the example's tokens, and
+  ``head.bilstm`` (``bilstm_head`` tasks) adds the paper's BiLSTM (``bertjax.models.heads``); a
+  head option the task cannot use is a one-line error.
 """
 
 from __future__ import annotations
@@ -215,7 +215,8 @@ class FinetuneTask(Task):
 
     def frozen_mask(self, model, params):
         """With train.freeze_encoder: True for the encoder's parameters (the architecture's
-        ``encoder_name`` subtree) but its pooler, the first layer of the sentence and multiple-choice heads."""
+        ``encoder_name`` subtree) but its pooler, the first layer of the sentence and
+        multiple-choice heads."""
         if not self.freeze_encoder:
             return None
         name = models.architecture(model.config).encoder_name
