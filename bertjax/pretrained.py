@@ -326,6 +326,12 @@ def pretrained_from_checkpoint(
     warn = log.debug if quiet else log.warning
     if heads not in ("available", "all"):
         raise ValueError(f"heads={heads!r} must be 'available' or 'all'")
+    if ckpt.feature_head:
+        warn(
+            "%s: its feature-based task head (%s) is not run here: the encoder loads alone",
+            ckpt.source,
+            ckpt.feature_head,
+        )
     present = set(ckpt.heads)
     arch = models.architecture(ckpt.config)
     own = ("pooler", "mlm", "nsp") if arch.nsp else ("pooler", "mlm")  # heads it can run

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import optax
+from flax import traverse_util
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -43,6 +44,46 @@ class TrainState:
     rng: jax.Array  # [2] uint32, raw key data (per-step keys are fold_in(rng, step))
 
 
+@dataclasses.dataclass(frozen=True)
+class Partition:
+    """The params split into the trained and the frozen ones (``Task.frozen_mask``): the step
+    differentiates and updates the trained ones alone, and the optimizer state holds only them.
+    ``frozen``: the flat paths (tuples of names) of the frozen parameters."""
+
+    frozen: frozenset
+
+    def split(self, params: Any) -> tuple[Any, Any]:
+        """(trained, frozen): two nested dicts that :meth:`merge` joins back into ``params``."""
+        flat = traverse_util.flatten_dict(params)
+        trained = {k: v for k, v in flat.items() if k not in self.frozen}
+        frozen = {k: v for k, v in flat.items() if k in self.frozen}
+        return traverse_util.unflatten_dict(trained), traverse_util.unflatten_dict(frozen)
+
+    def merge(self, trained: Any, frozen: Any) -> Any:
+        flat = {**traverse_util.flatten_dict(trained), **traverse_util.flatten_dict(frozen)}
+        return traverse_util.unflatten_dict(flat)
+
+
+def param_partition(task: Task, model: nn.Module, params: Any) -> Partition | None:
+    """The task's :class:`Partition` of ``params`` (boxed, abstract or concrete), or None when
+    every parameter trains; a task that freezes every parameter is a one-line error."""
+    mask = task.frozen_mask(model, params)
+    if mask is None:
+        return None
+    flat = traverse_util.flatten_dict(mask)
+    frozen = frozenset(k for k, v in flat.items() if v)
+    if not frozen:
+        return None
+    if len(frozen) == len(flat):
+        raise ValueError(f"task {task.name}: every parameter is frozen, nothing would train")
+    return Partition(frozen)
+
+
+def trained_params(partition: Partition | None, params: Any) -> Any:
+    """The params the optimizer updates (all of them without a partition)."""
+    return params if partition is None else partition.split(params)[0]
+
+
 @dataclasses.dataclass
 class Setup:
     """The pieces ``train_and_evaluate`` and ``bertjax.compile.compile_train_step`` share."""
@@ -58,6 +99,7 @@ class Setup:
     state_shardings: Any
     init_state: Callable[[jax.Array], TrainState]
     eval_fn: Callable  # jitted task.eval_outputs(params, batch); shared by evaluation and finalize
+    partition: Partition | None = None  # frozen params (Task.frozen_mask); None: all train
 
 
 def prepared_task(config: ml_collections.ConfigDict, workdir: str) -> Task:
@@ -122,7 +164,7 @@ def build(
         return TrainState(
             step=jnp.zeros((), jnp.int32),
             params=params,
-            opt_state=tx.init(params),
+            opt_state=tx.init(trained_params(param_partition(task, model, params), params)),
             rng=jax.random.key_data(train_rng),
         )
 
@@ -130,6 +172,19 @@ def build(
     with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
         abstract_boxed = jax.eval_shape(init_boxed, rng0)
     abstract = nn.meta.unbox(abstract_boxed)
+    partition = param_partition(task, model, abstract.params)
+    if partition is not None:
+        frozen = sum(
+            int(np.prod(v.shape))
+            for k, v in traverse_util.flatten_dict(abstract.params).items()
+            if k in partition.frozen
+        )
+        log.info(
+            "task %s: %s of the parameters frozen (%d tensors: no gradient, no optimizer state)",
+            task.name,
+            f"{frozen:,}",
+            len(partition.frozen),
+        )
     state_shardings = sharding.logical_shardings(abstract_boxed, mesh, rules)
 
     def init_state(rng):
@@ -140,7 +195,8 @@ def build(
         params = task.start_params(model, state.params)
         if params is not state.params:
             params = jax.device_put(params, state_shardings.params)
-            state = state.replace(params=params, opt_state=jax.jit(tx.init)(params))
+            opt_state = jax.jit(tx.init)(trained_params(partition, params))
+            state = state.replace(params=params, opt_state=opt_state)
             state = jax.device_put(state, state_shardings)
         return state
 
@@ -157,6 +213,7 @@ def build(
         state_shardings,
         init_state,
         eval_fn,
+        partition,
     )
 
 
@@ -228,7 +285,7 @@ def make_train_step(setup: Setup, accum_steps: int, unroll: bool = False) -> Cal
     ``accum_steps`` micro-batches per step, as the task's ``micro_batching`` says (summed, or the
     two-pass cached step). ``unroll``: the micro-batch loop unrolled (same result), for XLA's TPU
     cost model, which counts a loop's body once."""
-    task, model, tx = setup.task, setup.model, setup.tx
+    task, model, tx, partition = setup.task, setup.model, setup.tx, setup.partition
     check_micro_batching(task, accum_steps)
     batch_axes = dict(setup.rules).get("batch", ("data", "fsdp"))
 
@@ -239,9 +296,12 @@ def make_train_step(setup: Setup, accum_steps: int, unroll: bool = False) -> Cal
     def split(x):  # [b, ...] -> [accum, b / accum, ...]
         return constrain(microbatch.split_rows(x, accum_steps))
 
-    def cached_gradients(params, batch, step_rng):  # the task's embed + whole-batch loss
+    def with_frozen(trained, frozen):  # the model's params from the trained and frozen ones
+        return trained if partition is None else partition.merge(trained, frozen)
+
+    def cached_gradients(params, frozen, batch, step_rng):  # the task's embed + whole-batch loss
         def embed(p, micro, rng):
-            return task.embed(model, p, micro, rng)
+            return task.embed(model, with_frozen(p, frozen), micro, rng)
 
         def batch_loss(embeddings):
             return task.batch_loss(embeddings, batch)
@@ -257,11 +317,11 @@ def make_train_step(setup: Setup, accum_steps: int, unroll: bool = False) -> Cal
             embed, batch_loss, params, micro, step_rng, accum_steps, constrain, unroll
         )
 
-    def additive_gradients(params, batch, step_rng):  # the micro-batches' gradients summed
+    def additive_gradients(params, frozen, batch, step_rng):  # micro-batches' gradients summed
         norms = task.normalizers(batch)
 
         def loss_fn(p, micro, rng):
-            return task.loss(model, p, micro, rng, norms, deterministic=False)
+            return task.loss(model, with_frozen(p, frozen), micro, rng, norms, deterministic=False)
 
         grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
         if accum_steps == 1:
@@ -274,9 +334,12 @@ def make_train_step(setup: Setup, accum_steps: int, unroll: bool = False) -> Cal
 
     def train_step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
         step_rng = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
-        loss, metrics, grads = gradients(state.params, batch, step_rng)
-        updates, opt_state = tx.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
+        # Frozen params (setup.partition) are neither differentiated nor updated: only the
+        # trained ones have gradients and optimizer state.
+        trained, frozen = (state.params, {}) if partition is None else partition.split(state.params)
+        loss, metrics, grads = gradients(trained, frozen, batch, step_rng)
+        updates, opt_state = tx.update(grads, state.opt_state, trained)
+        params = with_frozen(optax.apply_updates(trained, updates), frozen)
         metrics = dict(metrics)
         metrics.update(
             loss=loss,

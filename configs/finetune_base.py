@@ -4,6 +4,15 @@ Batch 32, AdamW lr in {5e-5, 3e-5, 2e-5} (2e-5 here), 3 epochs, linear warmup ov
 dropout 0.1. Each task's config (glue.py, squad.py, ner.py, swag.py) is a small delta on this one.
 ``init_checkpoint`` names a HF / Google / bertjax checkpoint directory whose encoder starts training;
 ``seeds`` with several entries runs one fine-tuning per seed and reports the median and best dev run.
+
+The feature-based approach (BERT paper, Section 5.3): ``train.freeze_encoder=True`` trains the task
+head alone on a frozen encoder (no gradient, no optimizer state and no dropout for the encoder;
+the pooler, which only the sentence and multiple-choice heads read, trains with them), and
+``head.features`` chooses which combination of the encoder's layers the head reads: ``last`` (the
+fine-tuning head), ``sum_last4``, ``concat_last4`` or ``scalar_mix`` (ELMo's learned weighted sum of
+every layer; GLUE, reranker and NER tasks), read at [CLS] or (``head.pooling=mean``, sentence tasks)
+as the mean over each example's tokens. ``head.bilstm=True`` puts the paper's two-layer BiLSTM
+under the NER classifier.
 """
 
 import ml_collections
@@ -50,6 +59,13 @@ def get_config() -> ml_collections.ConfigDict:
     c.train.eval_every = 0  # 0: once per epoch
     c.train.checkpoint_every = 1000
     c.train.keep_checkpoints = 1
+    c.train.freeze_encoder = False  # True: the head trains alone on the frozen encoder
+
+    # The task head: which layers it reads (the feature-based approach; see the docstring).
+    c.head = ml_collections.ConfigDict()
+    c.head.features = "last"  # last | sum_last4 | concat_last4 | scalar_mix
+    c.head.pooling = "cls"  # GLUE / reranker, features other than last: cls | mean (of the tokens)
+    c.head.bilstm = False  # NER: a two-layer BiLSTM between the features and the classifier
 
     c.optimizer.learning_rate = 2e-5
     c.optimizer.warmup_proportion = 0.1  # resolves optimizer.warmup_steps; 0 keeps warmup_steps

@@ -158,6 +158,12 @@ def save_checkpoint(ckpt: Checkpoint, directory: str, fmt: str, overwrite: bool 
     written locally then uploaded with the files that make it a checkpoint last)."""
     if fmt not in WRITERS:
         raise ValueError(f"unknown output format {fmt!r}; choose one of {FORMATS}")
+    if ckpt.feature_head and fmt != ST:
+        raise ValueError(
+            f"{ckpt.source}: its task head is feature-based ({ckpt.feature_head}), which no {fmt} "
+            "model runs (their task heads read the last layer); only its encoder exports: "
+            f"--to={ST}"
+        )
     if fs.is_remote(directory):
         directory = str(directory).rstrip("/")
         if remote.is_nonempty(directory) and not overwrite:

@@ -71,6 +71,10 @@ class Checkpoint:
     # A sentence-transformers directory's pooling, Dense, Normalize, prompts and max_seq_length
     # (``bertjax.convert.sentence_transformers.EmbeddingSettings``); None: not one.
     embedding: Any = None
+    # A bertjax fine-tuning run whose task head is feature-based (``head.features`` other than
+    # ``last``, or ``head.bilstm``): that setting, e.g. "head.features=concat_last4". Its head
+    # tensors are not in ``tensors`` (no transformers class runs such a head): the encoder alone.
+    feature_head: str | None = None
 
     @property
     def heads(self) -> tuple[str, ...]:

@@ -99,6 +99,10 @@ def load_bertjax(path: str) -> Checkpoint:
             embedding = settings_from_record(sentence, dense, source)
     config = _model_config(values, flat, source)
     config = config.replace(scan_layers=False, remat="none")
+    feature_head = _feature_head(values)
+    if feature_head is not None:  # the encoder alone: no layout holds such a head
+        encoder = models.architecture(config).encoder_name
+        flat = {k: v for k, v in flat.items() if k.split("/")[0] == encoder}
     num_labels = int(flat["classifier/kernel"].shape[-1]) if "classifier/kernel" in flat else 0
     entries = {e.path: e for e in param_layout(config, num_labels)}
     tensors = match_tensors(flat, entries, source, shape_of=lambda e: e.shape)
@@ -108,7 +112,19 @@ def load_bertjax(path: str) -> Checkpoint:
     config = with_param_dtype(config, tensors)
     ckpt = Checkpoint(config, tensors, vocab, lower, source, values.get("hf_class"))
     ckpt.embedding = embedding
+    ckpt.feature_head = feature_head
     return ckpt
+
+
+def _feature_head(values: dict) -> str | None:
+    """The feature-based head setting of a fine-tuning run's config (None: a fine-tuning head
+    or no task head): ``head.features`` other than ``last``, else ``head.bilstm=True``."""
+    head = values.get("head") or {}
+    if head.get("features", "last") != "last":
+        return f"head.features={head['features']}"
+    if head.get("bilstm"):
+        return "head.bilstm=True"
+    return None
 
 
 def write_bertjax(ckpt: Checkpoint, directory: str) -> None:

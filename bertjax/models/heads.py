@@ -13,6 +13,20 @@ BERT), so a pretrained encoder subtree drops in. Parameter trees (shown for BERT
     SentenceEmbedder:   bert/... (no pooler), dense_{i}/{kernel [in, out], bias [out]},
                         dense_{i}_residual/kernel (optional, see bertjax.models.pooling)
 
+The four fine-tuning heads take ``frozen_encoder``: the encoder then always runs deterministically
+(no dropout: a frozen encoder is a feature extractor, as in the BERT paper's feature-based
+approach, Section 5.3); the trainer then differentiates the head alone (``Task.frozen_mask``).
+``SequenceClassifier`` and ``TokenClassifier`` also take ``features`` (``FEATURES``): which
+combination of the encoder's layers the head reads. ``last`` (the default) is the fine-tuning head
+above; ``sum_last4`` and ``concat_last4`` sum or concatenate the last four layers' hidden states,
+``scalar_mix`` is ELMo's learned softmax-weighted sum of every hidden state (the embeddings and each
+layer) times a learned ``gamma`` (``scalar_mix/{weights [layers + 1], gamma []}``). These read the
+[CLS] position, or with ``pooling="mean"`` the mean over each example's tokens (the sequence
+classifier, without pooler), or every token (the token classifier, without the architecture's
+``head``). ``TokenClassifier(bilstm=True)`` puts the paper's two-layer BiLSTM
+(``bilstm/{forward,backward}_{0,1}``, ``hidden_size`` units each way) between the features and
+the classifier.
+
 ``SequenceClassifier`` and ``TokenClassifier`` also take packed rows (``bertjax.data.packing``):
 ``position_ids`` and ``pack_ids`` [batch, seq], and for the classifier ``cls_positions`` [batch, k]
 (each packed example's [CLS]), which gives logits [batch, k, classes].
@@ -24,6 +38,7 @@ axis has no rule in ``bertjax.sharding.RULES``, so head outputs stay replicated.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import flax.linen as nn
@@ -81,6 +96,84 @@ def classifier_logits(config: Any, pooled: Array, num_labels: int, deterministic
         pooled.astype(jnp.float32), deterministic=deterministic
     )
     return output_dense(config, num_labels, "classifier")(pooled)
+
+
+# Which combination of the encoder's layers a feature-based head reads (``features``).
+FEATURES = ("last", "sum_last4", "concat_last4", "scalar_mix")
+
+
+def check_features(features: str, num_layers: int) -> None:
+    """One-line ValueError for a ``features`` value that is not one of ``FEATURES``, or that reads
+    more layers than the encoder has."""
+    if features not in FEATURES:
+        raise ValueError(
+            f"config key head.features={features!r}: choose one of {', '.join(FEATURES)}"
+        )
+    if features.endswith("_last4") and num_layers < 4:
+        raise ValueError(
+            f"config key head.features={features}: the encoder has {num_layers} layers (needs 4)"
+        )
+
+
+class ScalarMix(nn.Module):
+    """ELMo's scalar mix (Peters et al., 2018, eq. 1): ``gamma * sum_j softmax(w)_j h_j`` over
+    every hidden state, with ``w`` (zeros: the mean at the start) and ``gamma`` (one) learned."""
+
+    @nn.compact
+    def __call__(self, hidden_states: Sequence[Array]) -> Array:
+        weights = self.param("weights", nn.initializers.zeros, (len(hidden_states),), jnp.float32)
+        gamma = self.param("gamma", nn.initializers.ones, (), jnp.float32)
+        w = jax.nn.softmax(weights)
+        mixed = sum(w[j] * h.astype(jnp.float32) for j, h in enumerate(hidden_states))
+        return gamma * mixed
+
+
+def layer_features(hidden_states: Sequence[Array], features: str) -> Array:
+    """The combination ``features`` (not ``last``) of an encoder's hidden states (the embeddings,
+    then every layer, each [..., seq, hidden]) in float32: [..., seq, hidden] (``concat_last4``:
+    [..., seq, 4 * hidden]). Call inside a compact module (``scalar_mix`` has parameters)."""
+    if features == "scalar_mix":
+        return ScalarMix(name="scalar_mix")(hidden_states)
+    last4 = [h.astype(jnp.float32) for h in hidden_states[-4:]]
+    if features == "sum_last4":
+        return sum(last4[1:], last4[0])
+    if features == "concat_last4":
+        return jnp.concatenate(last4, axis=-1)
+    raise ValueError(f"head.features={features!r} is not one of {FEATURES[1:]}")
+
+
+def mean_tokens(
+    x: Array, attention_mask: Array | None, pack_ids: Array | None, slots: int
+) -> Array:
+    """The mean of ``x`` [batch, seq, F] over each example's tokens: [batch, F] over the
+    attention mask, or [batch, slots, F] over each packed example's tokens (``pack_ids`` 1..slots;
+    an empty slot gives zeros). Padding is never counted (sentence-transformers' mean pooling)."""
+    if pack_ids is None:
+        mask = jnp.ones(x.shape[:2]) if attention_mask is None else attention_mask
+        member = mask[:, None, :] > 0  # [batch, 1, seq]
+    else:  # [batch, slots, seq]
+        member = pack_ids[:, None, :] == jnp.arange(1, slots + 1, dtype=pack_ids.dtype)[:, None]
+    member = member.astype(jnp.float32)
+    total = jnp.einsum("bks,bsf->bkf", member, x, precision=jax.lax.Precision.HIGHEST)
+    mean = total / jnp.maximum(member.sum(-1, keepdims=True), 1.0)
+    return mean[:, 0] if pack_ids is None else mean
+
+
+class BiLSTM(nn.Module):
+    """``layers`` bidirectional LSTM layers of ``units`` each way over [batch, seq, features]
+    (float32): [batch, seq, 2 * units]. Each row's ``lengths`` first tokens are its sequence (right
+    padding): the backward direction starts at its last real token."""
+
+    units: int
+    layers: int = 2
+
+    @nn.compact
+    def __call__(self, x: Array, lengths: Array) -> Array:
+        for i in range(self.layers):
+            forward = nn.RNN(nn.OptimizedLSTMCell(self.units, name=f"forward_{i}"))
+            backward = nn.RNN(nn.OptimizedLSTMCell(self.units, name=f"backward_{i}"))
+            x = nn.Bidirectional(forward, backward)(x, seq_lengths=lengths)
+        return x
 
 
 def first_token_positions(attention_mask: Array) -> Array:
@@ -145,6 +238,9 @@ class SequenceClassifier(nn.Module):
 
     config: Any
     num_labels: int
+    features: str = "last"  # FEATURES: the pooled [CLS] of the last layer, or [CLS] of a mix
+    frozen_encoder: bool = False  # the encoder runs without dropout (a feature extractor)
+    pooling: str = "cls"  # a mix (features other than last) at [CLS], or its mean over tokens
 
     @nn.compact
     def __call__(
@@ -159,23 +255,37 @@ class SequenceClassifier(nn.Module):
         cls_positions: Array | None = None,  # [batch, k]
     ) -> Array:
         """Returns logits [batch, num_labels], or [batch, k, num_labels] at cls_positions (float32)."""
-        out = encoder(self.config)(
+        last = self.features == "last"
+        out = encoder(self.config, add_pooler=last)(
             input_ids,
             token_type_ids,
             attention_mask,
-            deterministic=deterministic,
+            deterministic=deterministic or self.frozen_encoder,
             position_ids=position_ids,
             pack_ids=pack_ids,
-            pool_positions=cls_positions,
+            pool_positions=cls_positions if last else None,
+            output_hidden_states=not last,
         )
+        if last:
+            pooled = out.pooled_output
+        else:  # [batch, seq, F] -> [batch, (k,) F] at each [CLS]
+            x = layer_features(out.hidden_states, self.features)
+            if self.pooling == "mean":
+                slots = 0 if cls_positions is None else cls_positions.shape[-1]
+                pooled = mean_tokens(x, attention_mask, pack_ids, slots)
+            elif cls_positions is None:
+                pooled = x[:, 0]
+            else:
+                pooled = gather_positions(x, cls_positions)
         # [batch, (k,) hidden] -> [batch, (k,) labels]
-        return classifier_logits(self.config, out.pooled_output, self.num_labels, deterministic)
+        return classifier_logits(self.config, pooled, self.num_labels, deterministic)
 
 
 class SpanClassifier(nn.Module):
     """Extractive QA (SQuAD): a start and an end logit for every token (``qa_outputs``, Dense 2)."""
 
     config: Any
+    frozen_encoder: bool = False  # the encoder runs without dropout (a feature extractor)
 
     @nn.compact
     def __call__(
@@ -188,7 +298,10 @@ class SpanClassifier(nn.Module):
     ) -> tuple[Array, Array]:
         """Returns (start_logits, end_logits), each [batch, seq] float32."""
         out = encoder(self.config, add_pooler=False)(
-            input_ids, token_type_ids, attention_mask, deterministic=deterministic
+            input_ids,
+            token_type_ids,
+            attention_mask,
+            deterministic=deterministic or self.frozen_encoder,
         )
         seq = token_head(self.config, out.sequence_output).astype(jnp.float32)  # [b, s, hidden]
         if architecture(self.config).token_head is not None:  # HF drops out after the head
@@ -204,6 +317,9 @@ class TokenClassifier(nn.Module):
 
     config: Any
     num_labels: int
+    features: str = "last"  # FEATURES: the last layer through the token head, or a mix
+    frozen_encoder: bool = False  # the encoder runs without dropout (a feature extractor)
+    bilstm: bool = False  # a two-layer BiLSTM between the features and the classifier
 
     @nn.compact
     def __call__(
@@ -217,18 +333,33 @@ class TokenClassifier(nn.Module):
         pack_ids: Array | None = None,  # [batch, seq]
     ) -> Array:
         """Returns logits [batch, seq, num_labels] (float32)."""
+        last = self.features == "last"
+        if self.bilstm and pack_ids is not None:
+            raise ValueError(
+                "TokenClassifier(bilstm=True) reads each row as one sequence: unpacked"
+            )
         out = encoder(self.config, add_pooler=False)(
             input_ids,
             token_type_ids,
             attention_mask,
-            deterministic=deterministic,
+            deterministic=deterministic or self.frozen_encoder,
             position_ids=position_ids,
             pack_ids=pack_ids,
+            output_hidden_states=not last,
         )
-        seq = token_head(self.config, out.sequence_output).astype(jnp.float32)  # [b, s, hidden]
+        if last:
+            seq = token_head(self.config, out.sequence_output).astype(jnp.float32)  # [b, s, H]
+        else:
+            seq = layer_features(out.hidden_states, self.features)  # [batch, seq, F]
         seq = Dropout(self.config.hidden_dropout, self.config.dropout_impl)(
             seq, deterministic=deterministic
         )
+        if self.bilstm:  # [batch, seq, F] -> [batch, seq, 2 * hidden]
+            if attention_mask is None:
+                lengths = jnp.full(input_ids.shape[:1], input_ids.shape[1], jnp.int32)
+            else:
+                lengths = attention_mask.sum(-1).astype(jnp.int32)
+            seq = BiLSTM(self.config.hidden_size, name="bilstm")(seq, lengths)
         return output_dense(self.config, self.num_labels, "classifier")(seq)  # [batch, seq, labels]
 
 
@@ -236,6 +367,7 @@ class MultipleChoice(nn.Module):
     """Multiple choice (SWAG): every choice is encoded alone; one score per choice from its [CLS]."""
 
     config: Any
+    frozen_encoder: bool = False  # the encoder runs without dropout (a feature extractor)
 
     @nn.compact
     def __call__(
@@ -263,7 +395,7 @@ class MultipleChoice(nn.Module):
             flat(input_ids),
             flat(token_type_ids),
             flat(attention_mask),
-            deterministic=deterministic,
+            deterministic=deterministic or self.frozen_encoder,
             pool_positions=first,
         )
         pooled = out.pooled_output if first is None else out.pooled_output[:, 0]

@@ -140,6 +140,12 @@ class Task:
         """Learning-rate warmup steps of a run of ``total_steps`` (default optimizer.warmup_steps)."""
         return int(self.config.optimizer.warmup_steps)
 
+    def frozen_mask(self, model: nn.Module, params: Any) -> Any | None:
+        """A tree of bools like ``params``: True where a parameter is frozen (the trainer neither
+        differentiates it nor keeps optimizer state for it; it stays bitwise as it started).
+        None (the default): every parameter trains."""
+        return None
+
     def start_params(self, model: nn.Module, fresh: Any) -> Any:
         """The params training starts from: ``fresh`` (unboxed :meth:`fresh_params`) with the
         init checkpoint's tensors where the task has one (``bertjax.model_source``)."""

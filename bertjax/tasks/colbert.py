@@ -111,6 +111,7 @@ class ColbertTask(RetrievalTask):
 
     # ---- settings --------------------------------------------------------------------------------
     def check(self) -> None:
+        self.check_head_keys()
         c = self.config.colbert
         if c.loss not in LOSSES:
             raise ValueError(f"config key colbert.loss={c.loss!r}: choose one of {LOSSES}")

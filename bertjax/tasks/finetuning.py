@@ -26,6 +26,14 @@ supplies a head, a loss and host-side scoring; this base class turns them into t
 * ``data.batch_packing`` (on by default) packs each training batch alone: the same examples per
   step as unpacked, in fewer rows; ``data.eval_packing`` (on by default) packs evaluation and
   prediction: the same outputs per example (to float rounding) from 2-5x fewer rows.
+* ``train.freeze_encoder`` (the BERT paper's feature-based approach, Section 5.3) trains the head
+  alone: the encoder's parameters (the pooler excepted: the first layer of the heads that read it)
+  get no gradient and no optimizer state and stay bitwise as loaded (``frozen_mask``), and the
+  encoder runs without dropout, as the feature extractor it is. ``head.features`` (tasks with
+  ``feature_heads``) chooses which layers the head reads, ``head.pooling`` (``pooled_head`` tasks)
+  whether a sentence head reads them at [CLS] or as the mean over the example's tokens, and
+  ``head.bilstm`` (``bilstm_head`` tasks) adds the paper's BiLSTM (``bertjax.models.heads``); a
+  head option the task cannot use is a one-line error.
 """
 
 from __future__ import annotations
@@ -39,12 +47,14 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import traverse_util
 
-from bertjax import flops, progress
+from bertjax import flops, models, progress
 from bertjax.data import packing
 from bertjax.data.array_data import ArrayData
 from bertjax.data.batch_packing import BatchPacked, row_buckets
 from bertjax.model_source import ModelSource
+from bertjax.models.heads import check_features
 from bertjax.tasks.base import Phase, Task
 
 log = logging.getLogger("bertjax")
@@ -97,6 +107,10 @@ class FinetuneTask(Task):
     rows = "examples"  # what a feature row is, in logs (SQuAD: "features")
     packing_unsupported = ""  # why data.packing cannot apply to the task ("" = it can)
     token_outputs: tuple[str, ...] = ()  # eval outputs per token [b, seq] (the others per example)
+    feature_heads = False  # its head reads head.features (sequence and token classifiers)
+    bilstm_head = False  # its head takes head.bilstm (token classification)
+    pooled_head = False  # its head takes head.pooling (sequence classification)
+    freeze_unsupported = ""  # why train.freeze_encoder cannot apply to the task ("" = it can)
 
     def __init__(self, config, workdir):
         super().__init__(config, workdir)
@@ -115,6 +129,100 @@ class FinetuneTask(Task):
         self._steps_per_epoch = 0
         self._loaded = False
         self._packed_eval: dict[int, tuple] = {}  # id(features) -> (features, packed, layout)
+
+    # ---- the head: frozen encoder, features, BiLSTM ------------------------------------------------
+    @property
+    def freeze_encoder(self) -> bool:
+        """Whether the head trains alone on the frozen encoder (config key train.freeze_encoder)."""
+        return bool(self.config.train.get("freeze_encoder", False))
+
+    @property
+    def features(self) -> str:
+        """Which combination of layers the head reads (config key head.features)."""
+        head = self.config.get("head")
+        return str(head.get("features", "last")) if head is not None else "last"
+
+    @property
+    def pooling(self) -> str:
+        """Where a feature-based sentence head reads its mix: cls | mean (head.pooling)."""
+        head = self.config.get("head")
+        return str(head.get("pooling", "cls")) if head is not None else "cls"
+
+    @property
+    def bilstm(self) -> bool:
+        """Whether the token head has the BiLSTM (config key head.bilstm)."""
+        head = self.config.get("head")
+        return bool(head.get("bilstm", False)) if head is not None else False
+
+    def check_head_keys(self) -> None:
+        """One line for a head option the task cannot use (config only: before any data work)."""
+        if self.freeze_encoder and self.freeze_unsupported:
+            raise ValueError(
+                f"config key train.freeze_encoder=True: task {self.name} cannot freeze its "
+                f"encoder ({self.freeze_unsupported})"
+            )
+        if self.features != "last":
+            if not self.feature_heads:
+                raise ValueError(
+                    f"config key head.features={self.features}: the head of task {self.name} "
+                    "reads the last layer only (glue/*, reranker and ner/conll2003 read others); "
+                    "set head.features=last"
+                )
+            check_features(self.features, num_layers=4)  # the name; the layers when built
+        if self.pooling != "cls":
+            if self.pooling != "mean":
+                raise ValueError(f"config key head.pooling={self.pooling!r}: choose cls or mean")
+            if not self.pooled_head:
+                raise ValueError(
+                    f"config key head.pooling={self.pooling}: the head of task {self.name} does "
+                    "not pool (glue/* and reranker heads do); set head.pooling=cls"
+                )
+            if self.features == "last":
+                raise ValueError(
+                    "config key head.pooling=mean pools a layer combination: with "
+                    "head.features=last the head reads the pooler on [CLS]; choose head.features"
+                )
+        if self.bilstm and not self.bilstm_head:
+            raise ValueError(
+                f"config key head.bilstm=True: task {self.name} has no BiLSTM head (a token "
+                "task's: ner/conll2003)"
+            )
+
+    def check_head(self, model_config) -> None:
+        """One line for ``head.features`` the model cannot give (fewer layers than it reads,
+        or scanned layers, whose hidden states are not kept)."""
+        if self.features == "last":
+            return
+        check_features(self.features, model_config.num_layers)
+        if getattr(model_config, "scan_layers", False):
+            raise ValueError(
+                f"config key head.features={self.features} reads every layer's hidden states: "
+                "set model.scan_layers=False"
+            )
+
+    def head_options(self, model_config) -> dict[str, Any]:
+        """The head module's options from the config: ``frozen_encoder``, and ``features`` /
+        ``bilstm`` where the task takes them (checked against ``model_config``)."""
+        options: dict[str, Any] = {"frozen_encoder": self.freeze_encoder}
+        if self.feature_heads:
+            self.check_head(model_config)
+            options["features"] = self.features
+        if self.pooled_head:
+            options["pooling"] = self.pooling
+        if self.bilstm_head:
+            options["bilstm"] = self.bilstm
+        return options
+
+    def frozen_mask(self, model, params):
+        """With train.freeze_encoder: True for the encoder's parameters (the architecture's
+        ``encoder_name`` subtree) but its pooler, the first layer of the sentence and
+        multiple-choice heads."""
+        if not self.freeze_encoder:
+            return None
+        name = models.architecture(model.config).encoder_name
+        flat = traverse_util.flatten_dict(params)
+        mask = {k: k[0] == name and k[1:2] != ("pooler",) for k in flat}
+        return traverse_util.unflatten_dict(mask)
 
     @property
     def packing(self) -> bool:
@@ -185,8 +293,10 @@ class FinetuneTask(Task):
     def check(self) -> None:
         """Before reading any split: the tokenizer against the init checkpoint (size, tokens,
         casing), the model's keys and data.max_seq_length against its position table."""
+        self.check_head_keys()
         self._load_tokenizer()
-        self.source.model_config(self.tokenizer.vocab_size, self.config.data.max_seq_length)
+        cfg = self.source.model_config(self.tokenizer.vocab_size, self.config.data.max_seq_length)
+        self.check_head(cfg)
 
     def _load_tokenizer(self) -> None:
         """``vocab`` or the init checkpoint's vocabulary (``bertjax.model_source``): cased as the
@@ -298,9 +408,11 @@ class FinetuneTask(Task):
         return phase.options["max_seq_length"], 0
 
     def flops_per_step(self, model_config, phase):
-        """The encoder's training FLOPs (the small task head is not counted)."""
+        """The encoder's training FLOPs (the small task head is not counted): its forward pass
+        alone when it is frozen (no backward through it)."""
         seq, _ = self.step_shape(phase)
-        return flops.train_flops_per_step(model_config, phase.global_batch_size, seq, 0)
+        train = flops.train_flops_per_step(model_config, phase.global_batch_size, seq, 0)
+        return train / 3.0 if self.freeze_encoder else train
 
     # ---- training ------------------------------------------------------------------------------
     def example_weights(self, batch) -> jax.Array:

@@ -40,6 +40,8 @@ class GlueFinetune(FinetuneTask):
     # (GLUE task, split) pairs whose predictions go to the submission folder.
     test_splits: tuple[tuple[str, str], ...] = ()
     required_tests: tuple[str, ...] = ()
+    feature_heads = True
+    pooled_head = True
 
     def __init__(self, config, workdir):
         super().__init__(config, workdir)
@@ -101,7 +103,7 @@ class GlueFinetune(FinetuneTask):
 
     def build_model(self, model_config):
         num = 1 if self.spec.is_regression else len(self.spec.labels)
-        return SequenceClassifier(model_config, num_labels=num)
+        return SequenceClassifier(model_config, num_labels=num, **self.head_options(model_config))
 
     def model_inputs(self, batch):
         inputs = super().model_inputs(batch)

@@ -38,9 +38,13 @@ class ConllNer(FinetuneTask):
     name = "ner/conll2003"
     main_metric = "f1"
     token_outputs = ("tag_ids",)
+    feature_heads = True
+    bilstm_head = True
 
     def __init__(self, config, workdir):
         super().__init__(config, workdir)
+        if self.bilstm:  # data.packing is then an error; batch and eval packing are off
+            self.packing_unsupported = "a BiLSTM head (head.bilstm) reads each row as one sentence"
         self.labels: list[str] = []
         self.test_sets: list[EvalSet] = []
 
@@ -93,7 +97,9 @@ class ConllNer(FinetuneTask):
             self.test_sets = [self._eval_set("test", test_path, test)]
 
     def build_model(self, model_config):
-        return TokenClassifier(model_config, num_labels=len(self.labels))
+        return TokenClassifier(
+            model_config, num_labels=len(self.labels), **self.head_options(model_config)
+        )
 
     def _weights(self, batch):
         return (batch["label_ids"] >= 0).astype(jnp.float32) * batch["mask"][:, None]  # [b, seq]

@@ -156,6 +156,8 @@ class RerankerTask(FinetuneTask):
     """A cross-encoder: binary cross-entropy on one logit of the pair classifier."""
 
     name = "reranker"
+    feature_heads = True
+    pooled_head = True
 
     def __init__(self, config, workdir):
         super().__init__(config, workdir)
@@ -213,7 +215,7 @@ class RerankerTask(FinetuneTask):
 
     # ---- model and loss --------------------------------------------------------------------------
     def build_model(self, model_config):
-        return SequenceClassifier(model_config, num_labels=1)
+        return SequenceClassifier(model_config, num_labels=1, **self.head_options(model_config))
 
     def model_inputs(self, batch):
         inputs = super().model_inputs(batch)

@@ -162,6 +162,7 @@ class RetrievalTask(FinetuneTask):
     main_metric = "ndcg@10"
     micro_batching = "cached"
     packing_unsupported = "a row is a query with its documents, scored against the whole batch"
+    freeze_unsupported = "its embeddings are the encoder's: a bi-encoder trains the encoder"
 
     def __init__(self, config, workdir):
         super().__init__(config, workdir)

@@ -97,7 +97,7 @@ class SquadFinetune(FinetuneTask):
         )
 
     def build_model(self, model_config):
-        return SpanClassifier(model_config)
+        return SpanClassifier(model_config, **self.head_options(model_config))
 
     def head_loss(self, outputs, batch, normalizers):
         start_logits, end_logits = outputs  # [batch, seq] each

@@ -66,7 +66,7 @@ class Swag(FinetuneTask):
             ]
 
     def build_model(self, model_config):
-        return MultipleChoice(model_config)
+        return MultipleChoice(model_config, **self.head_options(model_config))
 
     def head_loss(self, logits, batch, normalizers):
         loss, acc = losses.classification_loss(
