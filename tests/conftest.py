@@ -12,6 +12,9 @@ import tempfile
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Orbax's gs:// paths through gcsfs (the emulator tests' route, as the `bertjax` command sets it):
+# etils caches its choice of backend at the first path of any test, so it is set before them all.
+os.environ.setdefault("EPATH_USE_TF", "false")
 
 import jax  # noqa: E402,F401  (before the cache settings below: this process does not read them)
 import numpy as np  # noqa: E402

@@ -2,8 +2,8 @@
 EuroBertForSequenceClassification (bos, mean and late pooling) / EuroBertForTokenClassification
 on padded batches (grouped-query attention with 2 and 1 key-value heads, tied and untied
 decoders, with and without biases), the conversion table both ways through directories that
-transformers loads, an architecture bertjax lacks, and continued pretraining and fine-tuning
-from a transformers EuroBERT directory."""
+transformers loads, an architecture bertjax lacks, and continued pretraining
+from a transformers EuroBERT directory (fine-tuning: tests/test_family_fine_tuning.py)."""
 
 from __future__ import annotations
 
@@ -301,72 +301,3 @@ def test_load_pretrained_and_continued_pretraining(tmp_path):
     for head in ("model", "predictions"):
         for a, b in zip(jax.tree.leaves(want_params[head]), jax.tree.leaves(state.params[head])):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-
-
-# ---------------------------------------------------------------------------------------------
-# Fine-tuning every task kind from a transformers EuroBERT directory
-# ---------------------------------------------------------------------------------------------
-FINE_TUNING = {  # kind -> (task, config module, data folder, overrides)
-    "glue": ("glue/sst2", "glue", "glue", {}),
-    "ner": ("ner/conll2003", "ner", "ner", {}),
-    "squad": ("squad/v1.1", "squad", "squad", {"data.max_query_length": 10, "data.doc_stride": 8}),
-    "swag": ("swag", "swag", "swag", {}),
-}
-
-
-@pytest.fixture(scope="module")
-def euro_mlm(files, tmp_path_factory):
-    """A transformers EuroBertForMaskedLM (GQA, untied) over the fine-tuning files' vocabulary."""
-    path = tmp_path_factory.mktemp("euro") / "hf"
-    size = len((files / "vocab.txt").read_text().split())
-    torch.manual_seed(0)
-    config = _hf_config("gqa", size, hidden_size=32, num_hidden_layers=2, bos_token_id=2)
-    model = transformers.EuroBertForMaskedLM(config).eval()
-    randomize(model, seed=5)
-    model.save_pretrained(path)
-    (path / "vocab.txt").write_text((files / "vocab.txt").read_text())
-    return path
-
-
-@pytest.mark.usefixtures("compilation_cache")
-@pytest.mark.parametrize("kind", list(FINE_TUNING))
-def test_every_fine_tuning_task_trains_from_a_eurobert_directory(files, euro_mlm, tmp_path, kind):
-    """Each task trains 2 steps from the directory's encoder; the run's folder loads as the model
-    it trained, and exports to transformers where transformers has the class (sequence and token
-    classification, multiple choice as the sequence classifier that scores each choice, as BERT's
-    export does), giving the same logits; QA says in one line that it exports to bertjax's formats
-    only (transformers has no EuroBERT QA class)."""
-    import importlib
-
-    from helpers import small_config
-
-    from bertjax import convert
-
-    task, module, data_dir, extra = FINE_TUNING[kind]
-    c = importlib.import_module(f"configs.{module}").get_config()
-    c = small_config(c, files, data_dir, task=task, init_checkpoint=str(euro_mlm), **extra)
-    c.train.steps = 2
-    workdir = tmp_path / "run"
-    result = train.train_and_evaluate(c, str(workdir))
-    assert result["step"] == 2 and np.isfinite(result["train"]["loss"])
-    ckpt = load_checkpoint(str(workdir))
-    assert ckpt.config.architecture == "eurobert" and ckpt.config.kv_heads == 2
-    if kind == "squad":
-        with pytest.raises(ValueError) as info:
-            convert.save_checkpoint(ckpt, str(tmp_path / "hf"), "hf")
-        assert "\n" not in str(info.value) and "--to=bertjax" in str(info.value)
-        assert not (tmp_path / "hf").exists()
-        return
-    convert.main([str(workdir), "--to=hf", str(tmp_path / "hf")])
-    auto = "ForTokenClassification" if kind == "ner" else "ForSequenceClassification"
-    hf, loading = getattr(transformers, "AutoModel" + auto).from_pretrained(
-        tmp_path / "hf", attn_implementation="eager", output_loading_info=True
-    )
-    assert not any(loading.values()), loading
-    ids, mask = _batch(ckpt.config.vocab_size, seed=3)
-    ours = bertjax.load_pretrained(str(workdir))
-    with torch.no_grad():
-        want = hf.eval()(torch.from_numpy(ids).long(), attention_mask=torch.from_numpy(mask))
-    if kind != "ner":  # a sequence classifier: SST-2's 2 labels, SWAG's one score per choice
-        assert hf.config.num_labels == (2 if kind == "glue" else 1)
-        _close(f"{kind} export", ours(ids, attention_mask=mask).logits, want.logits.numpy(), 1e-4)

@@ -2,7 +2,7 @@
 NomicBertForSequenceClassification / NomicBertForTokenClassification on padded batches with two
 segments (tied and untied decoders, SiLU and GELU, default and linear RoPE schedules, one and two
 token types), the conversion table both ways through directories that transformers loads, and
-continued pretraining and fine-tuning from a transformers NomicBERT directory."""
+continued pretraining from a transformers NomicBERT directory."""
 
 from __future__ import annotations
 
@@ -315,78 +315,3 @@ def test_load_pretrained_and_continued_pretraining(tmp_path):
     for head in ("nomic_bert", "predictions"):
         for a, b in zip(jax.tree.leaves(want_params[head]), jax.tree.leaves(state.params[head])):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-
-
-# ---------------------------------------------------------------------------------------------
-# Fine-tuning every task kind from a transformers NomicBERT directory
-# ---------------------------------------------------------------------------------------------
-FINE_TUNING = {  # kind -> (task, config module, data folder, overrides)
-    "glue": ("glue/sst2", "glue", "glue", {}),
-    "ner": ("ner/conll2003", "ner", "ner", {}),
-    "squad": ("squad/v1.1", "squad", "squad", {"data.max_query_length": 10, "data.doc_stride": 8}),
-    "swag": ("swag", "swag", "swag", {}),
-}
-
-
-@pytest.fixture(scope="module")
-def nomic_mlm(files, tmp_path_factory):
-    """A transformers NomicBertForMaskedLM (untied) over the fine-tuning files' vocabulary."""
-    path = tmp_path_factory.mktemp("nomic") / "hf"
-    size = len((files / "vocab.txt").read_text().split())
-    torch.manual_seed(0)
-    config = _hf_config("untied", size, hidden_size=48, num_hidden_layers=2)
-    model = transformers.NomicBertForMaskedLM(config).eval()
-    randomize(model, seed=5)
-    model.save_pretrained(path)
-    (path / "vocab.txt").write_text((files / "vocab.txt").read_text())
-    return path
-
-
-@pytest.mark.usefixtures("compilation_cache")
-@pytest.mark.parametrize("kind", list(FINE_TUNING))
-def test_every_fine_tuning_task_trains_from_a_nomicbert_directory(files, nomic_mlm, tmp_path, kind):
-    """Each task trains 2 steps from the directory's encoder; the run's folder loads as the model
-    it trained, and exports to transformers where transformers has the class (sequence and token
-    classification, multiple choice as the sequence classifier that scores each choice, as BERT's
-    export does), giving the same logits; QA says in one line that it exports to bertjax's formats
-    only (transformers has no NomicBERT QA class)."""
-    import importlib
-
-    from helpers import small_config
-
-    from bertjax import convert
-
-    task, module, data_dir, extra = FINE_TUNING[kind]
-    c = importlib.import_module(f"configs.{module}").get_config()
-    c = small_config(c, files, data_dir, task=task, init_checkpoint=str(nomic_mlm), **extra)
-    c.train.steps = 2
-    workdir = tmp_path / "run"
-    result = train.train_and_evaluate(c, str(workdir))
-    assert result["step"] == 2 and np.isfinite(result["train"]["loss"])
-    ckpt = load_checkpoint(str(workdir))
-    assert ckpt.config.architecture == "nomicbert" and not ckpt.config.tie_word_embeddings
-    if kind == "squad":
-        with pytest.raises(ValueError) as info:
-            convert.save_checkpoint(ckpt, str(tmp_path / "hf"), "hf")
-        assert "\n" not in str(info.value) and "--to=bertjax" in str(info.value)
-        assert not (tmp_path / "hf").exists()
-        return
-    convert.main([str(workdir), "--to=hf", str(tmp_path / "hf")])
-    auto = "ForTokenClassification" if kind == "ner" else "ForSequenceClassification"
-    hf, loading = getattr(transformers, "AutoModel" + auto).from_pretrained(
-        tmp_path / "hf", attn_implementation="eager", output_loading_info=True
-    )
-    assert not any(loading.values()), loading
-    ids, mask, types = _batch(ckpt.config.vocab_size, seed=3)
-    ours = bertjax.load_pretrained(str(workdir))
-    with torch.no_grad():
-        t_ids, t_mask, t_types = (torch.from_numpy(a).long() for a in (ids, mask, types))
-        want = hf.eval()(t_ids, attention_mask=t_mask, token_type_ids=t_types)
-    if kind != "ner":  # a sequence classifier: SST-2's 2 labels, SWAG's one score per choice
-        assert hf.config.num_labels == (2 if kind == "glue" else 1)
-        _close(
-            f"{kind} export",
-            ours(ids, token_type_ids=types, attention_mask=mask).logits,
-            want.logits.numpy(),
-            1e-4,
-        )
