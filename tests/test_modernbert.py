@@ -399,7 +399,8 @@ def test_every_param_has_logical_axis_names():
 def test_config_presets_and_validation():
     names = modernbert.preset_names()
     presets = ["modernbert-tiny", "modernbert-mini", "modernbert-base", "modernbert-large"]
-    assert names == presets
+    family = [f"ettin-{s}" for s in ("17m", "32m", "68m", "150m", "400m", "1b")]
+    assert names == presets + family + ["mmbert-small", "mmbert-base"]
     with pytest.raises(
         ValueError, match="^ModernBERT preset 'base' is now named 'modernbert-base'"
     ):
