@@ -230,5 +230,7 @@ def test_the_chunked_mlm_loss_trains_as_the_logits(tmp_path):
             np.testing.assert_allclose(got[key], want[key], rtol=1e-5, err_msg=key)
     for a, b in zip(jax.tree.leaves(chunked_params), jax.tree.leaves(params)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+    fused = tiny_config(tmp_path, steps=2, **{"train.mlm_loss": "fused"})
+    task = train.prepared_task(fused, str(tmp_path / "fused"))
     with pytest.raises(ValueError, match=r"^config key train.mlm_loss='fused' is not one of"):
-        run("fused")
+        task.chunked_mlm_loss((2, 3), 100)
