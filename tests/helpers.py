@@ -543,3 +543,31 @@ def small_config(c, files, data_dir, **overrides):
     c.mesh.num_devices = 1
     c.tensorboard = False
     return set_keys(c, overrides)
+
+
+# ---------------------------------------------------------------------------------------------
+# Equality with transformers: a converted model run on flat params, compared with torch's outputs.
+# ---------------------------------------------------------------------------------------------
+def torch_state(model) -> dict[str, np.ndarray]:
+    """A torch model's state dict as NumPy copies."""
+    return {k: v.numpy().copy() for k, v in model.state_dict().items()}
+
+
+def assert_close(name, got, want, tol, report=None) -> None:
+    """Same shape and max |got - want| <= tol (float64); ``report[name]`` records the difference."""
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    assert got.shape == want.shape, (name, got.shape, want.shape)
+    diff = float(np.max(np.abs(got - want)))
+    if report is not None:
+        report[name] = diff
+    assert diff <= tol, f"{name}: max abs difference {diff:.3e} > {tol}"
+
+
+def apply_flat(module, flat, *args, **kwargs):
+    """``module.apply`` (jitted) with the params of flat bertjax tensors (``path/to/leaf``)."""
+    import jax
+
+    from bertjax.convert import unflatten_params
+
+    params = unflatten_params(flat)
+    return jax.jit(lambda p: module.apply({"params": p}, *args, **kwargs))(params)

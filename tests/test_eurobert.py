@@ -13,6 +13,7 @@ import json
 import jax
 import numpy as np
 import pytest
+from helpers import apply_flat, assert_close, torch_state
 from hf_random import randomize
 from train_fixtures import read_metrics, tiny_config, write_vocab
 
@@ -20,7 +21,7 @@ import bertjax
 from bertjax import train
 from bertjax.convert import eurobert_hf as ehf
 from bertjax.convert import hf as convert_hf
-from bertjax.convert import load_checkpoint, save_checkpoint, unflatten_params
+from bertjax.convert import load_checkpoint, save_checkpoint
 from bertjax.models import eurobert
 from bertjax.models.heads import PreTrainingModel, SequenceClassifier, TokenClassifier
 
@@ -82,10 +83,6 @@ def _batch(vocab: int, lengths=LENGTHS, seed: int = 0):
     return np.where(mask > 0, ids, 0), mask
 
 
-def _state(model) -> dict[str, np.ndarray]:
-    return {k: v.numpy().copy() for k, v in model.state_dict().items()}
-
-
 @functools.cache
 def _reference(variant: str):
     """HF ForMaskedLM, ForSequenceClassification and ForTokenClassification sharing one random
@@ -108,7 +105,7 @@ def _reference(variant: str):
     with torch.no_grad():
         out = mlm(t_ids, attention_mask=t_mask, output_hidden_states=True)
         logits = {w: models[w](t_ids, attention_mask=t_mask).logits.numpy() for w in ("clf", "tok")}
-    state = {w: _state(m) for w, m in models.items()}
+    state = {w: torch_state(m) for w, m in models.items()}
     if hfc.tie_word_embeddings:  # what save_pretrained writes: the tied decoder is dropped
         state["mlm"].pop("lm_head.weight")
     return dict(
@@ -128,16 +125,8 @@ def _converted(variant: str, which: str):
     return cfg, flat, heads
 
 
-def _close(name, got, want, tol=TOL):
-    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    assert got.shape == want.shape, (name, got.shape, want.shape)
-    diff = float(np.max(np.abs(got - want)))
-    assert diff <= tol, f"{name}: max abs difference {diff:.3e} > {tol}"
-
-
-def _apply(module, flat, *args, **kwargs):
-    params = unflatten_params(flat)
-    return jax.jit(lambda p: module.apply({"params": p}, *args, **kwargs))(params)
+def close(name, got, want, tol=TOL, report=None):
+    assert_close(name, got, want, tol, report)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -153,7 +142,7 @@ def test_encoder_and_heads_match_transformers(variant):
     assert heads == ("mlm",) and cfg.num_layers == 3
     assert cfg.kv_heads == VARIANTS[variant]["num_key_value_heads"]
     encoder_flat = {k[len("model/") :]: v for k, v in flat.items() if k.startswith("model/")}
-    out = _apply(
+    out = apply_flat(
         eurobert.EuroBertModel(cfg, add_pooler=False),
         encoder_flat,
         ids,
@@ -163,28 +152,26 @@ def test_encoder_and_heads_match_transformers(variant):
     )
     assert len(out.hidden_states) == len(ref["hidden"]) == cfg.num_layers + 1
     for i, (got, want) in enumerate(zip(out.hidden_states, ref["hidden"])):
-        _close(f"{variant}/hidden_states[{i}]", np.asarray(got)[real], want[real])
-    _close(f"{variant}/last", np.asarray(out.sequence_output)[real], ref["hidden"][-1][real])
+        close(f"{variant}/hidden_states[{i}]", np.asarray(got)[real], want[real])
+    close(f"{variant}/last", np.asarray(out.sequence_output)[real], ref["hidden"][-1][real])
 
     model = PreTrainingModel(cfg, nsp=False)
-    full = _apply(model, flat, ids, None, mask)
-    _close(
-        f"{variant}/mlm_logits", np.asarray(full["mlm_logits"])[real], ref["logits"]["mlm"][real]
-    )
+    full = apply_flat(model, flat, ids, None, mask)
+    close(f"{variant}/mlm_logits", np.asarray(full["mlm_logits"])[real], ref["logits"]["mlm"][real])
     positions = np.array([[0, 5, 20, 13], [1, 8, 13, 3]], np.int32)
-    at = _apply(model, flat, ids, None, mask, positions)["mlm_logits"]
+    at = apply_flat(model, flat, ids, None, mask, positions)["mlm_logits"]
     want = np.take_along_axis(ref["logits"]["mlm"], positions[:, :, None], axis=1)
-    _close(f"{variant}/mlm_logits_at_positions", at, want)
+    close(f"{variant}/mlm_logits_at_positions", at, want)
 
     cfg, flat, heads = _converted(variant, "clf")
     assert heads == ("pooler", "classifier")
-    logits = _apply(SequenceClassifier(cfg, num_labels=NUM_LABELS), flat, ids, None, mask)
-    _close(f"{variant}/classifier ({cfg.classifier_pooling})", logits, ref["logits"]["clf"])
+    logits = apply_flat(SequenceClassifier(cfg, num_labels=NUM_LABELS), flat, ids, None, mask)
+    close(f"{variant}/classifier ({cfg.classifier_pooling})", logits, ref["logits"]["clf"])
 
     cfg, flat, heads = _converted(variant, "tok")
     assert heads == ("classifier",)
-    logits = _apply(TokenClassifier(cfg, num_labels=NUM_LABELS), flat, ids, None, mask)
-    _close(f"{variant}/token_classifier", np.asarray(logits)[real], ref["logits"]["tok"][real])
+    logits = apply_flat(TokenClassifier(cfg, num_labels=NUM_LABELS), flat, ids, None, mask)
+    close(f"{variant}/token_classifier", np.asarray(logits)[real], ref["logits"]["tok"][real])
 
 
 @pytest.mark.parametrize("variant", ["gqa", "biased"])
@@ -273,7 +260,7 @@ def test_load_pretrained_and_continued_pretraining(tmp_path):
     bert = bertjax.load_pretrained(str(tmp_path / "hf"))
     assert bert.config.architecture == "eurobert" and "mlm" in bert.heads
     real = mask.astype(bool)
-    _close(
+    close(
         "load_pretrained",
         np.asarray(bert(ids, attention_mask=mask).mlm_logits)[real],
         want.numpy()[real],

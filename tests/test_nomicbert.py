@@ -11,13 +11,14 @@ import functools
 import jax
 import numpy as np
 import pytest
+from helpers import apply_flat, assert_close, torch_state
 from hf_random import randomize
 from train_fixtures import read_metrics, tiny_config, write_vocab
 
 import bertjax
 from bertjax import train
 from bertjax.convert import hf as convert_hf
-from bertjax.convert import load_checkpoint, save_checkpoint, unflatten_params
+from bertjax.convert import load_checkpoint, save_checkpoint
 from bertjax.convert import nomicbert_hf as nhf
 from bertjax.models import nomicbert
 from bertjax.models.heads import PreTrainingModel, SequenceClassifier, TokenClassifier
@@ -75,10 +76,6 @@ def _batch(vocab: int, lengths=LENGTHS, seed: int = 0, types: int = 2):
     return np.where(mask > 0, ids, 0), mask, segments.astype(np.int32)
 
 
-def _state(model) -> dict[str, np.ndarray]:
-    return {k: v.numpy().copy() for k, v in model.state_dict().items()}
-
-
 @functools.cache
 def _reference(variant: str):
     """HF ForMaskedLM, ForSequenceClassification and ForTokenClassification sharing one random
@@ -107,7 +104,7 @@ def _reference(variant: str):
             w: models[w](t_ids, attention_mask=t_mask, token_type_ids=t_types).logits.numpy()
             for w in ("clf", "tok")
         }
-    state = {w: _state(m) for w, m in models.items()}
+    state = {w: torch_state(m) for w, m in models.items()}
     if hfc.tie_word_embeddings:  # what save_pretrained writes: the tied decoder is dropped
         state["mlm"].pop("cls.predictions.decoder.weight")
         state["mlm"].pop("cls.predictions.decoder.bias")
@@ -129,18 +126,8 @@ def _converted(variant: str, which: str):
     return cfg, flat, heads
 
 
-def _close(name, got, want, tol=TOL, report=None):
-    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    assert got.shape == want.shape, (name, got.shape, want.shape)
-    diff = float(np.max(np.abs(got - want)))
-    if report is not None:
-        report[name] = diff
-    assert diff <= tol, f"{name}: max abs difference {diff:.3e} > {tol}"
-
-
-def _apply(module, flat, *args, **kwargs):
-    params = unflatten_params(flat)
-    return jax.jit(lambda p: module.apply({"params": p}, *args, **kwargs))(params)
+def close(name, got, want, tol=TOL, report=None):
+    assert_close(name, got, want, tol, report)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -158,7 +145,7 @@ def test_encoder_and_heads_match_transformers(variant):
     assert cfg.tie_word_embeddings == ("predictions/decoder" not in flat)
     prefix = "nomic_bert/"
     encoder_flat = {k[len(prefix) :]: v for k, v in flat.items() if k.startswith(prefix)}
-    out = _apply(
+    out = apply_flat(
         nomicbert.NomicBertModel(cfg, add_pooler=False),
         encoder_flat,
         ids,
@@ -168,27 +155,27 @@ def test_encoder_and_heads_match_transformers(variant):
     )
     assert len(out.hidden_states) == len(ref["hidden"]) == cfg.num_layers + 1
     for i, (got, want) in enumerate(zip(out.hidden_states, ref["hidden"])):
-        _close(f"hidden_states[{i}]", np.asarray(got)[real], want[real], report=diffs)
-    _close("last", np.asarray(out.sequence_output)[real], ref["hidden"][-1][real], report=diffs)
+        close(f"hidden_states[{i}]", np.asarray(got)[real], want[real], report=diffs)
+    close("last", np.asarray(out.sequence_output)[real], ref["hidden"][-1][real], report=diffs)
 
     model = PreTrainingModel(cfg, nsp=False)
-    full = _apply(model, flat, ids, types, mask)
+    full = apply_flat(model, flat, ids, types, mask)
     want = ref["logits"]["mlm"][real]
-    _close("mlm_logits", np.asarray(full["mlm_logits"])[real], want, report=diffs)
+    close("mlm_logits", np.asarray(full["mlm_logits"])[real], want, report=diffs)
     positions = np.array([[0, 5, 20, 13], [1, 8, 13, 3]], np.int32)
-    at = _apply(model, flat, ids, types, mask, positions)["mlm_logits"]
+    at = apply_flat(model, flat, ids, types, mask, positions)["mlm_logits"]
     want = np.take_along_axis(ref["logits"]["mlm"], positions[:, :, None], axis=1)
-    _close("mlm_logits_at_positions", at, want, report=diffs)
+    close("mlm_logits_at_positions", at, want, report=diffs)
 
     cfg, flat, heads = _converted(variant, "clf")
     assert heads == ("pooler", "classifier")
-    logits = _apply(SequenceClassifier(cfg, num_labels=NUM_LABELS), flat, ids, types, mask)
-    _close("classifier", logits, ref["logits"]["clf"], report=diffs)
+    logits = apply_flat(SequenceClassifier(cfg, num_labels=NUM_LABELS), flat, ids, types, mask)
+    close("classifier", logits, ref["logits"]["clf"], report=diffs)
 
     cfg, flat, heads = _converted(variant, "tok")
     assert heads == ("classifier",)
-    logits = _apply(TokenClassifier(cfg, num_labels=NUM_LABELS), flat, ids, types, mask)
-    _close("token_classifier", np.asarray(logits)[real], ref["logits"]["tok"][real], report=diffs)
+    logits = apply_flat(TokenClassifier(cfg, num_labels=NUM_LABELS), flat, ids, types, mask)
+    close("token_classifier", np.asarray(logits)[real], ref["logits"]["tok"][real], report=diffs)
     print(variant, {k: f"{v:.1e}" for k, v in diffs.items()})
 
 
@@ -286,7 +273,7 @@ def test_load_pretrained_and_continued_pretraining(tmp_path):
     bert = bertjax.load_pretrained(str(tmp_path / "hf"))
     assert bert.config.architecture == "nomicbert" and "mlm" in bert.heads
     real = mask.astype(bool)
-    _close(
+    close(
         "load_pretrained",
         np.asarray(bert(ids, token_type_ids=types, attention_mask=mask).mlm_logits)[real],
         want.numpy()[real],

@@ -113,22 +113,14 @@ def config_to_hf(cfg: EuroBertConfig, heads=("mlm",), num_labels: int = 0) -> di
         "dtype": cfg.param_dtype,
         **{key: getattr(cfg, key) for key in TOKEN_IDS},
     }
-    if num_labels:
-        hf["id2label"] = {str(i): f"LABEL_{i}" for i in range(num_labels)}
-        hf["label2id"] = {f"LABEL_{i}": i for i in range(num_labels)}
+    hf.update(hf_table.label_maps(num_labels))
     return hf
 
 
 def hf_architecture(heads, hf_class: str | None = None) -> str:
     """The transformers class whose state dict holds exactly ``heads``."""
     del hf_class  # no two EuroBERT classes hold the same heads
-    arch = _ARCHITECTURES.get(frozenset(heads))
-    if arch is None:
-        raise ValueError(
-            f"no Hugging Face EuroBERT class holds exactly the heads {sorted(heads)} (transformers "
-            f"has {sorted(_ARCHITECTURES.values())}); export this run with --to=bertjax"
-        )
-    return arch
+    return hf_table.class_holding(heads, _ARCHITECTURES, "EuroBERT")
 
 
 # ---------------------------------------------------------------------------------------------

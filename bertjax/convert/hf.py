@@ -27,6 +27,7 @@ import numpy as np
 from safetensors.numpy import load_file, save_file
 
 import bertjax.convert.eurobert_hf as eurobert_hf
+import bertjax.convert.hf_table as hf_table
 import bertjax.convert.modernbert_hf as modernbert_hf
 import bertjax.convert.nomicbert_hf as nomicbert_hf
 from bertjax.convert.bert_layout import (
@@ -470,9 +471,7 @@ def write_hf(ckpt: Checkpoint, directory: str) -> None:
         tie_word_embeddings=True,
         dtype=ckpt.config.param_dtype,
     )
-    if ckpt.num_labels:
-        config["id2label"] = {str(i): f"LABEL_{i}" for i in range(ckpt.num_labels)}
-        config["label2id"] = {f"LABEL_{i}": i for i in range(ckpt.num_labels)}
+    config.update(hf_table.label_maps(ckpt.num_labels))
     with open(os.path.join(directory, "config.json"), "w") as f:
         json.dump(config, f, indent=2, sort_keys=True)
     save_file(state, os.path.join(directory, SAFETENSORS), metadata={"format": "pt"})

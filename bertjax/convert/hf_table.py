@@ -177,3 +177,25 @@ def metadata(hf: dict[str, Any], token_keys) -> dict[str, Any]:
     if dtype in ("float32", "bfloat16", "float16"):
         values["param_dtype"] = dtype
     return values
+
+
+def label_maps(num_labels: int) -> dict[str, dict]:
+    """config.json's ``id2label`` / ``label2id`` for ``num_labels`` classes (none for 0)."""
+    if not num_labels:
+        return {}
+    return {
+        "id2label": {str(i): f"LABEL_{i}" for i in range(num_labels)},
+        "label2id": {f"LABEL_{i}": i for i in range(num_labels)},
+    }
+
+
+def class_holding(heads, classes: dict[frozenset, str], family: str) -> str:
+    """The transformers class of ``classes`` (heads -> class) whose state dict holds exactly
+    ``heads``; none is a one-line error naming the family's classes."""
+    arch = classes.get(frozenset(heads))
+    if arch is None:
+        raise ValueError(
+            f"no Hugging Face {family} class holds exactly the heads {sorted(heads)} "
+            f"(transformers has {sorted(classes.values())}); export this run with --to=bertjax"
+        )
+    return arch

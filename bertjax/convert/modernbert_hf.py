@@ -227,9 +227,7 @@ def config_to_hf(
         "tie_word_embeddings": cfg.tie_word_embeddings,
         "dtype": cfg.param_dtype,
     }
-    if num_labels:
-        hf["id2label"] = {str(i): f"LABEL_{i}" for i in range(num_labels)}
-        hf["label2id"] = {f"LABEL_{i}": i for i in range(num_labels)}
+    hf.update(hf_table.label_maps(num_labels))
     return hf
 
 

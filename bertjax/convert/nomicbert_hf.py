@@ -118,23 +118,14 @@ def config_to_hf(cfg: NomicBertConfig, heads=("mlm",), num_labels: int = 0) -> d
         "bos_token_id": cfg.bos_token_id,
         "eos_token_id": cfg.eos_token_id,
     }
-    if num_labels:
-        hf["id2label"] = {str(i): f"LABEL_{i}" for i in range(num_labels)}
-        hf["label2id"] = {f"LABEL_{i}": i for i in range(num_labels)}
+    hf.update(hf_table.label_maps(num_labels))
     return hf
 
 
 def hf_architecture(heads, hf_class: str | None = None) -> str:
     """The transformers class whose state dict holds exactly ``heads``."""
     del hf_class  # no two NomicBERT classes hold the same heads
-    arch = _ARCHITECTURES.get(frozenset(heads))
-    if arch is None:
-        raise ValueError(
-            f"no Hugging Face NomicBERT class holds exactly the heads {sorted(heads)} "
-            f"(transformers has {sorted(_ARCHITECTURES.values())}); export this run with "
-            "--to=bertjax"
-        )
-    return arch
+    return hf_table.class_holding(heads, _ARCHITECTURES, "NomicBERT")
 
 
 # ---------------------------------------------------------------------------------------------
