@@ -553,6 +553,107 @@ def torch_state(model) -> dict[str, np.ndarray]:
     return {k: v.numpy().copy() for k, v in model.state_dict().items()}
 
 
+def torch_long(**arrays):
+    """NumPy integer arrays as torch int64 tensors by keyword (a transformers model's inputs)."""
+    import torch
+
+    return {k: torch.from_numpy(np.asarray(a)).long() for k, a in arrays.items()}
+
+
+def heads_on_one_encoder(mlm, classes, prefix: str, head_prefixes, inputs):
+    """A family's reference: ``classes`` ({"clf": ForSequenceClassification, "tok": ...}) built
+    on the encoder of the transformers masked LM ``mlm`` (its state-dict entries under
+    ``prefix``), their own heads (``head_prefixes``) randomised, run with ``mlm`` on ``inputs``
+    (torch keyword arguments). Returns (mlm's output with hidden states, logits by name with
+    "mlm", state dicts as NumPy by name)."""
+    import torch
+
+    encoder = {k: v for k, v in mlm.state_dict().items() if k.startswith(prefix)}
+    models = {"mlm": mlm}
+    for which, cls in classes.items():
+        models[which] = cls(mlm.config).eval()
+        models[which].load_state_dict(encoder, strict=False)
+        randomize(models[which], seed=2, only=head_prefixes)
+    with torch.no_grad():
+        out = mlm(**inputs, output_hidden_states=True)
+        logits = {w: models[w](**inputs).logits.numpy() for w in classes}
+    state = {w: torch_state(m) for w, m in models.items()}
+    return out, {"mlm": out.logits.numpy(), **logits}, state
+
+
+def exports_load_in_transformers(family, converted, ref, inputs, prefix: str, tmp_path):
+    """Each of a family's reference models (``ref``: its ``state`` dicts and ``logits`` by name)
+    converted (``converted(name) -> (config, flat tensors, heads)``) and exported by ``family``
+    (a ``bertjax.convert.*_hf`` module): the state dict transformers holds, bit for bit; a
+    directory transformers loads with an empty report, giving the same logits on ``inputs``
+    (torch keyword arguments); read back by ``load_hf`` as the same config and tensors. A bare
+    encoder's state dict (the names under ``prefix``, unprefixed) reads as the encoder alone."""
+    import torch
+    import transformers
+
+    from bertjax.convert import hf as convert_hf
+
+    for which in ("mlm", "clf", "tok"):
+        cfg, flat, heads = converted(which)
+        state = family.to_hf_tensors(cfg, flat, heads)
+        original = ref["state"][which]
+        assert sorted(state) == sorted(original)
+        for name, value in original.items():
+            np.testing.assert_array_equal(state[name], value, err_msg=name)
+        family.write_hf_dir(str(tmp_path / which), cfg, flat, heads)
+        cls = getattr(transformers, family.hf_architecture(heads))
+        loaded, info = cls.from_pretrained(
+            str(tmp_path / which), attn_implementation="eager", output_loading_info=True
+        )
+        assert not any(info.values()), info
+        with torch.no_grad():
+            got = loaded.eval()(**inputs).logits.numpy()
+        np.testing.assert_array_equal(got, ref["logits"][which])
+        back = convert_hf.load_hf(str(tmp_path / which))  # what load_pretrained and convert read
+        assert back.config == cfg and back.heads == heads
+        assert all(np.array_equal(back.tensors[k], v) for k, v in flat.items())
+    bare = {k[len(prefix) :]: v for k, v in ref["state"]["mlm"].items() if k.startswith(prefix)}
+    enc_flat, enc_heads = family.from_hf_tensors(cfg, bare, "bare")
+    assert enc_heads == () and sorted(family.to_hf_tensors(cfg, enc_flat, ())) == sorted(bare)
+
+
+def pretrains_from_hf_dir(tmp_path, encoder_name: str):
+    """``tmp_path / "hf"``, a transformers masked LM with an untied decoder over
+    ``tmp_path / "vocab.txt"``: hf -> bertjax -> hf is exact, and a 2-step pretraining run from it
+    evaluates at step 0 and starts from its encoder (``encoder_name``) and decoder, bitwise.
+    Returns the run's model config."""
+    import jax
+    from train_fixtures import read_metrics, tiny_config
+
+    from bertjax import train
+    from bertjax.convert import load_checkpoint, save_checkpoint
+
+    hf_dir = str(tmp_path / "hf")
+    save_checkpoint(load_checkpoint(hf_dir), str(tmp_path / "bj"), "bertjax")
+    save_checkpoint(load_checkpoint(str(tmp_path / "bj")), str(tmp_path / "back"), "hf")
+    back = load_checkpoint(str(tmp_path / "back")).tensors
+    for name, value in load_checkpoint(hf_dir).tensors.items():
+        np.testing.assert_array_equal(back[name], value)
+
+    c = tiny_config(tmp_path, steps=2)
+    c.init_checkpoint = hf_dir
+    c.data.nsp = False
+    c.train.eval_every = 1
+    c.train.eval_steps = 1
+    train.train_and_evaluate(c, str(tmp_path / "run"))
+    evals = read_metrics(tmp_path / "run", "eval")
+    assert [e["step"] for e in evals][:1] == [0] and all(np.isfinite(e["mlm_loss"]) for e in evals)
+    task = train.prepared_task(c, str(tmp_path / "run"))
+    setup = train.build(c, str(tmp_path / "run"), task)
+    state = setup.init_state(jax.random.key_data(jax.random.key(0)))
+    assert "decoder" in state.params["predictions"]
+    want_params = task.source.pretrained.params
+    for head in (encoder_name, "predictions"):
+        for a, b in zip(jax.tree.leaves(want_params[head]), jax.tree.leaves(state.params[head])):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    return setup.model.config
+
+
 def assert_close(name, got, want, tol, report=None) -> None:
     """Same shape and max |got - want| <= tol (float64); ``report[name]`` records the difference."""
     got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)

@@ -10,18 +10,22 @@ from __future__ import annotations
 import functools
 import json
 
-import jax
 import numpy as np
 import pytest
-from helpers import apply_flat, assert_close, torch_state
+from helpers import (
+    apply_flat,
+    assert_close,
+    exports_load_in_transformers,
+    heads_on_one_encoder,
+    pretrains_from_hf_dir,
+    torch_long,
+)
 from hf_random import randomize
-from train_fixtures import read_metrics, tiny_config, write_vocab
+from train_fixtures import write_vocab
 
 import bertjax
-from bertjax import train
 from bertjax.convert import eurobert_hf as ehf
-from bertjax.convert import hf as convert_hf
-from bertjax.convert import load_checkpoint, save_checkpoint
+from bertjax.convert import load_checkpoint
 from bertjax.models import eurobert
 from bertjax.models.heads import PreTrainingModel, SequenceClassifier, TokenClassifier
 
@@ -91,21 +95,17 @@ def _reference(variant: str):
     hfc = _hf_config(variant)
     mlm = transformers.EuroBertForMaskedLM(hfc).eval()
     randomize(mlm, seed=1)
-    encoder = {k: v for k, v in mlm.state_dict().items() if k.startswith("model.")}
-    models = {"mlm": mlm}
-    for which, cls in (
-        ("clf", transformers.EuroBertForSequenceClassification),
-        ("tok", transformers.EuroBertForTokenClassification),
-    ):
-        models[which] = cls(hfc).eval()
-        models[which].load_state_dict(encoder, strict=False)
-        randomize(models[which], seed=2, only=("dense.", "classifier."))
     ids, mask = _batch(hfc.vocab_size)
-    t_ids, t_mask = torch.from_numpy(ids).long(), torch.from_numpy(mask).long()
-    with torch.no_grad():
-        out = mlm(t_ids, attention_mask=t_mask, output_hidden_states=True)
-        logits = {w: models[w](t_ids, attention_mask=t_mask).logits.numpy() for w in ("clf", "tok")}
-    state = {w: torch_state(m) for w, m in models.items()}
+    out, logits, state = heads_on_one_encoder(
+        mlm,
+        {
+            "clf": transformers.EuroBertForSequenceClassification,
+            "tok": transformers.EuroBertForTokenClassification,
+        },
+        "model.",
+        ("dense.", "classifier."),
+        torch_long(input_ids=ids, attention_mask=mask),
+    )
     if hfc.tie_word_embeddings:  # what save_pretrained writes: the tied decoder is dropped
         state["mlm"].pop("lm_head.weight")
     return dict(
@@ -114,7 +114,7 @@ def _reference(variant: str):
         mask=mask,
         state=state,
         hidden=[h.numpy() for h in out.hidden_states],
-        logits={"mlm": out.logits.numpy(), **logits},
+        logits=logits,
     )
 
 
@@ -177,30 +177,9 @@ def test_encoder_and_heads_match_transformers(variant):
 @pytest.mark.parametrize("variant", ["gqa", "biased"])
 def test_export_round_trip_loads_in_transformers(variant, tmp_path):
     ref = _reference(variant)
-    ids, mask = torch.from_numpy(ref["ids"]).long(), torch.from_numpy(ref["mask"]).long()
-    for which in ("mlm", "clf", "tok"):
-        cfg, flat, heads = _converted(variant, which)
-        state = ehf.to_hf_tensors(cfg, flat, heads)
-        original = ref["state"][which]
-        assert sorted(state) == sorted(original)
-        for name, value in original.items():
-            np.testing.assert_array_equal(state[name], value, err_msg=name)
-        ehf.write_hf_dir(str(tmp_path / which), cfg, flat, heads)
-        cls = getattr(transformers, ehf.hf_architecture(heads))
-        loaded, info = cls.from_pretrained(
-            str(tmp_path / which), attn_implementation="eager", output_loading_info=True
-        )
-        assert not any(info.values()), info
-        with torch.no_grad():
-            got = loaded.eval()(ids, attention_mask=mask).logits.numpy()
-        np.testing.assert_array_equal(got, ref["logits"][which])
-        back = convert_hf.load_hf(str(tmp_path / which))  # what load_pretrained and convert read
-        assert back.config == cfg and back.heads == heads
-        assert all(np.array_equal(back.tensors[k], v) for k, v in flat.items())
-    # A bare EuroBertModel state dict (no "model." prefix) reads as the encoder alone.
-    bare = {k[len("model.") :]: v for k, v in ref["state"]["mlm"].items() if k.startswith("model.")}
-    enc_flat, enc_heads = ehf.from_hf_tensors(cfg, bare, "bare")
-    assert enc_heads == () and sorted(ehf.to_hf_tensors(cfg, enc_flat, ())) == sorted(bare)
+    inputs = torch_long(input_ids=ref["ids"], attention_mask=ref["mask"])
+    converted = functools.partial(_converted, variant)
+    exports_load_in_transformers(ehf, converted, ref, inputs, "model.", tmp_path)
 
 
 def test_config_round_trip_presets_and_errors(tmp_path):
@@ -266,25 +245,5 @@ def test_load_pretrained_and_continued_pretraining(tmp_path):
         want.numpy()[real],
         1e-4,
     )
-    save_checkpoint(load_checkpoint(str(tmp_path / "hf")), str(tmp_path / "bj"), "bertjax")
-    save_checkpoint(load_checkpoint(str(tmp_path / "bj")), str(tmp_path / "back"), "hf")
-    for name, value in load_checkpoint(str(tmp_path / "hf")).tensors.items():
-        np.testing.assert_array_equal(load_checkpoint(str(tmp_path / "back")).tensors[name], value)
-
-    c = tiny_config(tmp_path, steps=2)
-    c.init_checkpoint = str(tmp_path / "hf")
-    c.data.nsp = False
-    c.train.eval_every = 1
-    c.train.eval_steps = 1
-    train.train_and_evaluate(c, str(tmp_path / "run"))
-    evals = read_metrics(tmp_path / "run", "eval")
-    assert [e["step"] for e in evals][:1] == [0] and all(np.isfinite(e["mlm_loss"]) for e in evals)
-    task = train.prepared_task(c, str(tmp_path / "run"))
-    setup = train.build(c, str(tmp_path / "run"), task)
-    assert setup.model.config.architecture == "eurobert" and setup.model.config.kv_heads == 2
-    state = setup.init_state(jax.random.key_data(jax.random.key(0)))
-    assert "decoder" in state.params["predictions"]
-    want_params = task.source.pretrained.params
-    for head in ("model", "predictions"):
-        for a, b in zip(jax.tree.leaves(want_params[head]), jax.tree.leaves(state.params[head])):
-            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    cfg = pretrains_from_hf_dir(tmp_path, "model")
+    assert cfg.architecture == "eurobert" and cfg.kv_heads == 2

@@ -8,17 +8,20 @@ from __future__ import annotations
 
 import functools
 
-import jax
 import numpy as np
 import pytest
-from helpers import apply_flat, assert_close, torch_state
+from helpers import (
+    apply_flat,
+    assert_close,
+    exports_load_in_transformers,
+    heads_on_one_encoder,
+    pretrains_from_hf_dir,
+    torch_long,
+)
 from hf_random import randomize
-from train_fixtures import read_metrics, tiny_config, write_vocab
+from train_fixtures import write_vocab
 
 import bertjax
-from bertjax import train
-from bertjax.convert import hf as convert_hf
-from bertjax.convert import load_checkpoint, save_checkpoint
 from bertjax.convert import nomicbert_hf as nhf
 from bertjax.models import nomicbert
 from bertjax.models.heads import PreTrainingModel, SequenceClassifier, TokenClassifier
@@ -87,24 +90,17 @@ def _reference(variant: str):
     if not hfc.tie_word_embeddings:  # the bias transformers' forward never reads: as exported
         with torch.no_grad():
             mlm.cls.predictions.bias.copy_(mlm.cls.predictions.decoder.bias)
-    encoder = {k: v for k, v in mlm.state_dict().items() if k.startswith("nomic_bert.")}
-    models = {"mlm": mlm}
-    for which, cls in (
-        ("clf", transformers.NomicBertForSequenceClassification),
-        ("tok", transformers.NomicBertForTokenClassification),
-    ):
-        models[which] = cls(hfc).eval()
-        models[which].load_state_dict(encoder, strict=False)
-        randomize(models[which], seed=2, only=("nomic_bert.pooler.", "classifier."))
     ids, mask, types = _batch(hfc.vocab_size, types=hfc.type_vocab_size)
-    t_ids, t_mask, t_types = (torch.from_numpy(a).long() for a in (ids, mask, types))
-    with torch.no_grad():
-        out = mlm(t_ids, attention_mask=t_mask, token_type_ids=t_types, output_hidden_states=True)
-        logits = {
-            w: models[w](t_ids, attention_mask=t_mask, token_type_ids=t_types).logits.numpy()
-            for w in ("clf", "tok")
-        }
-    state = {w: torch_state(m) for w, m in models.items()}
+    out, logits, state = heads_on_one_encoder(
+        mlm,
+        {
+            "clf": transformers.NomicBertForSequenceClassification,
+            "tok": transformers.NomicBertForTokenClassification,
+        },
+        "nomic_bert.",
+        ("nomic_bert.pooler.", "classifier."),
+        torch_long(input_ids=ids, attention_mask=mask, token_type_ids=types),
+    )
     if hfc.tie_word_embeddings:  # what save_pretrained writes: the tied decoder is dropped
         state["mlm"].pop("cls.predictions.decoder.weight")
         state["mlm"].pop("cls.predictions.decoder.bias")
@@ -115,7 +111,7 @@ def _reference(variant: str):
         types=types,
         state=state,
         hidden=[h.numpy() for h in out.hidden_states],
-        logits={"mlm": out.logits.numpy(), **logits},
+        logits=logits,
     )
 
 
@@ -182,34 +178,11 @@ def test_encoder_and_heads_match_transformers(variant):
 @pytest.mark.parametrize("variant", ["tied", "untied"])
 def test_export_round_trip_loads_in_transformers(variant, tmp_path):
     ref = _reference(variant)
-    ids, mask, types = (torch.from_numpy(ref[k]).long() for k in ("ids", "mask", "types"))
-    for which in ("mlm", "clf", "tok"):
-        cfg, flat, heads = _converted(variant, which)
-        state = nhf.to_hf_tensors(cfg, flat, heads)
-        original = ref["state"][which]
-        assert sorted(state) == sorted(original)
-        for name, value in original.items():
-            np.testing.assert_array_equal(state[name], value, err_msg=name)
-        nhf.write_hf_dir(str(tmp_path / which), cfg, flat, heads)
-        cls = getattr(transformers, nhf.hf_architecture(heads))
-        loaded, info = cls.from_pretrained(
-            str(tmp_path / which), attn_implementation="eager", output_loading_info=True
-        )
-        assert not any(info.values()), info
-        with torch.no_grad():
-            got = loaded.eval()(ids, attention_mask=mask, token_type_ids=types).logits.numpy()
-        np.testing.assert_array_equal(got, ref["logits"][which])
-        back = convert_hf.load_hf(str(tmp_path / which))  # what load_pretrained and convert read
-        assert back.config == cfg and back.heads == heads
-        assert all(np.array_equal(back.tensors[k], v) for k, v in flat.items())
-    # A bare NomicBertModel state dict (no "nomic_bert." prefix) reads as the encoder alone.
-    bare = {
-        k[len("nomic_bert.") :]: v
-        for k, v in ref["state"]["mlm"].items()
-        if k.startswith("nomic_bert.")
-    }
-    enc_flat, enc_heads = nhf.from_hf_tensors(cfg, bare, "bare")
-    assert enc_heads == () and sorted(nhf.to_hf_tensors(cfg, enc_flat, ())) == sorted(bare)
+    inputs = torch_long(
+        input_ids=ref["ids"], attention_mask=ref["mask"], token_type_ids=ref["types"]
+    )
+    converted = functools.partial(_converted, variant)
+    exports_load_in_transformers(nhf, converted, ref, inputs, "nomic_bert.", tmp_path)
 
 
 def test_config_round_trip_presets_and_errors():
@@ -279,26 +252,5 @@ def test_load_pretrained_and_continued_pretraining(tmp_path):
         want.numpy()[real],
         1e-4,
     )
-    save_checkpoint(load_checkpoint(str(tmp_path / "hf")), str(tmp_path / "bj"), "bertjax")
-    save_checkpoint(load_checkpoint(str(tmp_path / "bj")), str(tmp_path / "back"), "hf")
-    for name, value in load_checkpoint(str(tmp_path / "hf")).tensors.items():
-        np.testing.assert_array_equal(load_checkpoint(str(tmp_path / "back")).tensors[name], value)
-
-    c = tiny_config(tmp_path, steps=2)
-    c.init_checkpoint = str(tmp_path / "hf")
-    c.data.nsp = False
-    c.train.eval_every = 1
-    c.train.eval_steps = 1
-    train.train_and_evaluate(c, str(tmp_path / "run"))
-    evals = read_metrics(tmp_path / "run", "eval")
-    assert [e["step"] for e in evals][:1] == [0] and all(np.isfinite(e["mlm_loss"]) for e in evals)
-    task = train.prepared_task(c, str(tmp_path / "run"))
-    setup = train.build(c, str(tmp_path / "run"), task)
-    assert setup.model.config.architecture == "nomicbert"
-    assert not setup.model.config.tie_word_embeddings
-    state = setup.init_state(jax.random.key_data(jax.random.key(0)))
-    assert "decoder" in state.params["predictions"]
-    want_params = task.source.pretrained.params
-    for head in ("nomic_bert", "predictions"):
-        for a, b in zip(jax.tree.leaves(want_params[head]), jax.tree.leaves(state.params[head])):
-            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    cfg = pretrains_from_hf_dir(tmp_path, "nomic_bert")
+    assert cfg.architecture == "nomicbert" and not cfg.tie_word_embeddings

@@ -17,7 +17,6 @@ from typing import Any
 import numpy as np
 
 import bertjax.convert.hf_table as hf_table
-from bertjax.layers.core import ACTIVATIONS
 from bertjax.models.eurobert import POOLINGS, EuroBertConfig
 
 MODEL_TYPE = "eurobert"
@@ -49,14 +48,8 @@ def config_from_hf(hf: dict[str, Any]) -> EuroBertConfig:
     run is a ValueError naming the key."""
     if hf.get("model_type", MODEL_TYPE) != MODEL_TYPE:
         raise ValueError(f"HF config: model_type={hf['model_type']!r} is not {MODEL_TYPE!r}")
+    hf_table.check_derived(hf, "EuroBERT", "silu")
     hidden, heads = hf.get("hidden_size", 768), hf.get("num_attention_heads", 12)
-    if hf.get("head_dim") not in (None, hidden // max(heads, 1)):
-        raise ValueError(
-            f"HF config: head_dim={hf['head_dim']} is not hidden_size // num_attention_heads "
-            "(bertjax's EuroBERT derives it)"
-        )
-    if hf.get("hidden_act", "silu") not in ACTIVATIONS:
-        raise ValueError(f"HF config: hidden_act={hf['hidden_act']!r} is not one of {ACTIVATIONS}")
     if hf.get("classifier_pooling", "late") not in POOLINGS:
         raise ValueError(
             f"HF config: classifier_pooling={hf['classifier_pooling']!r} is not one of {POOLINGS}"

@@ -27,6 +27,7 @@ import numpy as np
 from safetensors.numpy import load_file, save_file
 
 import bertjax.convert.eurobert_hf as eurobert_hf
+import bertjax.convert.gte_hf as gte_hf
 import bertjax.convert.hf_table as hf_table
 import bertjax.convert.modernbert_hf as modernbert_hf
 import bertjax.convert.nomicbert_hf as nomicbert_hf
@@ -55,10 +56,11 @@ SAFETENSORS = "model.safetensors"
 TORCH_BIN = "pytorch_model.bin"
 _ENCODER_PREFIXES = ("embeddings.", "encoder.", "pooler.")
 # The architectures converted by one name table (bertjax.convert.hf_table), by config.json's
-# model_type (NomicBERT's is nomic_bert) and by bertjax architecture name; BERT is converted
-# through its Google names.
-_TABLE_MODULES = (modernbert_hf, eurobert_hf, nomicbert_hf)
+# model_type (NomicBERT's is nomic_bert; GTE's original code writes "new") and by bertjax
+# architecture name; BERT is converted through its Google names.
+_TABLE_MODULES = (modernbert_hf, eurobert_hf, nomicbert_hf, gte_hf)
 TABLE_FAMILIES = {family.MODEL_TYPE: family for family in _TABLE_MODULES}
+TABLE_FAMILIES[gte_hf.ORIGINAL_MODEL_TYPE] = gte_hf
 FAMILY_OF_ARCHITECTURE = {family.ARCHITECTURE: family for family in _TABLE_MODULES}
 MODEL_TYPES = ("bert", *TABLE_FAMILIES)
 _SPECIAL_NAMES = {

@@ -15,12 +15,12 @@ formats only (one line says so).
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import numpy as np
 
 import bertjax.convert.hf_table as hf_table
-from bertjax.layers.core import ACTIVATIONS
 from bertjax.models.nomicbert import NomicBertConfig
 
 MODEL_TYPE = "nomic_bert"
@@ -63,63 +63,17 @@ def config_from_hf(hf: dict[str, Any]) -> NomicBertConfig:
     cannot run is a ValueError naming the key."""
     if hf.get("model_type", MODEL_TYPE) != MODEL_TYPE:
         raise ValueError(f"HF config: model_type={hf['model_type']!r} is not {MODEL_TYPE!r}")
-    hidden, heads = hf.get("hidden_size", 768), hf.get("num_attention_heads", 12)
-    if hf.get("head_dim") not in (None, hidden // max(heads, 1)):
-        raise ValueError(
-            f"HF config: head_dim={hf['head_dim']} is not hidden_size // num_attention_heads "
-            "(bertjax's NomicBERT derives it)"
-        )
-    if hf.get("hidden_act", "silu") not in ACTIVATIONS:
-        raise ValueError(f"HF config: hidden_act={hf['hidden_act']!r} is not one of {ACTIVATIONS}")
+    hf_table.check_derived(hf, "NomicBERT", "silu")
     theta, schedule = hf_table.rope_from_hf(hf, 1000.0)  # NomicBertConfig.default_theta
-    values: dict[str, Any] = dict(
-        vocab_size=hf.get("vocab_size", 30528),
-        hidden_size=hidden,
-        num_layers=int(hf.get("num_hidden_layers", 12)),
-        num_heads=heads,
-        intermediate_size=hf.get("intermediate_size", 3072),
-        hidden_act=hf.get("hidden_act", "silu"),
-        hidden_dropout=float(hf.get("hidden_dropout_prob", 0.0) or 0.0),
-        attention_dropout=float(hf.get("attention_probs_dropout_prob", 0.0) or 0.0),
-        max_position_embeddings=hf.get("max_position_embeddings", 2048),
-        type_vocab_size=hf.get("type_vocab_size", 2),
-        initializer_range=hf.get("initializer_range", 0.02),
-        layer_norm_eps=hf.get("layer_norm_eps", 1e-12),
-        rope_theta=theta,
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)),
-    )
-    values.update(hf_table.metadata(hf, ("pad_token_id", "bos_token_id", "eos_token_id")))
-    return hf_table.with_rope(NomicBertConfig(**values), schedule)
+    values = hf_table.post_norm_values(hf, NomicBertConfig())
+    return hf_table.with_rope(NomicBertConfig(**values, rope_theta=theta), schedule)
 
 
 def config_to_hf(cfg: NomicBertConfig, heads=("mlm",), num_labels: int = 0) -> dict[str, Any]:
     """A config.json dict that transformers' NomicBertConfig loads, for the class holding
     ``heads``; ``num_labels`` > 0 writes id2label/label2id."""
-    hf: dict[str, Any] = {
-        "architectures": [hf_architecture(heads)],
-        "model_type": MODEL_TYPE,
-        "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.hidden_size,
-        "intermediate_size": cfg.intermediate_size,
-        "num_hidden_layers": cfg.num_layers,
-        "num_attention_heads": cfg.num_heads,
-        "head_dim": cfg.head_dim,
-        "hidden_act": cfg.hidden_act,
-        "hidden_dropout_prob": cfg.hidden_dropout,
-        "attention_probs_dropout_prob": cfg.attention_dropout,
-        "max_position_embeddings": cfg.max_position_embeddings,
-        "type_vocab_size": cfg.type_vocab_size,
-        "initializer_range": cfg.initializer_range,
-        "layer_norm_eps": cfg.layer_norm_eps,
-        "rope_parameters": hf_table.rope_parameters(cfg),
-        "tie_word_embeddings": cfg.tie_word_embeddings,
-        "dtype": cfg.param_dtype,
-        "pad_token_id": cfg.pad_token_id,
-        "bos_token_id": cfg.bos_token_id,
-        "eos_token_id": cfg.eos_token_id,
-    }
-    hf.update(hf_table.label_maps(num_labels))
-    return hf
+    hf = hf_table.post_norm_config(cfg, MODEL_TYPE, hf_architecture(heads), num_labels)
+    return {**hf, "head_dim": cfg.head_dim}
 
 
 def hf_architecture(heads, hf_class: str | None = None) -> str:
@@ -131,43 +85,16 @@ def hf_architecture(heads, hf_class: str | None = None) -> str:
 # ---------------------------------------------------------------------------------------------
 # The name table
 # ---------------------------------------------------------------------------------------------
-def _norm(table: hf_table.Table, path: str, name: str, h: int) -> None:
-    table.add(f"{path}/scale", f"{name}.weight", "copy", (h,))
-    table.add(f"{path}/bias", f"{name}.bias", "copy", (h,))
-
-
 def _rows(cfg: NomicBertConfig, heads, num_labels: int) -> list[hf_table.Row]:
     """(bertjax path, HF name, transform, bertjax shape) of the encoder and the given heads."""
-    h, n, d = cfg.hidden_size, cfg.num_heads, cfg.head_dim
-    i, v = cfg.intermediate_size, cfg.vocab_size
+    h, v = cfg.hidden_size, cfg.vocab_size
     table = hf_table.Table()
-    emb = "nomic_bert.embeddings"
-    table.add("nomic_bert/embeddings/word_embeddings/embedding", _WORDS, "copy", (v, h))
-    types = f"{emb}.token_type_embeddings.weight"
-    table.add(
-        "nomic_bert/embeddings/token_type_embeddings/embedding",
-        types,
-        "copy",
-        (cfg.type_vocab_size, h),
-    )
-    _norm(table, "nomic_bert/embeddings/LayerNorm", f"{emb}.LayerNorm", h)
-    for layer in range(cfg.num_layers):
-        src, dst = f"nomic_bert.layers.{layer}", f"nomic_bert/layer_{layer}"
-        for proj in ("q_proj", "k_proj", "v_proj"):
-            table.linear(f"{dst}/self_attn/{proj}", f"{src}.self_attn.{proj}", (h, n, d), False)
-        table.linear(
-            f"{dst}/self_attn/o_proj", f"{src}.self_attn.o_proj", (n, d, h), False, "linear_heads"
-        )
-        _norm(table, f"{dst}/post_attention_layernorm", f"{src}.post_attention_layernorm", h)
-        table.linear(f"{dst}/mlp/gate_proj", f"{src}.mlp.gate_proj", (h, i), False)
-        table.linear(f"{dst}/mlp/up_proj", f"{src}.mlp.up_proj", (h, i), False)
-        table.linear(f"{dst}/mlp/down_proj", f"{src}.mlp.down_proj", (i, h), False)
-        _norm(table, f"{dst}/post_mlp_layernorm", f"{src}.post_mlp_layernorm", h)
+    hf_table.post_norm_encoder(table, cfg, "nomic_bert", attention_bias=False, down_bias=False)
     if "pooler" in heads:
         table.linear("nomic_bert/pooler", "nomic_bert.pooler.dense", (h, h), True)
     if "mlm" in heads:
         table.linear("predictions/dense", "cls.predictions.transform.dense", (h, h), True)
-        _norm(table, "predictions/LayerNorm", "cls.predictions.transform.layer_norm", h)
+        table.norm("predictions/LayerNorm", "cls.predictions.transform.layer_norm", h)
         if cfg.tie_word_embeddings:
             table.add("predictions/output_bias", _OUTPUT_BIAS, "copy", (v,))
         else:
@@ -219,16 +146,9 @@ def from_hf_tensors(
         hf_table.untie(state, _DECODER_BIAS, _OUTPUT_BIAS, source)
     elif mlm:  # untied: transformers' forward reads the decoder's bias, never this one
         state.pop(_OUTPUT_BIAS, None)
-    present = {
-        "pooler": any(k.startswith("nomic_bert.pooler.") for k in state),
-        "mlm": mlm,
-        "classifier": any(k.startswith("classifier.") for k in state),
-    }
-    heads = tuple(h for h, here in present.items() if here)
-    labels = state.get("classifier.weight", state.get("classifier.bias"))
-    num_labels = int(labels.shape[0]) if labels is not None and labels.ndim else 0
-    what = f"{source}: NomicBERT checkpoint (heads {list(heads)}) does not match its config"
-    return hf_table.read(_rows(cfg, heads, num_labels), state, what), heads
+    prefixes = {"pooler": "nomic_bert.pooler.", "mlm": "cls.", "classifier": "classifier."}
+    rows = functools.partial(_rows, cfg)
+    return hf_table.read_heads(state, prefixes, rows, f"{source}: NomicBERT checkpoint")
 
 
 def to_hf_tensors(

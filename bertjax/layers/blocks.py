@@ -1,13 +1,15 @@
-"""The blocks the rotary encoders share (EuroBERT, NomicBERT): self-attention with RoPE on queries
-and keys over separate ``q_proj``/``k_proj``/``v_proj``/``o_proj`` projections (grouped-query
-when there are fewer key-value heads), the gated MLP ``down_proj(act(gate_proj(x)) * up_proj(x))``,
-and what their encoders compute once before the layers (mask bias, splash segment ids, the RoPE
-tables). The parameter names are transformers' (``bertjax.convert.hf_table`` rows read them).
+"""The blocks the rotary encoders share (EuroBERT, NomicBERT, GTE): self-attention with RoPE on
+queries and keys over separate ``q_proj``/``k_proj``/``v_proj``/``o_proj`` projections
+(grouped-query when there are fewer key-value heads), the gated MLP
+``down_proj(act(gate_proj(x)) * up_proj(x))``, what their encoders compute once before the layers
+(mask bias, splash segment ids, the RoPE tables), and the whole encoder of the families with BERT's
+post-LayerNorm layout (NomicBERT, GTE: :class:`PostNormEncoder`). The parameter names are
+transformers' (``bertjax.convert.hf_table`` rows read them).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import flax.linen as nn
 import jax
@@ -18,10 +20,17 @@ from bertjax.layers.core import (
     BATCH_LENGTH_EMBED,
     BATCH_LENGTH_HEADS_KV,
     BATCH_LENGTH_MLP,
+    EncoderOutput,
     Linear,
     activation,
     attention_bias,
+    embed_table,
+    embedding_lookup,
+    layer_norm,
+    remat,
+    tanh_pooler,
 )
+from bertjax.layers.dropout import Dropout
 from bertjax.layers.rope import apply_rope, rope_tables
 from bertjax.layers.splash_attention import segment_ids_from_mask
 
@@ -70,19 +79,25 @@ class RopeSelfAttention(nn.Module):
 
 class GatedMLP(nn.Module):
     """down_proj(act(gate_proj(x)) * up_proj(x)), the config's ``hidden_act`` and
-    ``intermediate_size``; biases when ``use_bias``."""
+    ``intermediate_size``; biases when ``use_bias`` (on ``down_proj`` as ``down_bias`` says, None:
+    as ``use_bias``); with ``dropout``, the config's ``hidden_dropout`` on the gated activation."""
 
     config: Any
     use_bias: bool = False
+    down_bias: bool | None = None
+    dropout: bool = False
 
     @nn.compact
-    def __call__(self, x: Array) -> Array:
+    def __call__(self, x: Array, deterministic: bool = True) -> Array:
         cfg = self.config
         h, i, mb = cfg.hidden_size, cfg.intermediate_size, self.use_bias
+        db = mb if self.down_bias is None else self.down_bias
         gate = Linear(cfg, (h, i), ("embed", "mlp"), 1, mb, name="gate_proj")(x)
         up = Linear(cfg, (h, i), ("embed", "mlp"), 1, mb, name="up_proj")(x)
         y = nn.with_logical_constraint(activation(cfg.hidden_act)(gate) * up, BATCH_LENGTH_MLP)
-        return Linear(cfg, (i, h), ("mlp", "embed"), 1, mb, name="down_proj")(y)
+        if self.dropout:
+            y = Dropout(cfg.hidden_dropout, cfg.dropout_impl)(y, deterministic=deterministic)
+        return Linear(cfg, (i, h), ("mlp", "embed"), 1, db, name="down_proj")(y)
 
 
 def check_length(cfg: Any, input_ids: Array) -> None:
@@ -112,3 +127,107 @@ def rope_inputs(
     if position_ids is None:
         position_ids = jnp.arange(seq_len)[None, :]  # [1, seq]
     return bias, segment_ids, rope_tables(position_ids, *cfg.rope(seq_len))
+
+
+# ---------------------------------------------------------------------------------------------
+# BERT's post-LayerNorm layout with rotary positions (NomicBERT, GTE)
+# ---------------------------------------------------------------------------------------------
+class PostNormEmbeddings(nn.Module):
+    """Word embeddings (+ token-type embeddings where ``type_vocab_size`` > 0), LayerNorm,
+    dropout; no position table (RoPE). The config has ``type_vocab_size`` and
+    ``layer_norm_eps``."""
+
+    config: Any
+
+    @nn.compact
+    def __call__(self, input_ids: Array, token_type_ids: Array, deterministic: bool) -> Array:
+        cfg = self.config
+        words = embed_table(cfg, cfg.vocab_size, ("vocab", "embed"), "word_embeddings")
+        x = embedding_lookup(words, input_ids)
+        if cfg.type_vocab_size:
+            types = embed_table(cfg, cfg.type_vocab_size, (None, "embed"), "token_type_embeddings")
+            x = x + embedding_lookup(types, token_type_ids)
+        x = layer_norm(cfg, "LayerNorm", epsilon=cfg.layer_norm_eps)(x)
+        x = Dropout(cfg.hidden_dropout, cfg.dropout_impl)(x, deterministic=deterministic)
+        return nn.with_logical_constraint(x, BATCH_LENGTH_EMBED)
+
+
+class PostNormLayer(nn.Module):
+    """x = LN(x + drop(Attn(x))); x = LN(x + drop(MLP(x))): RoPE self-attention (biases on every
+    projection with ``attention_bias``), the gated MLP without biases but ``down_bias`` (and
+    ``mlp_dropout``: dropout on its gated activation)."""
+
+    config: Any
+    attention_bias: bool = False
+    down_bias: bool = False
+    mlp_dropout: bool = False
+
+    @nn.compact
+    def __call__(self, x, bias, rope, deterministic: bool, segment_ids=None) -> Array:
+        cfg = self.config
+        drop = Dropout(cfg.hidden_dropout, cfg.dropout_impl)
+        attention = RopeSelfAttention(cfg, use_bias=self.attention_bias, name="self_attn")
+        attn = attention(x, bias, rope, deterministic, segment_ids)
+        x = x + drop(attn, deterministic=deterministic)
+        x = layer_norm(cfg, "post_attention_layernorm", epsilon=cfg.layer_norm_eps)(x)
+        mlp = GatedMLP(cfg, down_bias=self.down_bias, dropout=self.mlp_dropout, name="mlp")
+        x = x + drop(mlp(x, deterministic), deterministic=deterministic)
+        x = layer_norm(cfg, "post_mlp_layernorm", epsilon=cfg.layer_norm_eps)(x)
+        return nn.with_logical_constraint(x, BATCH_LENGTH_EMBED)
+
+
+class PostNormEncoder(nn.Module):
+    """Embeddings (:class:`PostNormEmbeddings`), post-LN layers (:class:`PostNormLayer`, as the
+    class attributes ``attention_bias``, ``down_bias`` and ``mlp_dropout`` of a family's subclass
+    say) and the optional tanh pooler on the first token (``pooler``).
+
+    ``attention_mask`` [batch, seq] (1 = token, 0 = padding; padded keys are masked, padded
+    queries computed and never read, as in transformers). Packed rows pass ``pack_ids`` and
+    ``position_ids`` restarting at 0 per sequence. ``pool_positions`` [batch, k] pools at those
+    positions (pooled_output [batch, k, hidden]); without them pooled_output is [batch, hidden].
+    ``hidden_states``: the embeddings and every layer's output, as transformers'.
+    """
+
+    config: Any
+    add_pooler: bool = True
+
+    attention_bias: ClassVar[bool] = False
+    down_bias: ClassVar[bool] = False
+    mlp_dropout: ClassVar[bool] = False
+
+    @nn.compact
+    def __call__(
+        self,
+        input_ids: Array,
+        token_type_ids: Array | None = None,
+        attention_mask: Array | None = None,
+        *,
+        deterministic: bool = True,
+        output_hidden_states: bool = False,
+        position_ids: Array | None = None,
+        pack_ids: Array | None = None,
+        pool_positions: Array | None = None,
+    ) -> EncoderOutput:
+        cfg = self.config
+        check_length(cfg, input_ids)
+        if token_type_ids is None:
+            token_type_ids = jnp.zeros_like(input_ids)
+        if attention_mask is None:
+            attention_mask = jnp.ones_like(input_ids)
+        x = PostNormEmbeddings(cfg, name="embeddings")(input_ids, token_type_ids, deterministic)
+        bias, segment_ids, rope = rope_inputs(cfg, attention_mask, position_ids, pack_ids)
+        # static_argnums counts self: (self, x, bias, rope, deterministic, segment_ids)
+        layer_cls = remat(PostNormLayer, cfg.remat, static_argnums=(4,))
+        options = dict(
+            attention_bias=self.attention_bias,
+            down_bias=self.down_bias,
+            mlp_dropout=self.mlp_dropout,
+        )
+        hidden_states = [x]
+        for i in range(cfg.num_layers):
+            layer = layer_cls(cfg, **options, name=f"layer_{i}")
+            x = layer(x, bias, rope, deterministic, segment_ids)
+            hidden_states.append(x)
+        pooled = tanh_pooler(cfg, x, pool_positions, "pooler") if self.add_pooler else None
+        hidden = tuple(hidden_states) if output_hidden_states else ()
+        return EncoderOutput(sequence_output=x, pooled_output=pooled, hidden_states=hidden)

@@ -1,6 +1,6 @@
 """The architecture registry: ``model.architecture`` names one entry of ``ARCHITECTURES``.
 
-Each architecture module (``bert``, ``modernbert``, ``eurobert``, ``nomicbert``) ends with
+Each architecture module (``bert``, ``modernbert``, ``eurobert``, ``nomicbert``, ``gte``) ends with
 ``ARCHITECTURE = Architecture(...)`` (``bertjax.models.contract``): its config and presets, encoder,
 heads, parameter and FLOP counts, whether it scans, its pretraining heads. Adding an architecture is one
 module here plus one line in ``ARCHITECTURES``; ``tests/test_layout.py`` checks the contract of every
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from bertjax.models import bert, eurobert, modernbert, nomicbert
+from bertjax.models import bert, eurobert, gte, modernbert, nomicbert
 from bertjax.models.contract import Architecture
 
 ARCHITECTURES: dict[str, Architecture] = {
@@ -23,6 +23,7 @@ ARCHITECTURES: dict[str, Architecture] = {
         modernbert.ARCHITECTURE,
         eurobert.ARCHITECTURE,
         nomicbert.ARCHITECTURE,
+        gte.ARCHITECTURE,
     )
 }
 DEFAULT = bert.ARCHITECTURE.name  # a config or checkpoint without ``architecture``

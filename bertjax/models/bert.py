@@ -396,12 +396,16 @@ class MaskedLMHead(nn.Module):
         """The decoder's weights [vocab, hidden]: the word embeddings (a subclass may untie)."""
         return word_embeddings
 
+    def transform_act(self) -> str:
+        """The transform's activation: ``hidden_act`` (a subclass may fix another)."""
+        return self.config.hidden_act
+
     @nn.compact
     def __call__(self, x: Array, word_embeddings: Array, labels: Array | None = None):
         cfg = self.config
         dtype = dtype_of(cfg.dtype)
         x = dense(cfg, cfg.hidden_size, ("embed", "embed_out"), "dense")(x)
-        x = activation(cfg.hidden_act)(x)
+        x = activation(self.transform_act())(x)
         x = layer_norm(cfg, "LayerNorm", epsilon=cfg.layer_norm_eps)(x)
         output_bias = self.param("output_bias", zeros_init(("vocab",)), (cfg.vocab_size,))
         weights = self.decoder(word_embeddings).astype(dtype)

@@ -31,25 +31,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar
 
-import flax.linen as nn
 import jax
-import jax.numpy as jnp
 
-from bertjax.layers.blocks import GatedMLP, RopeSelfAttention, check_length, rope_inputs
-from bertjax.layers.core import (
-    BATCH_LENGTH_EMBED,
-    EncoderConfig,
-    EncoderOutput,
-    check_common_fields,
-    dtype_of,
-    embed_table,
-    embedding_lookup,
-    layer_norm,
-    normal_init,
-    remat,
-    tanh_pooler,
-)
-from bertjax.layers.dropout import Dropout
+from bertjax.layers.blocks import PostNormEncoder
+from bertjax.layers.core import EncoderConfig, check_common_fields, dtype_of, normal_init
 from bertjax.layers.rope import RopeConfig
 from bertjax.models.bert import MaskedLMHead as BertMaskedLMHead
 from bertjax.models.contract import Architecture
@@ -143,81 +128,11 @@ def get_preset(name: str, **overrides: Any) -> NomicBertConfig:
     return NomicBertConfig(**{**PRESETS[name], **overrides})
 
 
-class NomicBertEmbeddings(nn.Module):
-    """Word + token-type embeddings, LayerNorm, dropout (no position table: RoPE)."""
+class NomicBertModel(PostNormEncoder):
+    """The NomicBERT encoder: embeddings, post-LN layers without biases, the optional tanh pooler
+    (``bertjax.layers.blocks.PostNormEncoder``)."""
 
     config: NomicBertConfig
-
-    @nn.compact
-    def __call__(self, input_ids: Array, token_type_ids: Array, deterministic: bool) -> Array:
-        cfg = self.config
-        words = embed_table(cfg, cfg.vocab_size, ("vocab", "embed"), "word_embeddings")
-        types = embed_table(cfg, cfg.type_vocab_size, (None, "embed"), "token_type_embeddings")
-        x = embedding_lookup(words, input_ids) + embedding_lookup(types, token_type_ids)
-        x = layer_norm(cfg, "LayerNorm", epsilon=cfg.layer_norm_eps)(x)
-        x = Dropout(cfg.hidden_dropout, cfg.dropout_impl)(x, deterministic=deterministic)
-        return nn.with_logical_constraint(x, BATCH_LENGTH_EMBED)
-
-
-class NomicBertLayer(nn.Module):
-    """Post-LN layer: x = LN(x + Attn(x)); x = LN(x + SwiGLU(x))."""
-
-    config: NomicBertConfig
-
-    @nn.compact
-    def __call__(self, x, bias, rope, deterministic: bool, segment_ids=None) -> Array:
-        cfg = self.config
-        drop = Dropout(cfg.hidden_dropout, cfg.dropout_impl)
-        attn = RopeSelfAttention(cfg, name="self_attn")(x, bias, rope, deterministic, segment_ids)
-        x = x + drop(attn, deterministic=deterministic)
-        x = layer_norm(cfg, "post_attention_layernorm", epsilon=cfg.layer_norm_eps)(x)
-        x = x + drop(GatedMLP(cfg, name="mlp")(x), deterministic=deterministic)
-        x = layer_norm(cfg, "post_mlp_layernorm", epsilon=cfg.layer_norm_eps)(x)
-        return nn.with_logical_constraint(x, BATCH_LENGTH_EMBED)
-
-
-class NomicBertModel(nn.Module):
-    """The NomicBERT encoder (embeddings, layers) with the optional tanh pooler on the first token.
-
-    ``attention_mask`` [batch, seq] (1 = token, 0 = padding; padded keys are masked, padded
-    queries computed and never read, as in transformers). Packed rows pass ``pack_ids`` and
-    ``position_ids`` restarting at 0 per sequence. ``pool_positions`` [batch, k] pools at those
-    positions (pooled_output [batch, k, hidden]); without them pooled_output is [batch, hidden].
-    """
-
-    config: NomicBertConfig
-    add_pooler: bool = True
-
-    @nn.compact
-    def __call__(
-        self,
-        input_ids: Array,
-        token_type_ids: Array | None = None,
-        attention_mask: Array | None = None,
-        *,
-        deterministic: bool = True,
-        output_hidden_states: bool = False,
-        position_ids: Array | None = None,
-        pack_ids: Array | None = None,
-        pool_positions: Array | None = None,
-    ) -> EncoderOutput:
-        cfg = self.config
-        check_length(cfg, input_ids)
-        if token_type_ids is None:
-            token_type_ids = jnp.zeros_like(input_ids)
-        if attention_mask is None:
-            attention_mask = jnp.ones_like(input_ids)
-        x = NomicBertEmbeddings(cfg, name="embeddings")(input_ids, token_type_ids, deterministic)
-        bias, segment_ids, rope = rope_inputs(cfg, attention_mask, position_ids, pack_ids)
-        # static_argnums counts self: (self, x, bias, rope, deterministic, segment_ids)
-        layer_cls = remat(NomicBertLayer, cfg.remat, static_argnums=(4,))
-        hidden_states = [x]
-        for i in range(cfg.num_layers):
-            x = layer_cls(cfg, name=f"layer_{i}")(x, bias, rope, deterministic, segment_ids)
-            hidden_states.append(x)
-        pooled = tanh_pooler(cfg, x, pool_positions, "pooler") if self.add_pooler else None
-        hidden = tuple(hidden_states) if output_hidden_states else ()
-        return EncoderOutput(sequence_output=x, pooled_output=pooled, hidden_states=hidden)
 
 
 class MaskedLMHead(BertMaskedLMHead):
