@@ -76,9 +76,9 @@ def _bertjax_logger_restored():
 @pytest.fixture(scope="module")
 def hf_dirs(tmp_path_factory):
     """Tiny random transformers encoders (helpers.tiny_hf): {"bert", "modernbert", "eurobert",
-    "nomicbert": DIR}."""
+    "nomicbert", "gte": DIR}."""
     root = tmp_path_factory.mktemp("hf")
-    kinds = ("bert", "modernbert", "eurobert", "nomicbert")
+    kinds = ("bert", "modernbert", "eurobert", "nomicbert", "gte")
     return {kind: tiny_hf(root / kind, kind) for kind in kinds}
 
 

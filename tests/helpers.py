@@ -159,8 +159,8 @@ VOCAB += [*".,!?:", *WORDS]
 
 
 def tiny_hf(path, kind: str):
-    """A random transformers encoder (BERT, ModernBERT, EuroBERT or NomicBERT) with a WordPiece
-    tokenizer.json."""
+    """A random transformers encoder (BERT, ModernBERT, EuroBERT, NomicBERT or GTE) with a
+    WordPiece tokenizer.json."""
     import transformers
 
     path.mkdir(parents=True, exist_ok=True)
@@ -189,6 +189,16 @@ def tiny_hf(path, kind: str):
             **common, num_attention_heads=4, max_position_embeddings=64, pad_token_id=0
         )
         model = transformers.NomicBertModel(config)
+    elif kind == "gte":  # RoPE, gated MLP, post-LN, biases; two token types (the tokenizer's)
+        config = transformers.GteConfig(
+            **common,
+            num_attention_heads=4,
+            max_position_embeddings=64,
+            type_vocab_size=2,
+            pad_token_id=0,
+            rope_parameters={"rope_type": "linear", "factor": 1.1, "rope_theta": 1000.0},
+        )
+        model = transformers.GteModel(config)
     else:
         config = transformers.ModernBertConfig(
             **common,
@@ -257,7 +267,8 @@ def cross_encoder_dir(path, hf_dir, activation_fn=None):
         device="cpu",
         activation_fn=activation_fn,
     )
-    randomize(model.model, seed=5, only=("classifier", "head", "bert.pooler", "nomic_bert.pooler"))
+    heads = ("classifier", "head", "bert.pooler", "nomic_bert.pooler", "gte.pooler")
+    randomize(model.model, seed=5, only=heads)
     model.save(str(path))
     return path
 

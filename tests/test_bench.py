@@ -178,11 +178,11 @@ def test_corpus_copies_scale_the_file_list(tmp_path):
     assert len(list(pathlib.Path(tmp_path / "x3").iterdir())) == 6 and glob.endswith("*")
 
 
-@pytest.mark.parametrize("arch", ["modernbert", "eurobert", "nomicbert"])
+@pytest.mark.parametrize("arch", ["modernbert", "eurobert", "nomicbert", "gte"])
 def test_bench_runs_next_to_the_architectures_pytorch_peer(arch):
     """`bertjax bench --architecture=ARCH --peers`: the bertjax step and transformers'
-    ModernBertForMaskedLM / EuroBertForMaskedLM / NomicBertForMaskedLM on the same shapes, with
-    the speed-up ratio."""
+    ModernBertForMaskedLM / EuroBertForMaskedLM / NomicBertForMaskedLM / GteForMaskedLM on the
+    same shapes, with the speed-up ratio."""
     pytest.importorskip("transformers")
     pytest.importorskip("torch")
     args = [f"--architecture={arch}", f"--preset={arch}-tiny", "--vocab_size=500"]

@@ -1,6 +1,6 @@
-"""Fine-tuning from a transformers checkpoint of each newer family (EuroBERT, NomicBERT): a GLUE and
-a SQuAD run of 2 steps start from the directory's encoder; the GLUE run's folder exports to
-transformers (an empty loading report) and gives the logits ``load_pretrained(RUN)`` gives; the
+"""Fine-tuning from a transformers checkpoint of each newer family (EuroBERT, NomicBERT, GTE): a
+GLUE and a SQuAD run of 2 steps start from the directory's encoder; the GLUE run's folder exports
+to transformers (an empty loading report) and gives the logits ``load_pretrained(RUN)`` gives; the
 SQuAD run's export says in one line that transformers has no QA class of the family. (NER's and
 multiple choice's heads are architecture-independent: tests/test_finetune_heads.py holds the
 families' token classifiers to transformers at step 0.)"""
@@ -39,6 +39,7 @@ FAMILIES = {  # architecture -> transformers MLM class and config (GQA / untied 
         dict(num_attention_heads=4, num_key_value_heads=2, bos_token_id=2, eos_token_id=3),
     ),
     "nomicbert": ("NomicBertForMaskedLM", "NomicBertConfig", dict(num_attention_heads=4)),
+    "gte": ("GteForMaskedLM", "GteConfig", dict(num_attention_heads=4)),  # one token type
 }
 
 

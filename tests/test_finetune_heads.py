@@ -1,7 +1,8 @@
 """Fine-tuning starts from the init checkpoint's own task head (``bertjax.head_init``).
 
 A transformers task model (ModernBERT and BERT: sequence classification, token classification,
-question answering, multiple choice; EuroBERT: sequence and token classification) with random O(1) weights is written by transformers itself;
+question answering, multiple choice; EuroBERT, NomicBERT and GTE: sequence and token
+classification) with random O(1) weights is written by transformers itself;
 fine-tuning the matching task from it gives step-0 eval logits equal to PyTorch's within 1e-4 in
 fp32 (the encoder and the head both converted). A classifier with another label count, or a head of
 another kind, stays freshly initialised with a warning, and the log names what was taken.
@@ -49,6 +50,18 @@ TASKS = {  # kind -> (task, config module, data folder, overrides, transformers 
 
 
 def _hf_config(arch: str, vocab_size: int, num_labels: int):
+    if arch == "gte":
+        return transformers.GteConfig(
+            vocab_size=vocab_size,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=40,
+            max_position_embeddings=64,
+            pad_token_id=0,
+            num_labels=num_labels,
+            attn_implementation="eager",
+        )
     if arch == "nomicbert":
         return transformers.NomicBertConfig(
             vocab_size=vocab_size,
@@ -111,7 +124,12 @@ def _write_hf_model(files, path, arch: str, suffix: str, num_labels: int, seed: 
     """A random transformers task model saved as a directory (vocab.txt beside it); its weights
     are rescaled to O(1) activations (HF's 0.02 init leaves every layer near the identity)."""
     vocab_size = len((files / "vocab.txt").read_text().split())
-    prefix = {"modernbert": "ModernBert", "eurobert": "EuroBert", "nomicbert": "NomicBert"}
+    prefix = {
+        "modernbert": "ModernBert",
+        "eurobert": "EuroBert",
+        "nomicbert": "NomicBert",
+        "gte": "Gte",
+    }
     prefix = prefix.get(arch, "Bert")
     torch.manual_seed(seed)
     config = _hf_config(arch, vocab_size, num_labels)
@@ -166,8 +184,10 @@ def _torch_logits(model, arch: str, batch):
         ("bert", "choice"),
         ("eurobert", "sequence"),  # transformers has no EuroBERT QA or multiple-choice class
         ("eurobert", "token"),
-        ("nomicbert", "sequence"),  # nor a NomicBERT one
+        ("nomicbert", "sequence"),  # nor a NomicBERT or GTE one
         ("nomicbert", "token"),
+        ("gte", "sequence"),
+        ("gte", "token"),
     ],
 )
 def test_fine_tuning_starts_from_the_checkpoints_task_head(files, tmp_path, caplog, arch, kind):

@@ -33,8 +33,8 @@ def _classifier_dir(tmp_path, kind, num_labels, seed):
     """A random transformers ``*ForSequenceClassification`` with its tokenizer in tmp_path/clf
     (no sentence-transformers files); returns the model and the tokenizer."""
     hf = tiny_hf(tmp_path / "hf", kind)
-    prefix = {"bert": "Bert", "modernbert": "ModernBert", "eurobert": "EuroBert"}[kind]
-    cls = getattr(transformers, f"{prefix}ForSequenceClassification")
+    prefix = {"bert": "Bert", "modernbert": "ModernBert", "eurobert": "EuroBert", "gte": "Gte"}
+    cls = getattr(transformers, f"{prefix[kind]}ForSequenceClassification")
     model = cls.from_pretrained(hf, num_labels=num_labels).eval()
     randomize(model, seed=seed)
     model.save_pretrained(tmp_path / "clf")
@@ -62,7 +62,7 @@ def test_a_saved_cross_encoder_predicts_as_cross_encoder(hf_dirs, tmp_path, kind
     assert max(_differences(directory)) < TOL
 
 
-@pytest.mark.parametrize("kind", ["bert", "modernbert", "eurobert"])
+@pytest.mark.parametrize("kind", ["bert", "modernbert", "eurobert", "gte"])
 def test_a_transformers_sequence_classifier_predicts_as_cross_encoder(tmp_path, kind):
     """A plain ``*ForSequenceClassification`` (num_labels=1) directory, no sentence-transformers
     files: CrossEncoder applies Sigmoid and truncates to the tokenizer's model_max_length."""

@@ -99,7 +99,7 @@ def _bce(model, batch, modern):
     return torch.nn.functional.binary_cross_entropy_with_logits(logits, labels)
 
 
-@pytest.mark.parametrize("kind", ["bert", "modernbert", "eurobert", "nomicbert"])
+@pytest.mark.parametrize("kind", ["bert", "modernbert", "eurobert", "nomicbert", "gte"])
 def test_reranker_steps_equal_torch_and_export_to_cross_encoder(hf_dirs, tmp_path, kind):
     source = cross_encoder_dir(tmp_path / "ce", hf_dirs[kind])
     dev = _pairs(1, 10)

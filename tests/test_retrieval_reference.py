@@ -121,7 +121,7 @@ def _flat(tree):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["bert", "modernbert", "eurobert", "nomicbert"])
+@pytest.mark.parametrize("kind", ["bert", "modernbert", "eurobert", "nomicbert", "gte"])
 def test_training_steps_equal_sentence_transformers(tmp_path, kind):
     st_dir = helpers.st_dir(
         tmp_path / "st", helpers.tiny_hf(tmp_path / "hf", kind), "mean", dense=torch.nn.Tanh()
@@ -151,7 +151,9 @@ def test_training_steps_equal_sentence_transformers(tmp_path, kind):
         diff = float(np.abs(value - want[name]).max())
         worst = max(worst, diff / scale)
         assert diff <= 2e-5 * scale, f"{name}: max |bertjax - torch| {diff:.3g} (scale {scale:.3g})"
-        moved += name in start and float(np.abs(want[name] - start[name]).max()) > 1e-3
+        # more than half an Adam step of the peak learning rate (1e-3): a tensor without decay
+        # (biases, norms; GTE has many) moves about one step here, a hair under 1e-3
+        moved += name in start and float(np.abs(want[name] - start[name]).max()) > 5e-4
     assert moved > len(got) // 2  # the comparison is not vacuous: the steps moved the params
     print(
         f"{kind}: {len(got)} tensors after {STEPS} steps, worst |bertjax - torch| / max {worst:.2g}"

@@ -50,7 +50,7 @@ def _max_diff(directory, texts=TEXTS, **prompt):
     return float(np.abs(got - want).max())
 
 
-@pytest.mark.parametrize("kind", ["bert", "modernbert", "eurobert", "nomicbert"])
+@pytest.mark.parametrize("kind", ["bert", "modernbert", "eurobert", "nomicbert", "gte"])
 @pytest.mark.parametrize("mode", ["cls", "mean", "max", "lasttoken"])
 def test_each_pooling_mode_matches_sentence_transformers(hf_dirs, tmp_path, kind, mode):
     directory = st_dir(tmp_path / "st", hf_dirs[kind], mode)
@@ -117,7 +117,7 @@ def test_batching_and_buckets_do_not_change_vectors(hf_dirs, tmp_path):
 # ---------------------------------------------------------------------------------------------
 # Writing: bertjax convert --to=sentence-transformers
 # ---------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("kind", ["bert", "modernbert", "eurobert", "nomicbert"])
+@pytest.mark.parametrize("kind", ["bert", "modernbert", "eurobert", "nomicbert", "gte"])
 def test_hf_checkpoint_converts_with_mean_pooling(hf_dirs, tmp_path, kind):
     out = tmp_path / "st"
     convert_main([str(hf_dirs[kind]), "--to=sentence-transformers", str(out)])

@@ -134,8 +134,9 @@ def rope_inputs(
 # ---------------------------------------------------------------------------------------------
 class PostNormEmbeddings(nn.Module):
     """Word embeddings (+ token-type embeddings where ``type_vocab_size`` > 0), LayerNorm,
-    dropout; no position table (RoPE). The config has ``type_vocab_size`` and
-    ``layer_norm_eps``."""
+    dropout; no position table (RoPE). With one token type every token reads it, whatever its
+    ``token_type_ids`` (a pair's second segment included: transformers' tokenizers of such
+    checkpoints give none). The config has ``type_vocab_size`` and ``layer_norm_eps``."""
 
     config: Any
 
@@ -146,6 +147,8 @@ class PostNormEmbeddings(nn.Module):
         x = embedding_lookup(words, input_ids)
         if cfg.type_vocab_size:
             types = embed_table(cfg, cfg.type_vocab_size, (None, "embed"), "token_type_embeddings")
+            if cfg.type_vocab_size == 1:
+                token_type_ids = jnp.zeros_like(token_type_ids)
             x = x + embedding_lookup(types, token_type_ids)
         x = layer_norm(cfg, "LayerNorm", epsilon=cfg.layer_norm_eps)(x)
         x = Dropout(cfg.hidden_dropout, cfg.dropout_impl)(x, deterministic=deterministic)

@@ -33,6 +33,7 @@ PEER_FRAMEWORKS = (
     "torch-modernbert",
     "torch-eurobert",
     "torch-nomicbert",
+    "torch-gte",
     "torch-cls",
 )
 # The peers of each architecture, by its transformers reference class (``Architecture.hf_reference``).
@@ -41,6 +42,7 @@ PEERS = {
     "ModernBertForMaskedLM": ("torch-modernbert",),
     "EuroBertForMaskedLM": ("torch-eurobert",),
     "NomicBertForMaskedLM": ("torch-nomicbert",),
+    "GteForMaskedLM": ("torch-gte",),
 }
 
 
@@ -299,6 +301,30 @@ def bench_torch_nomicbert(a) -> dict:
     return _bench_torch_model(model, batch, a, "transformers-torch-nomicbert", ("bias", "norm"))
 
 
+def bench_torch_gte(a) -> dict:
+    """Eager PyTorch GteForMaskedLM (full-sequence logits, its own MLM loss from ``labels``,
+    SDPA attention), clip_grad_norm_ and AdamW."""
+    import torch
+    from transformers import GteConfig, GteForMaskedLM
+
+    torch.manual_seed(0)
+    config = GteConfig(
+        vocab_size=a.vocab,
+        hidden_size=a.hidden,
+        num_hidden_layers=a.layers,
+        num_attention_heads=a.heads,
+        intermediate_size=a.intermediate,
+        max_position_embeddings=max(8192, a.seq),
+        hidden_dropout_prob=a.dropout,
+        attention_probs_dropout_prob=a.dropout,
+        pad_token_id=0,
+    )
+    model = GteForMaskedLM(config)
+    hf = synthetic_batch(a.batch, a.seq, a.masked, a.vocab)
+    batch = {k: hf[k] for k in ("input_ids", "attention_mask", "labels")}
+    return _bench_torch_model(model, batch, a, "transformers-torch-gte", ("bias", "norm", "Norm"))
+
+
 def bench_torch_cls(a) -> dict:
     """Fine-tuning in eager PyTorch: BertForSequenceClassification (2 labels, its own loss) trained
     as ``_bench_torch_model`` does, then the dev set's forward passes (``eval_examples`` rows in
@@ -429,6 +455,7 @@ def main(argv: list[str] | None = None) -> None:
         "torch-modernbert": bench_torch_modernbert,
         "torch-eurobert": bench_torch_eurobert,
         "torch-nomicbert": bench_torch_nomicbert,
+        "torch-gte": bench_torch_gte,
         "torch-cls": bench_torch_cls,
     }
     result = runners[a.framework](a)
