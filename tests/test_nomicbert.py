@@ -7,6 +7,7 @@ continued pretraining from a transformers NomicBERT directory."""
 from __future__ import annotations
 
 import functools
+import json
 
 import numpy as np
 import pytest
@@ -183,6 +184,80 @@ def test_export_round_trip_loads_in_transformers(variant, tmp_path):
     )
     converted = functools.partial(_converted, variant)
     exports_load_in_transformers(nhf, converted, ref, inputs, "nomic_bert.", tmp_path)
+
+
+def _original_keys(hf: dict) -> dict:
+    """A transformers NomicBERT config.json as nomic-ai's own code writes it (GPT-2's key names,
+    rotary_emb_*, activation_function, the bias and layout switches)."""
+    act = {"silu": "swiglu", "gelu": "geglu"}[hf["hidden_act"]]
+    return dict(
+        model_type="nomic_bert",
+        architectures=["NomicBertForPreTraining"],
+        vocab_size=hf["vocab_size"],
+        n_embd=hf["hidden_size"],
+        n_head=hf["num_attention_heads"],
+        n_layer=hf["num_hidden_layers"],
+        n_inner=hf["intermediate_size"],
+        n_positions=hf["max_position_embeddings"],
+        layer_norm_epsilon=hf["layer_norm_eps"],
+        initializer_range=hf["initializer_range"],
+        type_vocab_size=hf["type_vocab_size"],
+        tie_word_embeddings=hf.get("tie_word_embeddings", True),
+        pad_token_id=hf["pad_token_id"],
+        activation_function=act,
+        rotary_emb_base=hf["rope_parameters"]["rope_theta"],
+        rotary_emb_fraction=1.0,
+        rotary_emb_interleaved=False,
+        rotary_emb_scale_base=None,
+        rotary_scaling_factor=None,
+        qkv_proj_bias=False,
+        mlp_fc1_bias=False,
+        mlp_fc2_bias=False,
+        prenorm=False,
+        parallel_block=False,
+        causal=False,
+        pad_vocab_size_multiple=1,
+        attn_pdrop=0.0,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+    )
+
+
+@pytest.mark.parametrize("variant", ["tied", "untied"])
+def test_original_config_keys_load(variant, tmp_path):
+    """A directory whose config.json has the original code's keys (as nomic-ai/nomic-bert-2048's)
+    loads as the transformers config does and gives transformers' logits; settings of that code
+    which transformers does not compute are one-line errors."""
+    ref = _reference(variant)
+    model = transformers.NomicBertForMaskedLM(ref["config"]).eval()
+    state = {k: torch.from_numpy(v) for k, v in ref["state"]["mlm"].items()}
+    model.load_state_dict(state, strict=False)
+    model.save_pretrained(tmp_path)  # the original weight names
+    hf = json.loads((tmp_path / "config.json").read_text())
+    original = _original_keys(hf)
+    (tmp_path / "config.json").write_text(json.dumps(original))
+    bert = bertjax.load_pretrained(str(tmp_path))
+    assert bert.config == nhf.config_from_hf(hf)
+    ids, mask, types = ref["ids"], ref["mask"], ref["types"]
+    real = mask.astype(bool)
+    got = np.asarray(bert(ids, token_type_ids=types, attention_mask=mask).mlm_logits)
+    close("original keys mlm_logits", got[real], ref["logits"]["mlm"][real])
+    padded = nhf.config_from_hf({**original, "vocab_size": 300, "pad_vocab_size_multiple": 64})
+    assert padded.vocab_size == 320
+    scaled = nhf.config_from_hf(
+        {**original, "rotary_scaling_factor": 2.0, "max_trained_positions": 32}
+    )
+    assert json.loads(scaled.rope_scaling) == {"rope_type": "dynamic", "factor": 2.0}
+    assert scaled.max_position_embeddings == 32
+    for key, value in (
+        ("rotary_emb_fraction", 0.5),
+        ("qkv_proj_bias", True),
+        ("prenorm", True),
+        ("activation_function", "gelu"),
+    ):
+        with pytest.raises(ValueError, match=f"{key}=") as info:
+            nhf.config_from_hf({**original, key: value})
+        assert "\n" not in str(info.value)
 
 
 def test_config_round_trip_presets_and_errors():

@@ -53,16 +53,78 @@ _ORIGINAL_NAMES = (
 _FUSED_QKV = "attn.Wqkv."
 # config.json's special-token ids <- the roles of bertjax's tokenizers.
 TOKEN_IDS = {"pad_token_id": "pad"}
+# The original code's config.json (nomic-ai's NomicBertConfig, GPT-2's key names, as
+# nomic-ai/nomic-bert-2048 has it): key -> transformers' key, read where transformers' is absent.
+_ORIGINAL_KEYS = (
+    ("n_embd", "hidden_size"),
+    ("n_head", "num_attention_heads"),
+    ("n_layer", "num_hidden_layers"),
+    ("n_inner", "intermediate_size"),
+    ("n_positions", "max_position_embeddings"),
+    ("layer_norm_epsilon", "layer_norm_eps"),
+    ("resid_pdrop", "hidden_dropout_prob"),
+    ("attn_pdrop", "attention_probs_dropout_prob"),
+    ("rotary_emb_base", "rope_theta"),
+)
+_GATED_ACTIVATIONS = {"swiglu": "silu", "geglu": "gelu", "glu": "sigmoid"}  # activation_function
+# The original code's settings transformers' NomicBERT (and so bertjax's) computes only as these.
+_ORIGINAL_SETTINGS = {
+    "rotary_emb_fraction": 1.0,
+    "rotary_emb_interleaved": False,
+    "rotary_emb_scale_base": None,
+    "qkv_proj_bias": False,
+    "mlp_fc1_bias": False,
+    "mlp_fc2_bias": False,
+    "prenorm": False,
+    "parallel_block": False,
+    "use_rms_norm": False,
+    "causal": False,
+}
 
 
 # ---------------------------------------------------------------------------------------------
 # config.json
 # ---------------------------------------------------------------------------------------------
+def _transformers_keys(hf: dict[str, Any]) -> dict[str, Any]:
+    """config.json with the original code's keys read as transformers' (where transformers' own
+    are absent): GPT-2's names, ``activation_function`` (the gated ones), the embedding table
+    padded to ``pad_vocab_size_multiple``, ``rotary_scaling_factor`` as a dynamic schedule over
+    ``max_trained_positions``; ValueError naming a setting transformers does not compute."""
+    for key, supported in _ORIGINAL_SETTINGS.items():
+        if hf.get(key, supported) != supported:
+            raise ValueError(
+                f"HF config: {key}={hf[key]!r} is not computed by NomicBERT in transformers or "
+                f"bertjax (only {supported!r})"
+            )
+    original = "n_embd" in hf and "hidden_size" not in hf
+    hf = {**{key: hf[old] for old, key in _ORIGINAL_KEYS if old in hf}, **hf}
+    if original and hf.get("intermediate_size") is None:
+        hf["intermediate_size"] = 4 * hf["hidden_size"]  # GPT-2's n_inner=None
+    act = hf.get("activation_function")
+    if act is not None and "hidden_act" not in hf:
+        if act not in _GATED_ACTIVATIONS:
+            raise ValueError(
+                f"HF config: activation_function={act!r} (an MLP without a gate) is not "
+                f"computed by NomicBERT in transformers or bertjax (only {list(_GATED_ACTIVATIONS)})"
+            )
+        hf["hidden_act"] = _GATED_ACTIVATIONS[act]
+    multiple = hf.get("pad_vocab_size_multiple")
+    if original and multiple and "vocab_size" in hf:
+        hf["vocab_size"] = -(-hf["vocab_size"] // multiple) * multiple
+    factor = hf.get("rotary_scaling_factor")
+    if factor and not (hf.get("rope_parameters") or hf.get("rope_scaling")):
+        hf["rope_scaling"] = {"rope_type": "dynamic", "factor": factor}
+        hf["max_position_embeddings"] = hf.get("max_trained_positions", 2048)
+    return hf
+
+
 def config_from_hf(hf: dict[str, Any]) -> NomicBertConfig:
-    """A NomicBertConfig from a transformers NomicBERT config.json (dict); a setting bertjax
-    cannot run is a ValueError naming the key."""
+    """A NomicBertConfig from a transformers NomicBERT config.json (dict), or one of the original
+    code (nomic-ai's: ``n_embd``, ``n_layer``, ``rotary_emb_base``, ``activation_function``, ...);
+    a setting bertjax cannot run is a ValueError naming the key."""
     if hf.get("model_type", MODEL_TYPE) != MODEL_TYPE:
         raise ValueError(f"HF config: model_type={hf['model_type']!r} is not {MODEL_TYPE!r}")
+    hf = _transformers_keys(hf)
     hf_table.check_derived(hf, "NomicBERT", "silu")
     theta, schedule = hf_table.rope_from_hf(hf, 1000.0)  # NomicBertConfig.default_theta
     values = hf_table.post_norm_values(hf, NomicBertConfig())
