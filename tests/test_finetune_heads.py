@@ -50,20 +50,9 @@ TASKS = {  # kind -> (task, config module, data folder, overrides, transformers 
 
 
 def _hf_config(arch: str, vocab_size: int, num_labels: int):
-    if arch == "gte":
-        return transformers.GteConfig(
-            vocab_size=vocab_size,
-            hidden_size=32,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            intermediate_size=40,
-            max_position_embeddings=64,
-            pad_token_id=0,
-            num_labels=num_labels,
-            attn_implementation="eager",
-        )
-    if arch == "nomicbert":
-        return transformers.NomicBertConfig(
+    if arch in ("nomicbert", "gte"):
+        config_class = {"nomicbert": "NomicBertConfig", "gte": "GteConfig"}[arch]
+        return getattr(transformers, config_class)(
             vocab_size=vocab_size,
             hidden_size=32,
             num_hidden_layers=2,

@@ -277,52 +277,42 @@ def bench_torch_eurobert(a) -> dict:
     return _bench_torch_model(model, batch, a, "transformers-torch-eurobert", ("norm",))
 
 
-def bench_torch_nomicbert(a) -> dict:
-    """Eager PyTorch NomicBertForMaskedLM (full-sequence logits, its own MLM loss from
-    ``labels``, SDPA attention), clip_grad_norm_ and AdamW."""
+def _bench_torch_post_norm(a, family: str, positions: int, name: str, no_decay) -> dict:
+    """Eager PyTorch ``{family}ForMaskedLM`` of a post-LN rotary family (NomicBERT, GTE):
+    full-sequence logits, its own MLM loss from ``labels``, SDPA attention, clip_grad_norm_ and
+    AdamW."""
     import torch
-    from transformers import NomicBertConfig, NomicBertForMaskedLM
+    import transformers
 
     torch.manual_seed(0)
-    config = NomicBertConfig(
+    config = getattr(transformers, f"{family}Config")(
         vocab_size=a.vocab,
         hidden_size=a.hidden,
         num_hidden_layers=a.layers,
         num_attention_heads=a.heads,
         intermediate_size=a.intermediate,
-        max_position_embeddings=max(2048, a.seq),
+        max_position_embeddings=max(positions, a.seq),
         hidden_dropout_prob=a.dropout,
         attention_probs_dropout_prob=a.dropout,
         pad_token_id=0,
     )
-    model = NomicBertForMaskedLM(config)
+    model = getattr(transformers, f"{family}ForMaskedLM")(config)
     hf = synthetic_batch(a.batch, a.seq, a.masked, a.vocab)
     batch = {k: hf[k] for k in ("input_ids", "attention_mask", "labels")}
-    return _bench_torch_model(model, batch, a, "transformers-torch-nomicbert", ("bias", "norm"))
+    return _bench_torch_model(model, batch, a, name, no_decay)
+
+
+def bench_torch_nomicbert(a) -> dict:
+    """Eager PyTorch NomicBertForMaskedLM (:func:`_bench_torch_post_norm`)."""
+    name = "transformers-torch-nomicbert"
+    return _bench_torch_post_norm(a, "NomicBert", 2048, name, ("bias", "norm"))
 
 
 def bench_torch_gte(a) -> dict:
-    """Eager PyTorch GteForMaskedLM (full-sequence logits, its own MLM loss from ``labels``,
-    SDPA attention), clip_grad_norm_ and AdamW."""
-    import torch
-    from transformers import GteConfig, GteForMaskedLM
-
-    torch.manual_seed(0)
-    config = GteConfig(
-        vocab_size=a.vocab,
-        hidden_size=a.hidden,
-        num_hidden_layers=a.layers,
-        num_attention_heads=a.heads,
-        intermediate_size=a.intermediate,
-        max_position_embeddings=max(8192, a.seq),
-        hidden_dropout_prob=a.dropout,
-        attention_probs_dropout_prob=a.dropout,
-        pad_token_id=0,
+    """Eager PyTorch GteForMaskedLM (:func:`_bench_torch_post_norm`)."""
+    return _bench_torch_post_norm(
+        a, "Gte", 8192, "transformers-torch-gte", ("bias", "norm", "Norm")
     )
-    model = GteForMaskedLM(config)
-    hf = synthetic_batch(a.batch, a.seq, a.masked, a.vocab)
-    batch = {k: hf[k] for k in ("input_ids", "attention_mask", "labels")}
-    return _bench_torch_model(model, batch, a, "transformers-torch-gte", ("bias", "norm", "Norm"))
 
 
 def bench_torch_cls(a) -> dict:
