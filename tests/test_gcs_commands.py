@@ -10,7 +10,7 @@ import pathlib
 
 import numpy as np
 import pytest
-from helpers import st_dir, tiny_hf
+from helpers import ctrl_c_in_shard, st_dir, tiny_hf
 
 from bertjax import cli, fs
 from bertjax.commands import embed as embed_tool
@@ -93,16 +93,7 @@ def test_embed_into_a_bucket_resumes_to_the_bytes_of_a_local_run(
     out = f"{gcs_bucket}/embeddings"
     args = [f"--checkpoint={gcs_bucket}/st", f"--input={gcs_bucket}/corpus.jsonl",
             f"--output={out}", "--shard_size=4"]  # fmt: skip
-    embed = embed_corpus._Encoder.embed
-    calls = []
-
-    def ctrl_c_in_the_second_shard(self, texts, batch_size):
-        calls.append(len(texts))
-        if len(calls) == 2:
-            raise KeyboardInterrupt
-        return embed(self, texts, batch_size)
-
-    monkeypatch.setattr(embed_corpus._Encoder, "embed", ctrl_c_in_the_second_shard)
+    embed = ctrl_c_in_shard(monkeypatch, 2)
     with pytest.raises(SystemExit) as exited:
         embed_tool.main(args)
     assert exited.value.code == 130
