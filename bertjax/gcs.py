@@ -3,15 +3,15 @@
 Cloud Storage asks its clients to retry a request answered 408, 429 or 5xx, or cut off, with
 truncated exponential backoff and jitter, until a deadline
 (https://cloud.google.com/storage/docs/retry-strategy). gcsfs does, with a fixed six tries over
-about 31 s; :class:`FileSystem` (what ``bertjax.fs`` uses for ``gs://``, and, once ``bertjax.fs.register_gcs`` has
-run, as the ``bertjax`` command runs it, Orbax's own gs:// files) retries instead by
-:class:`RetryPolicy`: waits of ``backoff_s``, twice that, four times, ... capped at 32 s, each plus
-up to ``backoff_s`` of jitter, for as long as the next try still starts within ``seconds`` of the
-first. Then the request fails with ``bertjax.fs.Unavailable``, an ``OSError`` whose one line names the
-object (``gs://BUCKET/NAME``), how long it was tried and the last answer. The environment sets the
-policy of every process of a job alike: ``BERTJAX_GCS_RETRY_SECONDS`` (default 120, the Cloud
-client libraries' deadline) and ``BERTJAX_GCS_BACKOFF_SECONDS`` (default 1); a value that is not a
-number is a one-line error, never ignored.
+about 31 s. :class:`FileSystem` (what ``bertjax.fs`` uses for ``gs://``; Orbax's own gs:// files
+too once ``bertjax.fs.register_gcs`` has run, as the ``bertjax`` command runs it) retries instead
+by :class:`RetryPolicy`: waits of ``backoff_s``, twice that, four times, ... capped at 32 s, each
+plus up to ``backoff_s`` of jitter, for as long as the next try still starts within ``seconds`` of
+the first. Then the request fails with ``bertjax.fs.Unavailable``, an ``OSError`` whose one line
+names the object (``gs://BUCKET/NAME``), how long it was tried and the last answer. The
+environment sets the policy of every process of a job alike: ``BERTJAX_GCS_RETRY_SECONDS``
+(default 120, the Cloud client libraries' deadline) and ``BERTJAX_GCS_BACKOFF_SECONDS`` (default
+1); a value that is not a number of seconds is a one-line error, never ignored.
 
 A request refused (HTTP 403: this account may not read or write there) is not retried; it fails
 with a ``PermissionError`` naming the object too.
