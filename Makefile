@@ -34,7 +34,7 @@ $(BIN)/.installed-test: $(BIN)/.installed
 $(BEAM_VENV)/.installed: setup.cfg pyproject.toml
 	test -x $(BEAM_VENV)/bin/python || $(PYTHON) -m venv $(BEAM_VENV)
 	$(BEAM_VENV)/bin/python -m pip install -q --upgrade pip
-	$(BEAM_VENV)/bin/python -m pip install -q -e ".[beam,parquet]" "pytest>=8"
+	$(BEAM_VENV)/bin/python -m pip install -q -e ".[beam,parquet]" "pytest>=8" "gcp-storage-emulator>=2026.7"
 	touch $@
 
 install: $(BIN)/.installed

@@ -230,25 +230,28 @@ class Checkpointer:
                 self._remove_retired()
 
     def _save_failed(self, step: int | None, err: BaseException) -> CheckpointSaveError:
-        """The one-line error of a failed save: the file or step folder, disk full or the
-        reason; the newest complete checkpoint stays (Orbax renames a step only when complete)."""
+        """The one-line error of a failed save: the file or step folder, disk full, the bucket
+        that stopped answering or the reason; the newest complete checkpoint stays (Orbax renames
+        or commits a step only when complete)."""
         self._failed = True
         chain = process_hooks.error_chain(err)
         step = self._saving if step is None else step
         where = next((e.filename for e in chain if getattr(e, "filename", None)), None)
         where = where or str(self.directory / (str(step) if step is not None else ""))
         full = any(map(process_hooks.is_disk_full, chain))
-        reason = "no space left on device" if full else _why_unrestorable(where, chain[-1])
+        down = next((e for e in chain if isinstance(e, fs.Unavailable)), None)
+        reason = "no space left on device" if full else _why_unrestorable(where, down or chain[-1])
         try:
             self.manager.reload()
             kept = max(self.all_steps(), default=None)
+            last = f"step {kept} in {self.directory} is intact" if kept is not None else "none kept"
         except Exception:  # noqa: BLE001
-            kept = None
-        last = f"step {kept} in {self.directory} is intact" if kept is not None else "none kept"
+            last = "not known (listing the checkpoints failed too)"
+        hint = "; free space, then run again to resume from it" if full else ""
+        hint = "; once the bucket answers, run again to resume from it" if down else hint
         return CheckpointSaveError(
             f"{where}: saving checkpoint{'' if step is None else f' step {step}'} failed "
-            f"({reason}); the last complete checkpoint: {last}"
-            + ("; free space, then run again to resume from it" if full else "")
+            f"({reason}); the last complete checkpoint: {last}{hint}"
         )
 
 

@@ -421,9 +421,10 @@ def train_command(argv: list[str], command: str) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TensorFlow's C++ start-up chatter
-    # gs:// by one convention: Orbax's paths through gcsfs as bertjax.fs's, and with
-    # STORAGE_EMULATOR_HOST every client pointed at that emulator (a variable set wins).
+    # gs:// by one convention: Orbax's paths through gcsfs as bertjax.fs's (with its retries),
+    # and with STORAGE_EMULATOR_HOST every client pointed at that emulator (a variable set wins).
     os.environ.update(fs.cloud_environment(os.environ))
+    fs.register_gcs()
     if argv is None:  # the `bertjax` command (not a caller's in-process call)
         console.quiet_native_logs()  # CPU-only machine: TF/CUDA/TPU start-up noise off stderr
         if sys.argv[1:2] and sys.argv[1] in RETAIN_MEMORY_BY_DEFAULT:

@@ -21,6 +21,11 @@ from typing import IO
 GCS_SCHEMES = ("gs://", "gcs://")
 
 
+class Unavailable(OSError):
+    """A request to a bucket that still failed when its retries ran out (``bertjax.gcs``): one
+    line naming the object, how long it was tried and the last answer."""
+
+
 def is_remote(path: str) -> bool:
     """True for a path with a scheme (gs://, s3://, ...)."""
     return "://" in str(path)
@@ -58,14 +63,31 @@ def cloud_environment(environ: Mapping[str, str]) -> dict[str, str]:
     return {key: value for key, value in wanted.items() if key not in environ}
 
 
+def register_gcs() -> None:
+    """Makes ``bertjax.gcs.FileSystem`` (gcsfs with bertjax's retries) fsspec's filesystem for
+    ``gs://`` and ``gcs://`` in this process, so that Orbax's paths (etils through fsspec) retry as
+    ``bertjax.fs`` does. Process-wide: the ``bertjax`` command calls it, the library does not."""
+    import fsspec
+    from fsspec.registry import registry
+
+    for protocol in ("gs", "gcs"):
+        if protocol in registry:  # gcsfs already imported: the class itself
+            from bertjax import gcs
+
+            fsspec.register_implementation(protocol, gcs.FileSystem, clobber=True)
+        else:  # imported at the first gs:// path
+            fsspec.register_implementation(protocol, "bertjax.gcs.FileSystem", clobber=True)
+
+
 def _gcs():
-    """The gcsfs filesystem (cached by fsspec per endpoint): the plain JSON-API client, without
-    the experimental zonal/hierarchical-bucket detection, whose gRPC lookup an emulator cannot
-    answer. Credentials: Application Default Credentials (a TPU VM's service account)."""
-    from gcsfs.core import GCSFileSystem  # gs:// paths only
+    """The gcsfs filesystem (cached by fsspec per endpoint) with bertjax's retries
+    (``bertjax.gcs``): the plain JSON-API client, without the experimental zonal/hierarchical-bucket
+    detection, whose gRPC lookup an emulator cannot answer. Credentials: Application Default
+    Credentials (a TPU VM's service account)."""
+    from bertjax import gcs  # gs:// paths only (it imports gcsfs)
 
     emulator = os.environ.get("STORAGE_EMULATOR_HOST", "default") != "default"
-    return GCSFileSystem(
+    return gcs.FileSystem(
         endpoint_url=os.environ["STORAGE_EMULATOR_HOST"] if emulator else None,
         token="anon" if emulator else None,  # an emulator takes no credentials
         use_listings_cache=False,
@@ -95,15 +117,24 @@ def exists(path: str) -> bool:
     return _gfile().exists(path) if is_remote(path) else os.path.exists(path)
 
 
+def _gcs_kind(path: str) -> str | None:
+    """ "file", "directory" or None (absent) of a gs:// path; unlike gcsfs's isdir/isfile, a
+    request that fails raises rather than answering False."""
+    try:
+        return _gcs().info(path)["type"]
+    except FileNotFoundError:
+        return None
+
+
 def isdir(path: str) -> bool:
     if is_gcs(path):
-        return _gcs().isdir(path)
+        return _gcs_kind(path) == "directory"
     return _gfile().isdir(path) if is_remote(path) else os.path.isdir(path)
 
 
 def isfile(path: str) -> bool:
     if is_gcs(path):
-        return _gcs().isfile(path)
+        return _gcs_kind(path) == "file"
     if is_remote(path):
         return _gfile().exists(path) and not _gfile().isdir(path)
     return os.path.isfile(path)
@@ -187,7 +218,7 @@ def list_files(folder: str) -> list[str]:
     folder = str(folder).rstrip("/")
     if is_gcs(folder):
         gcs = _gcs()
-        if not gcs.isdir(folder):
+        if not isdir(folder):
             return []
         inside = folder.split("://", 1)[1] + "/"
         found = gcs.find(folder)

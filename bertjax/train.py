@@ -119,6 +119,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict
     step = start
     peak = flops.device_peak_tflops(override=tcfg.get("peak_tflops", 0.0))
     run = _Run(setup, config, writer, ckpt, stop, config_json, peak, best, Eta(total_steps))
+    halted = False
     try:
         for phase_index, phase in enumerate(setup.phases):
             if step >= phase.until_step:
@@ -128,19 +129,33 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict
             result = {"train": done.train, "eval": done.eval}
             data_state = {}
             if done.halted:
-                ckpt.wait()
-                result["step"] = step
-                return result
+                halted = True
+                break
         ckpt.wait()
-        final = _finalize(setup, state, best, workdir, config_json, step, run.final_eval)
-        if final:
-            result["final"] = final
-    finally:
+        if not halted:
+            final = _finalize(setup, state, best, workdir, config_json, step, run.final_eval)
+            if final:
+                result["final"] = final
+    except BaseException:
         stop.restore()
-        ckpt.close()
-        writer.close()
+        _close_after_error(ckpt, writer)
+        raise
+    stop.restore()
+    ckpt.close()
+    writer.close()
     result["step"] = step
     return result
+
+
+def _close_after_error(*closables) -> None:
+    """Closes each of ``closables`` after an error stopped the run: one that fails too (its
+    bucket still down, say) is logged in one line, so that the error reported is the one that
+    stopped the run."""
+    for closable in closables:
+        try:
+            closable.close()
+        except Exception as err:  # noqa: BLE001
+            log.warning("closing the %s failed too: %s", type(closable).__name__, err)
 
 
 @dataclasses.dataclass

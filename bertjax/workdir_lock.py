@@ -32,6 +32,7 @@ from bertjax import atomic, fs
 
 LOCK_FILE = "run.lock"
 log = logging.getLogger("bertjax")
+_HELD: set[str] = set()  # the tokens of the locks this process holds now
 
 
 class WorkdirLockedError(RuntimeError):
@@ -107,6 +108,7 @@ class WorkdirLock:
         for _ in range(3):
             if self._create():
                 self.held = True
+                _HELD.add(self.record["token"])
                 return
             holder = self._read()
             if holder is None:  # removed meanwhile (the holder exited): try again
@@ -189,6 +191,8 @@ class WorkdirLock:
             return "unreadable lock file"
         if holder.get("host") == self.record["host"] and isinstance(holder.get("pid"), int):
             pid = holder["pid"]
+            if pid == os.getpid() and holder["token"] not in _HELD:
+                return "an earlier run of this process could not remove it"
             if not _pid_alive(pid):
                 return "its process is gone"
             start = holder.get("pid_start")
@@ -221,21 +225,29 @@ class WorkdirLock:
             except fs.io_errors(self.path) as err:
                 log.warning("%s: could not refresh the lock: %s", self.path, err)
 
-    def release(self) -> None:
-        """Stops the heartbeat and removes the lock if it is still ours."""
+    def release(self, after_error: bool = False) -> None:
+        """Stops the heartbeat and removes the lock if it is still ours. ``after_error``: the run
+        failed, and a failure to remove the lock (its bucket down, say) is logged, not raised:
+        the run's error is the one to report (a later run takes the lock over as stale)."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=10)
         if self.held:
             self.held = False
-            self._remove_if(self.record["token"])
+            _HELD.discard(self.record["token"])
+            try:
+                self._remove_if(self.record["token"])
+            except fs.io_errors(self.path) as err:
+                if not after_error:
+                    raise
+                log.warning("%s: could not remove the lock: %s", self.path, err)
 
     def __enter__(self) -> WorkdirLock:
         self.acquire()
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.release()
+    def __exit__(self, kind, *exc) -> None:
+        self.release(after_error=kind is not None)
 
 
 def _when(started) -> str:

@@ -259,7 +259,8 @@ def pytest_collection_modifyitems(items):
 @pytest.fixture(scope="session")
 def gcs_emulator(tmp_path_factory):
     """The running emulator, with every client pointed at it (``STORAGE_EMULATOR_HOST`` and what
-    it implies) for the rest of the session's process and its subprocesses; skipped when the
+    it implies) for the rest of the session's process and its subprocesses, and bertjax's gcsfs
+    registered for Orbax's paths as the command registers it; skipped when the
     ``gcp-storage-emulator`` or ``gcsfs`` package is missing."""
     import importlib.util
 
@@ -268,9 +269,12 @@ def gcs_emulator(tmp_path_factory):
             pytest.skip(f"{package} is not installed (pip install -e '.[test]')")
     import gcs_emulator as emulator_lib
 
+    from bertjax import fs
+
     emulator = emulator_lib.start(str(tmp_path_factory.mktemp("gcs-emulator")))
     saved = {key: os.environ.get(key) for key in emulator.environment()}
     os.environ.update(emulator.environment())  # before gcsfs is imported: it reads one of them
+    fs.register_gcs()  # Orbax's gs:// paths retry as bertjax.fs's, as in the `bertjax` command
     yield emulator
     emulator.stop()
     for key, value in saved.items():
@@ -303,6 +307,8 @@ def xla_cache_in_process(tmp_path_factory):
 
 @pytest.fixture
 def gcs_bucket(gcs_emulator, request):
-    """A new, empty bucket for the test: ``gs://NAME``."""
+    """A new, empty bucket for the test: ``gs://NAME``; the faults it arms are cleared after."""
     name = "".join(c if c.isalnum() else "-" for c in request.node.name.lower())[:50].strip("-")
-    return gcs_emulator.create_bucket(f"{name}-{os.getpid()}")
+    yield gcs_emulator.create_bucket(f"{name}-{os.getpid()}")
+    if gcs_emulator.process is not None:
+        gcs_emulator.clear_faults()

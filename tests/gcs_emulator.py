@@ -9,15 +9,18 @@ Run as a script, this file is the emulator with what TensorStore (Orbax's checkp
 GCS and the package leaves out (``serve``): a download names its object's generation
 (``x-goog-generation``; TensorStore fails with "Malformed StorageGeneration" without it), and the
 generation preconditions (``ifGenerationMatch`` on writes, ``ifGenerationNotMatch`` on reads) are
-honoured as GCS does. Two hooks for the fault tests: ``$GCS_EMULATOR_DIE_ON`` (a substring of
-object names) makes the process die, without a reply, when an upload of such an object arrives
-(before storing it: a fault in the middle of a write), and every object deleted is appended to
-``deletions.log`` beside the data (the order in which a client removed things)."""
+honoured as GCS does. Faults, armed while it runs (``Emulator.fail``, through its ``/_faults``
+endpoint): the next requests matching a method, bucket and object name answer an HTTP error (429,
+503: what GCS answers when it is overloaded; 403: a bucket this account may not write), or the
+process dies at one of them without a reply and before storing anything (a fault in the middle
+of a write). Every object deleted is appended to ``deletions.log`` beside the data (the order in
+which a client removed things)."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -44,15 +47,11 @@ class Emulator:
         self.process: subprocess.Popen | None = None
         self._log = None
 
-    def start(self, timeout_s: float = 30.0, die_on: str | None = None) -> None:
-        """Starts the emulator (again, on the same port and data after ``stop``); ``die_on``: it
-        dies at the first upload of an object whose name holds that string."""
+    def start(self, timeout_s: float = 30.0) -> None:
+        """Starts the emulator (again, on the same port and data after ``stop``), with no fault."""
         os.makedirs(self.data_dir, exist_ok=True)
         self._log = open(os.path.join(self.data_dir, "..", "emulator.log"), "ab")  # noqa: SIM115
         env = {**os.environ, "STORAGE_BASE": self.data_dir, "STORAGE_DIR": "store"}
-        env.pop("GCS_EMULATOR_DIE_ON", None)
-        if die_on:
-            env["GCS_EMULATOR_DIE_ON"] = die_on
         self.process = subprocess.Popen(
             [sys.executable, os.path.abspath(__file__), str(self.port)],
             env=env,
@@ -89,12 +88,50 @@ class Emulator:
         with open(path, encoding="utf-8") as f:
             return f.read().splitlines()
 
+    def fail(
+        self,
+        status: int | str,
+        times: int | None = 1,
+        *,
+        method: str | None = None,
+        bucket: str | None = None,
+        name: str | None = None,
+        agent: str | None = None,
+        after: int = 0,
+    ) -> None:
+        """Arms a fault: of the requests with this ``method`` (GET, POST, ...), in this ``bucket``
+        (``NAME`` or ``gs://NAME``), with an object name (or listing prefix) that the regular
+        expression ``name`` finds and from a client whose User-Agent ``agent`` finds (e.g.
+        "TensorStore", "gcsfs"; each left out: any), the first ``after`` are served and the next
+        ``times`` (None: every one from then on) answer HTTP ``status`` with GCS's JSON error
+        body; ``status="die"``: the process dies at the first of them, without a reply."""
+        fault = {"status": status, "times": times, "method": method, "name": name, "after": after}
+        fault.update(bucket=bucket.split("://", 1)[-1] if bucket else None, agent=agent)
+        self._faults("POST", fault)
+
+    def faults(self) -> list[dict]:
+        """The armed faults with ``seen`` (requests matched) and ``sent`` (errors answered)."""
+        return self._faults("GET")
+
+    def clear_faults(self) -> None:
+        self._faults("DELETE")
+
+    def _faults(self, method: str, body: dict | None = None):
+        data = None if body is None else json.dumps(body).encode()
+        request = urllib.request.Request(
+            f"{self.url}/_faults",
+            data=data,
+            headers={"Content-Type": "application/json"},
+            method=method,
+        )
+        with urllib.request.urlopen(request, timeout=10) as reply:
+            return json.loads(reply.read() or b"null")
+
     def kill_during_upload(self, name_part: str, down_s: float = 1.0) -> threading.Thread:
-        """Restarts the emulator so that it dies at the first upload of an object whose name
-        holds ``name_part``, then, ``down_s`` seconds after it died, starts it again (same port,
-        same data, no fault). Returns the watching thread (join it: it ends once restarted)."""
-        self.stop()
-        self.start(die_on=name_part)
+        """Arms the emulator to die at the first upload of an object whose name holds
+        ``name_part``, then, ``down_s`` seconds after it died, starts it again (same port, same
+        data, no fault). Returns the watching thread (join it: it ends once restarted)."""
+        self.fail("die", method="POST", name=re.escape(name_part))
         process = self.process
 
         def watch():
@@ -141,6 +178,81 @@ def _generation(storage, bucket: str, name: str | None) -> str:
         return "0"
 
 
+_OBJECT = re.compile(r"/b/(?P<bucket>[^/]+)(?:/o(?:/(?P<name>.+))?)?$")
+
+
+def _target(request) -> tuple[str | None, str | None]:
+    """(bucket, object name) of a JSON-API request: the name from the path, the query (``name``,
+    or a listing's ``prefix``) or a multipart upload's metadata."""
+    from urllib.parse import unquote
+
+    found = _OBJECT.search(request.path)
+    if found is None:
+        return None, None
+    name = unquote(found["name"]) if found["name"] else None
+    for key in ("name", "prefix"):
+        name = name or (request.query.get(key) or [None])[0]
+    if name is None and request.method == "POST" and isinstance(request.data, dict):
+        name = (request.data.get("meta") or {}).get("name")
+    return found["bucket"], name
+
+
+class _Faults:
+    """The armed faults (``Emulator.fail``); the server is one thread, the lock is for clarity."""
+
+    def __init__(self):
+        self.armed: list[dict] = []
+        self.lock = threading.Lock()
+
+    def control(self, request, response, storage):
+        with self.lock:
+            if request.method == "POST":
+                fault = request.data  # JSON: a dict
+                self.armed.append({**fault, "seen": 0, "sent": 0})
+            elif request.method == "DELETE":
+                self.armed.clear()
+            response.json(self.armed)
+
+    def take(self, request) -> dict | None:
+        """The fault this request meets, counted; None when it is to be served."""
+        bucket, name = _target(request)
+        with self.lock:
+            for fault in self.armed:
+                if fault["method"] not in (None, request.method):
+                    continue
+                if fault["bucket"] not in (None, bucket):
+                    continue
+                if fault["name"] is not None and not (name and re.search(fault["name"], name)):
+                    continue
+                agent = request.get_header("User-Agent", "")
+                if fault["agent"] is not None and not re.search(fault["agent"], agent, re.I):
+                    continue
+                fault["seen"] += 1
+                if fault["seen"] <= fault["after"]:
+                    continue
+                if fault["times"] is not None and fault["sent"] >= fault["times"]:
+                    continue
+                fault["sent"] += 1
+                return fault
+        return None
+
+    def wrap(self, handler):
+        from http import HTTPStatus
+
+        def faulty(request, response, storage, *args, **kwargs):
+            fault = self.take(request)
+            if fault is None:
+                return handler(request, response, storage, *args, **kwargs)
+            if fault["status"] == "die":
+                os._exit(1)  # no reply, nothing stored
+            request.data  # noqa: B018  (the body read: the client sees the answer, not a reset)
+            status = HTTPStatus(int(fault["status"]))
+            response.status = status
+            response.json({"error": {"code": status.value, "message": f"{status.phrase} (fault)"}})
+
+        return faulty
+
+
 def serve(port: int) -> None:
     """The emulator on 127.0.0.1:PORT (objects under $STORAGE_BASE/$STORAGE_DIR), patched as the
     module docstring says."""
@@ -150,8 +262,8 @@ def serve(port: int) -> None:
     from gcp_storage_emulator.handlers import objects
 
     download, insert, delete = objects.download, objects.insert, objects._delete
-    die_on = os.environ.get("GCS_EMULATOR_DIE_ON")
     deletions = os.path.join(os.environ["STORAGE_BASE"], "..", "deletions.log")
+    faults = _Faults()
 
     def delete_and_record(storage, bucket_name, object_id):
         deleted = delete(storage, bucket_name, object_id)
@@ -173,17 +285,9 @@ def serve(port: int) -> None:
         return download(request, response, storage, *args, **kwargs)
 
     def insert_if_generation_matches(request, response, storage, *args, **kwargs):
-        if die_on:
-            name = request.query.get("name", [None])[0]
-            if name is None and isinstance(request.data, dict):
-                name = (request.data.get("meta") or {}).get("name")
-            if name and die_on in name:
-                os._exit(1)  # a fault in the middle of a write: no reply, nothing stored
         expected = request.query.get("ifGenerationMatch", [None])[0]
         if expected is not None:
-            name = request.query.get("name", [None])[0]
-            if name is None and isinstance(request.data, dict):
-                name = (request.data.get("meta") or {}).get("name")
+            _, name = _target(request)
             if _generation(storage, request.params["bucket_name"], name) != expected:
                 response.status = HTTPStatus.PRECONDITION_FAILED
                 response.json({"error": {"code": 412, "message": "conditionNotMet"}})
@@ -195,9 +299,13 @@ def serve(port: int) -> None:
     for _, methods in server.HANDLERS:
         for method, handler in methods.items():
             if handler is download:
-                methods[method] = download_with_generation
+                handler = download_with_generation
             elif handler is insert:
-                methods[method] = insert_if_generation_matches
+                handler = insert_if_generation_matches
+            methods[method] = faults.wrap(handler)
+    objects.insert = faults.wrap(insert_if_generation_matches)  # the router's upload fallback
+    control = {m: faults.control for m in ("GET", "POST", "DELETE")}
+    server.HANDLERS = ((r"^/_faults$", control), *server.HANDLERS)
     server.create_server("127.0.0.1", port).run()
 
 

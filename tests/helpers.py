@@ -254,6 +254,25 @@ def st_dir(path, hf_dir, mode, dense=None, normalize=False, include_prompt=True,
     return path
 
 
+def ctrl_c_in_shard(monkeypatch, shard: int):
+    """Makes `bertjax embed` raise KeyboardInterrupt (Ctrl-C) when it starts embedding its
+    ``shard``-th shard (1-based; ``embed_corpus._Encoder.embed`` runs once a shard); returns the
+    original, to put back with ``monkeypatch.setattr`` before the run that resumes."""
+    from bertjax.retrieval import embed_corpus
+
+    embed = embed_corpus._Encoder.embed
+    calls = []
+
+    def ctrl_c(self, texts, batch_size):
+        calls.append(len(texts))
+        if len(calls) == shard:
+            raise KeyboardInterrupt
+        return embed(self, texts, batch_size)
+
+    monkeypatch.setattr(embed_corpus._Encoder, "embed", ctrl_c)
+    return embed
+
+
 def cross_encoder_dir(path, hf_dir, activation_fn=None):
     """``CrossEncoder(hf_dir, num_labels=1).save(path)`` with O(1) random head weights."""
     import torch

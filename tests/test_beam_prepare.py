@@ -85,3 +85,29 @@ def test_cli_passes_unknown_flags_to_beam_only_with_a_runner(tmp_path, tok):
     args = ["--input", "x", "--output_dir", str(tmp_path), "--vocab", tok.vocab_file]
     with pytest.raises(SystemExit):  # argparse: unrecognized arguments
         prepare.main([*args, "--direct_num_workers=2"])
+
+
+def test_direct_runner_reads_and_writes_a_bucket(tmp_path, tok, gcs_bucket):
+    """A corpus in a bucket (the local GCS emulator, tests/gcs_emulator.py) prepared by the Beam
+    pipeline into the bucket: the local path's shards, byte for byte."""
+    from bertjax import fs
+
+    paths = _corpus(tmp_path)
+    for path in paths:
+        name = os.path.basename(path)
+        fs.write_bytes(f"{gcs_bucket}/corpus/{name}", (tmp_path / name).read_bytes())
+    kw = dict(max_seq_length=32, max_predictions_per_seq=5, dupe_factor=2, num_shards=3)
+    local = prepare.prepare(paths, str(tmp_path / "local"), tok, show_progress=False, **kw)
+    out = f"{gcs_bucket}/beam"
+    beam = prepare.prepare(
+        f"{gcs_bucket}/corpus/*", out, tok, show_progress=False, runner="DirectRunner", **kw
+    )
+    ignored = (*TIMING, "input", "sources")
+    assert {k: v for k, v in beam.items() if k not in ignored} == {
+        k: v for k, v in local.items() if k not in ignored
+    }
+    names = sorted(os.listdir(tmp_path / "local"))
+    assert fs.list_files(out) == names  # no .beam-parts left
+    for name in names:
+        if name.endswith(".tfrecord"):
+            assert fs.read_bytes(f"{out}/{name}") == (tmp_path / "local" / name).read_bytes()

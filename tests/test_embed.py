@@ -16,7 +16,7 @@ import textwrap
 
 import numpy as np
 import pytest
-from helpers import st_dir, tiny_hf
+from helpers import ctrl_c_in_shard, st_dir, tiny_hf
 
 from bertjax import cli, sentence_embedding
 from bertjax.commands import embed as embed_tool
@@ -370,16 +370,7 @@ def test_ctrl_c_is_one_line_keeps_the_written_shards_then_resumes(
     reference = {p.name: p.read_bytes() for p in out.iterdir()}
     out = tmp_path / "stopped"
     args = [f"--checkpoint={st_dirs['bert']}", f"--input={corpus}", f"--output={out}"]
-    embed = embed_corpus._Encoder.embed
-    calls = []
-
-    def ctrl_c_in_the_second_shard(self, texts, batch_size):
-        calls.append(len(texts))
-        if len(calls) == 2:
-            raise KeyboardInterrupt
-        return embed(self, texts, batch_size)
-
-    monkeypatch.setattr(embed_corpus._Encoder, "embed", ctrl_c_in_the_second_shard)
+    embed = ctrl_c_in_shard(monkeypatch, 2)
     capsys.readouterr()
     try:
         embed_tool.main([*args, "--shard_size=3"])

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from train_fixtures import set_keys, tiny_config
 
-from bertjax import atomic, fs, train
+from bertjax import atomic, fs, gcs, train
 from bertjax.data import corpus, records
 
 
@@ -63,14 +63,15 @@ def _upload(folder: pathlib.Path, target: str) -> str:
 
 @pytest.mark.slow
 def test_a_run_in_a_bucket_resumes_to_the_local_runs_losses(
-    gcs_emulator, gcs_bucket, tmp_path, xla_cache_in_process, files
+    gcs_emulator, gcs_bucket, tmp_path, xla_cache_in_process, files, monkeypatch
 ):
     """Prepared records (read through bertjax.fs), vocabulary, checkpoints, metrics.jsonl,
-    TensorBoard events and the lock all in the bucket: a run stopped at step 2 and run again gives
-    the losses of the uninterrupted run on the local copies, bitwise; a corrupted shard there is
-    one line naming it. The emulator is killed in the middle of a checkpoint write, a partial
-    step is never resumed from, retired steps go commit file first, and a fine-tuning run starts
-    from the run in the bucket."""
+    TensorBoard events and the lock all in the bucket. The bucket goes down for good after
+    step 2's checkpoint: the run stops with one line naming the object it could not write; once
+    the bucket is back, the same run resumes from step 2 and gives the losses of the uninterrupted
+    run on the local copies, bitwise. A corrupted shard there is one line naming it. The emulator
+    is killed in the middle of a checkpoint write, a partial step is never resumed from, retired
+    steps go commit file first, and a fine-tuning run starts from the run in the bucket."""
     local = tiny_config(tmp_path, steps=4)
     expected = train.train_and_evaluate(local, str(tmp_path / "local"))
     with open(tmp_path / "local" / "metrics.jsonl") as f:
@@ -86,7 +87,19 @@ def test_a_run_in_a_bucket_resumes_to_the_local_runs_losses(
         return config
 
     run = f"{gcs_bucket}/run"
-    train.train_and_evaluate(bucket_config(**{"train.stop_at_step": 2}), run)
+    # The emulator dies at step 3's metrics (after step 2's checkpoint) and stays down.
+    gcs_emulator.fail(
+        "die", method="POST", bucket=gcs_bucket, name=r"^run/metrics\.jsonl$", after=2
+    )
+    monkeypatch.setenv(gcs.RETRY_SECONDS, "1")
+    monkeypatch.setenv(gcs.BACKOFF_SECONDS, "0.05")
+    with pytest.raises(fs.Unavailable) as down:
+        train.train_and_evaluate(bucket_config(), run)
+    assert str(down.value).startswith(f"{run}/metrics.jsonl: Cloud Storage failed ")
+    assert "\n" not in str(down.value)
+    gcs_emulator.stop()
+    gcs_emulator.start()
+    monkeypatch.delenv(gcs.RETRY_SECONDS)  # the kill below is longer than a second
     assert [r["step"] for r in _bucket_metrics(run)] == [1, 2]
     # A save of step 4 cut short by a crash: some of its objects, no commit file.
     step2 = f"{run}/checkpoints/2"

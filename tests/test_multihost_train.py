@@ -1,5 +1,7 @@
-"""Many hosts: 2 processes == 1 process, restore onto another mesh / process count, FSDP memory."""
+"""Many hosts: 2 processes == 1 process, restore onto another mesh / process count, FSDP memory; two
+processes sharing a WORKDIR in a bucket (the local GCS emulator, tests/gcs_emulator.py)."""
 
+import json
 import os
 import pathlib
 import shutil
@@ -11,7 +13,7 @@ import pytest
 from train_fixtures import read_metrics, tiny_config
 
 from bertjax import compile as aot
-from bertjax import train
+from bertjax import fs, train
 from bertjax.tasks.registry import get_task
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -24,15 +26,19 @@ RUN = {"train.checkpoint_every": 3, **DROPOUT}  # every run here, in process and
 
 
 def _losses(workdir):
+    if fs.is_remote(str(workdir)):
+        lines = fs.read_bytes(f"{workdir}/metrics.jsonl").decode().splitlines()
+        return [(r["step"], r["loss"]) for r in map(json.loads, lines) if r["split"] == "train"]
     return [(r["step"], r["loss"]) for r in read_metrics(workdir)]
 
 
 def _local(tmp_path, nproc, devices, workdir, *extra, timeout=420):
+    """launch/local.sh NPROC processes of DEVICES devices; their logs in tmp_path/logs."""
     env = dict(
         os.environ,
         BERTJAX_CMD=f"{sys.executable} -m bertjax.cli",
         STOP_GRACE_S="2",
-        LOG_DIR=str(workdir) + "_logs",
+        LOG_DIR=str(tmp_path / "logs"),
         PYTHONUNBUFFERED="1",
     )
     env.pop("XLA_FLAGS", None)
@@ -68,25 +74,33 @@ def reference(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_default_input_is_the_same_run_on_any_host_count_with_dropout(tmp_path, reference):
-    _local(tmp_path, 2, 2, tmp_path / "two")
-    got = _losses(tmp_path / "two")
-    assert [s for s, _ in got] == [s for s, _ in reference] == list(range(1, 7))
-    np.testing.assert_allclose([v for _, v in got], [v for _, v in reference], rtol=1e-5)
-    # Both processes ran; only process 0 wrote metrics (one record per step).
-    assert (tmp_path / "two_logs" / "process_1.log").exists()
-
-
-@pytest.mark.slow
-def test_checkpoint_of_two_processes_resumes_on_one(tmp_path, reference):
-    workdir = tmp_path / "moved"
-    _local(tmp_path, 2, 2, workdir, "--config.train.stop_at_step=3")
-    assert max(s for s, _ in _losses(workdir)) == 3
-    config = tiny_config(tmp_path, steps=6, **{"mesh.num_devices": 2, **RUN})
-    train.train_and_evaluate(config, str(workdir))  # 1 process, 2 devices, resumes at step 3
-    np.testing.assert_allclose(
-        [v for _, v in _losses(workdir)], [v for _, v in reference], rtol=1e-5
+def test_two_processes_in_a_bucket_resume_on_two_and_on_one(gcs_bucket, tmp_path, reference):
+    """launch/local.sh 2 with WORKDIR in a bucket, stopped at step 3: the step is written once
+    (one commit, each process's arrays). Started again, both processes resume from it; a copy of
+    it resumes on one process. Each run gives the one-process run's losses: the default input is
+    the same run on any host count, dropout included."""
+    run = f"{gcs_bucket}/two"
+    _local(tmp_path, 2, 2, run, "--config.train.stop_at_step=3")
+    assert [s for s, _ in _losses(run)] == [1, 2, 3]
+    step = fs.list_files(f"{run}/checkpoints/3")
+    assert step.count("commit_success.txt") == 1
+    processes = {n.split("/")[1] for n in step if n.startswith("state/ocdbt.process_")}
+    assert processes == {"ocdbt.process_0", "ocdbt.process_1"}, step
+    moved = f"{gcs_bucket}/moved"
+    for name in fs.list_files(run):
+        fs.write_bytes(f"{moved}/{name}", fs.read_bytes(f"{run}/{name}"))
+    _local(tmp_path, 2, 2, run)
+    assert (
+        f"resumed from {run}/checkpoints at step 3" in (tmp_path / "logs/process_0.log").read_text()
     )
+    assert (tmp_path / "logs" / "process_1.log").exists()  # only process 0 wrote metrics
+    config = tiny_config(tmp_path, steps=6, **{"mesh.num_devices": 2, **RUN})
+    train.train_and_evaluate(config, moved)  # 1 process, 2 devices, resumes at step 3
+    for workdir in (run, moved):
+        got = _losses(workdir)
+        assert [s for s, _ in got] == [s for s, _ in reference] == list(range(1, 7))
+        np.testing.assert_allclose([v for _, v in got], [v for _, v in reference], rtol=1e-5)
+    assert not fs.exists(f"{run}/run.lock")
 
 
 def test_checkpoint_restores_onto_another_mesh(tmp_path, reference):

@@ -1,4 +1,4 @@
-"""``bertjax plot WORKDIR``: a PNG of a run's curves from WORKDIR/metrics.jsonl."""
+"""``bertjax plot WORKDIR``: a PNG of a run's curves from WORKDIR/metrics.jsonl (local or gs://)."""
 
 from __future__ import annotations
 
@@ -35,10 +35,10 @@ def eval_metric_keys(records: list[dict]) -> tuple[str, ...]:
 def read_records(workdir: str) -> list[dict]:
     """The records of ``WORKDIR/metrics.jsonl``; a bad line is an error naming file and line."""
     path = os.path.join(workdir, "metrics.jsonl")
-    if not os.path.exists(path):
+    if not fs.exists(path):
         raise FileNotFoundError(f"{path}: no metrics file (is {workdir} a bertjax run directory?)")
     records = []
-    with open(path) as f:
+    with fs.open_file(path, "r") as f:
         for number, line in enumerate(f, 1):
             if not line.strip():
                 continue
@@ -91,7 +91,9 @@ def plot(workdir: str, output: str | None = None) -> str:
     records = read_records(workdir)
     output = output or os.path.join(workdir, "curves.png")
     fig = draw(records)
-    fig.suptitle(os.path.basename(os.path.abspath(workdir)))
+    fig.suptitle(
+        os.path.basename(workdir.rstrip("/") if fs.is_remote(workdir) else os.path.abspath(workdir))
+    )
     fig.tight_layout()
     with atomic.atomic_open(output, "wb") as f:
         fig.savefig(f, dpi=100, format="png")
