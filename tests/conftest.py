@@ -16,21 +16,26 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # etils caches its choice of backend at the first path of any test, so it is set before them all.
 os.environ.setdefault("EPATH_USE_TF", "false")
 
-import jax  # noqa: E402,F401  (before the cache settings below: this process does not read them)
+import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from helpers import tiny_hf, write_word_beir  # noqa: E402
 
-# One persistent XLA cache for the `bertjax` subprocesses of a test session (both xdist workers'):
-# a killed run and its rerun, or two tests running the same tiny config, compile each program once.
-# The executables, hence every number, are those a fresh compile gives. Only subprocesses read it
-# (jax above has read its settings already): in-process tests compile as a user's code does.
-# The first process to read this (pytest's own, under xdist) names the folder; its workers inherit it.
+# One persistent XLA cache for the whole test session: both xdist workers' in-process tests and every
+# `bertjax` subprocess they start. Two tests (or a killed run and its rerun) that build the same
+# program compile it once. A program read from the cache is the executable a fresh compile gives, so
+# every number is the same. The first process to read this (pytest's own, under xdist) names the
+# folder; its workers and their subprocesses inherit it.
 os.environ.setdefault(
     "JAX_COMPILATION_CACHE_DIR",
     os.path.join(tempfile.gettempdir(), f"bertjax-test-xla-cache-pid{os.getpid()}"),
 )
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.3")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.1")
+jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
+jax.config.update(
+    "jax_persistent_cache_min_compile_time_secs",
+    float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]),
+)
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
 SHARED_DATA = pathlib.Path(
@@ -92,28 +97,6 @@ def beir_dir(tmp_path_factory) -> pathlib.Path:
         "\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *vocab_words]) + "\n"
     )
     return root
-
-
-@pytest.fixture(scope="module")
-def compilation_cache(tmp_path_factory):
-    """A persistent XLA cache for the module that uses it (test_finetune, test_finetune_heads,
-    test_round_trips): their runs share most programs (restored after)."""
-    from jax._src import compilation_cache as cc
-
-    keys = (
-        "jax_compilation_cache_dir",
-        "jax_persistent_cache_min_compile_time_secs",
-        "jax_persistent_cache_min_entry_size_bytes",
-    )
-    old = {k: getattr(jax.config, k) for k in keys}
-    cc.reset_cache()
-    jax.config.update(keys[0], str(tmp_path_factory.mktemp("xla_cache")))
-    jax.config.update(keys[1], 0.0)
-    jax.config.update(keys[2], 0)
-    yield
-    for key, value in old.items():
-        jax.config.update(key, value)
-    cc.reset_cache()
 
 
 FINETUNE_WORDS = (
@@ -282,27 +265,6 @@ def gcs_emulator(tmp_path_factory):
             os.environ.pop(key, None)
         else:
             os.environ[key] = value
-
-
-@pytest.fixture(scope="module")
-def xla_cache_in_process(tmp_path_factory):
-    """A persistent XLA cache for the module's in-process runs: each program compiles once (the
-    executables, hence the losses, are those a fresh compile gives)."""
-    from jax._src import compilation_cache as cc
-
-    settings = {
-        "jax_compilation_cache_dir": str(tmp_path_factory.mktemp("xla_cache")),
-        "jax_persistent_cache_min_compile_time_secs": 0.0,
-        "jax_persistent_cache_min_entry_size_bytes": 0,
-    }
-    old = {k: getattr(jax.config, k) for k in settings}
-    cc.reset_cache()
-    for key, value in settings.items():
-        jax.config.update(key, value)
-    yield
-    for key, value in old.items():
-        jax.config.update(key, value)
-    cc.reset_cache()
 
 
 @pytest.fixture

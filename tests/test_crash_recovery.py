@@ -14,7 +14,6 @@ import sys
 import time
 import types
 
-import jax
 import numpy as np
 import pytest
 from etils import epath
@@ -26,28 +25,6 @@ from bertjax.text import load_tokenizer
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 SEED = int(os.environ.get("BERTJAX_FAULT_SEED", "15"))
-
-
-@pytest.fixture(scope="module", autouse=True)
-def xla_cache(tmp_path_factory):
-    """One persistent XLA cache for this module's runs, in process and in the `bertjax`
-    subprocesses (each program compiles once; the executables, hence the losses, are the same)."""
-    from jax._src import compilation_cache as cc
-
-    folder = str(tmp_path_factory.mktemp("xla_cache"))
-    settings = {
-        "jax_compilation_cache_dir": folder,
-        "jax_persistent_cache_min_compile_time_secs": 0.0,
-        "jax_persistent_cache_min_entry_size_bytes": 0,
-    }
-    old = {k: getattr(jax.config, k) for k in settings}
-    cc.reset_cache()
-    for key, value in settings.items():
-        jax.config.update(key, value)
-    yield {k.upper(): str(v) for k, v in settings.items()}
-    for key, value in old.items():
-        jax.config.update(key, value)
-    cc.reset_cache()
 
 
 def _bertjax(
@@ -81,11 +58,11 @@ def _losses(workdir):
 
 
 @pytest.fixture(scope="module")
-def finetune_reference(tmp_path_factory, xla_cache):
+def finetune_reference(tmp_path_factory):
     """The uninterrupted fine-tuning run (tiny_finetune_config), started in the background when
     the first test asks for it: it runs beside the pretraining test. Yields (data root, process)."""
     root = tmp_path_factory.mktemp("finetune")
-    proc = _finetune(root, root / "reference", xla_cache, log=root / "reference.log")
+    proc = _finetune(root, root / "reference", {}, log=root / "reference.log")
     yield root, proc
     if proc.poll() is None:
         proc.kill()
@@ -94,7 +71,7 @@ def finetune_reference(tmp_path_factory, xla_cache):
 
 @pytest.mark.slow
 def test_kill_mid_checkpoint_corrupt_newest_then_disk_full_then_resume_exactly(
-    tmp_path, xla_cache, finetune_reference
+    tmp_path, finetune_reference
 ):
     rng = np.random.default_rng(SEED)
     train.train_and_evaluate(tiny_config(tmp_path, steps=10), str(tmp_path / "reference"))
@@ -102,9 +79,7 @@ def test_kill_mid_checkpoint_corrupt_newest_then_disk_full_then_resume_exactly(
     checkpoints = workdir / "checkpoints"
     # 1. kill -9 while checkpoint step 4 or 6 (seeded) is half-written.
     killed_at = int(rng.choice([4, 6]))
-    proc = _bertjax(
-        tmp_path, workdir, env={**xla_cache, "BERTJAX_FAULT_SLOW_SAVE_STEP": str(killed_at)}
-    )
+    proc = _bertjax(tmp_path, workdir, env={"BERTJAX_FAULT_SLOW_SAVE_STEP": str(killed_at)})
     _wait_for(lambda: (checkpoints / f"{killed_at}.orbax-checkpoint-tmp").exists(), proc)
     time.sleep(float(rng.uniform(0.0, 0.5)))
     proc.send_signal(signal.SIGKILL)
@@ -114,7 +89,7 @@ def test_kill_mid_checkpoint_corrupt_newest_then_disk_full_then_resume_exactly(
     data_file = max((newest / "state").rglob("d/*"), key=lambda p: p.stat().st_size)
     data_file.write_bytes(data_file.read_bytes()[: data_file.stat().st_size // 2])
     # 3. the disk fills while writing checkpoint step 8: one line naming the path, nothing lost.
-    proc = _bertjax(tmp_path, workdir, env={**xla_cache, "BERTJAX_FAULT_DISK_FULL_STEP": "8"})
+    proc = _bertjax(tmp_path, workdir, env={"BERTJAX_FAULT_DISK_FULL_STEP": "8"})
     out, err = proc.communicate(timeout=600)
     errors = [line for line in err.splitlines() if line.strip()]
     assert proc.returncode == 1, out[-2000:] + err[-3000:]
@@ -123,7 +98,7 @@ def test_kill_mid_checkpoint_corrupt_newest_then_disk_full_then_resume_exactly(
     assert "step 6" in errors[0] and "is intact" in errors[0]
     assert f"{killed_at - 2}.unrestorable-" in " ".join(p.name for p in checkpoints.iterdir())
     # 4. a plain run finishes: every step logged once, the losses of the uninterrupted run.
-    proc = _bertjax(tmp_path, workdir, env=xla_cache)
+    proc = _bertjax(tmp_path, workdir)
     out, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, out[-2000:] + err[-3000:]
     assert "resumed from" in out and "step 6" in out
@@ -256,7 +231,7 @@ def _nothing_half_written_looks_complete(workdir):
 
 @pytest.mark.slow
 def test_kill9_of_finetuning_mid_write_and_mid_training_then_resume_exactly(
-    tmp_path, xla_cache, finetune_reference
+    tmp_path, finetune_reference
 ):
     root, reference = finetune_reference
     reference.wait(timeout=600)
@@ -268,7 +243,7 @@ def test_kill9_of_finetuning_mid_write_and_mid_training_then_resume_exactly(
     write = str(rng.choice(FT_WRITES))
     fault = {"BERTJAX_FAULT_SLOW_SAVE_STEP": "3"} if write == "best/3" else {}
     fault = fault or {"BERTJAX_FAULT_SLOW_WRITE": write}
-    proc = _finetune(root, workdir, {**xla_cache, **fault})
+    proc = _finetune(root, workdir, fault)
     pattern = "best/3.orbax-checkpoint-tmp" if write == "best/3" else f".{write}.tmp-*"
     _wait_for(lambda: bool(list(workdir.rglob(pattern))), proc)
     time.sleep(0.2)
@@ -278,14 +253,14 @@ def test_kill9_of_finetuning_mid_write_and_mid_training_then_resume_exactly(
     assert not (workdir / "eval_results.json").exists()
     # 2. kill -9 at a seeded random training step of seed 1 (after the resumed seed 0 finishes).
     killed_at = int(rng.integers(1, 7))
-    proc = _finetune(root, workdir, xla_cache)
+    proc = _finetune(root, workdir, {})
     _wait_for(lambda: killed_at in [s for s, _ in _rows(workdir / "seed_1", "train")], proc)
     time.sleep(float(rng.uniform(0.0, 0.3)))
     proc.send_signal(signal.SIGKILL)
     proc.communicate()
     _nothing_half_written_looks_complete(workdir)
     # 3. a plain run finishes: the metrics, predictions and results of the uninterrupted run.
-    proc = _finetune(root, workdir, xla_cache)
+    proc = _finetune(root, workdir, {})
     out, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, out[-2000:] + err[-3000:]
     _nothing_half_written_looks_complete(workdir)

@@ -21,7 +21,6 @@ transformers = pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
 
 # conftest.py: `files` (tiny files in the official formats) and a module-scoped XLA cache.
-pytestmark = pytest.mark.usefixtures("compilation_cache")
 
 TASKS = {
     "glue": (glue_config, "glue/sst2", "glue", {}),

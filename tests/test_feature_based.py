@@ -29,8 +29,6 @@ from configs import ner as ner_config
 from configs import retrieval as retrieval_config
 from configs import squad as squad_config
 
-pytestmark = pytest.mark.usefixtures("compilation_cache")
-
 
 def _hf_checkpoint(files, path, num_layers=4):
     """A random BERT encoder (H32) written as a transformers directory; its flat tensors."""

@@ -25,7 +25,6 @@ from configs import swag as swag_config
 
 # conftest.py: `files` (tiny files in the official formats) and a module-scoped XLA cache, which
 # the runs below share (most of their programs are the same).
-pytestmark = pytest.mark.usefixtures("compilation_cache")
 
 
 def _results(workdir):

@@ -31,7 +31,6 @@ transformers = pytest.importorskip("transformers")
 
 # conftest.py: `files` (tiny files in the official formats) and a module-scoped XLA cache, as in
 # test_finetune; small_config (helpers.py) is their shared tiny run config.
-pytestmark = pytest.mark.usefixtures("compilation_cache")
 
 TOL = 1e-4
 NER_LABELS = 9  # CoNLL-2003's tag set (the fixture's tags are a subset of it)

@@ -63,7 +63,7 @@ def _upload(folder: pathlib.Path, target: str) -> str:
 
 @pytest.mark.slow
 def test_a_run_in_a_bucket_resumes_to_the_local_runs_losses(
-    gcs_emulator, gcs_bucket, tmp_path, xla_cache_in_process, files, monkeypatch
+    gcs_emulator, gcs_bucket, tmp_path, files, monkeypatch
 ):
     """Prepared records (read through bertjax.fs), vocabulary, checkpoints, metrics.jsonl,
     TensorBoard events and the lock all in the bucket. The bucket goes down for good after

@@ -45,7 +45,7 @@ transformers = pytest.importorskip("transformers")
 
 # conftest.py: `files` (tiny files in the official formats) and a module-scoped XLA cache, as in
 # test_finetune; small_config (helpers.py) is their shared tiny run config.
-pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("compilation_cache")]
+pytestmark = pytest.mark.slow
 
 TOL = 1e-4  # bertjax (JAX, fp32) against transformers (PyTorch, fp32)
 SAME = 1e-5  # load_pretrained against the trainer's own model (both JAX, fp32)
