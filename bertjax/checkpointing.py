@@ -22,6 +22,7 @@ import logging
 import math
 import os
 import shutil
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -239,7 +240,8 @@ class Checkpointer:
         where = next((e.filename for e in chain if getattr(e, "filename", None)), None)
         where = where or str(self.directory / (str(step) if step is not None else ""))
         full = any(map(process_hooks.is_disk_full, chain))
-        down = next((e for e in chain if isinstance(e, fs.Unavailable)), None)
+        gcs = sys.modules.get("bertjax.gcs")  # only a gs:// request can have run out of retries
+        down = next((e for e in chain if gcs and isinstance(e, gcs.Unavailable)), None)
         reason = "no space left on device" if full else _why_unrestorable(where, down or chain[-1])
         try:
             self.manager.reload()

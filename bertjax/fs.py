@@ -21,11 +21,6 @@ from typing import IO
 GCS_SCHEMES = ("gs://", "gcs://")
 
 
-class Unavailable(OSError):
-    """A request to a bucket that still failed when its retries ran out (``bertjax.gcs``): one
-    line naming the object, how long it was tried and the last answer."""
-
-
 def is_remote(path: str) -> bool:
     """True for a path with a scheme (gs://, s3://, ...)."""
     return "://" in str(path)

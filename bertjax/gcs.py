@@ -7,7 +7,7 @@ about 31 s. :class:`FileSystem` (what ``bertjax.fs`` uses for ``gs://``; Orbax's
 too once ``bertjax.fs.register_gcs`` has run, as the ``bertjax`` command runs it) retries instead
 by :class:`RetryPolicy`: waits of ``backoff_s``, twice that, four times, ... capped at 32 s, each
 plus up to ``backoff_s`` of jitter, for as long as the next try still starts within ``seconds`` of
-the first. Then the request fails with ``bertjax.fs.Unavailable``, an ``OSError`` whose one line
+the first. Then the request fails with :class:`Unavailable`, an ``OSError`` whose one line
 names the object (``gs://BUCKET/NAME``), how long it was tried and the last answer. The
 environment sets the policy of every process of a job alike: ``BERTJAX_GCS_RETRY_SECONDS``
 (default 120, the Cloud client libraries' deadline) and ``BERTJAX_GCS_BACKOFF_SECONDS`` (default
@@ -37,9 +37,13 @@ from urllib.parse import parse_qs, unquote, urlparse
 from gcsfs.core import GCSFileSystem
 from gcsfs.retry import HttpError, is_retriable
 
-from bertjax.fs import Unavailable
-
 log = logging.getLogger(__name__)
+
+
+class Unavailable(OSError):
+    """A request to a bucket that still failed when its retries ran out: one line naming the
+    object, how long it was tried and the last answer."""
+
 
 RETRY_SECONDS = "BERTJAX_GCS_RETRY_SECONDS"
 BACKOFF_SECONDS = "BERTJAX_GCS_BACKOFF_SECONDS"

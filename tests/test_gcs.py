@@ -93,7 +93,7 @@ def test_a_run_in_a_bucket_resumes_to_the_local_runs_losses(
     )
     monkeypatch.setenv(gcs.RETRY_SECONDS, "1")
     monkeypatch.setenv(gcs.BACKOFF_SECONDS, "0.05")
-    with pytest.raises(fs.Unavailable) as down:
+    with pytest.raises(gcs.Unavailable) as down:
         train.train_and_evaluate(bucket_config(), run)
     assert str(down.value).startswith(f"{run}/metrics.jsonl: Cloud Storage failed ")
     assert "\n" not in str(down.value)

@@ -87,7 +87,7 @@ def test_a_bucket_that_stays_down_is_one_line_naming_the_object(
     monkeypatch.setenv(gcs.RETRY_SECONDS, "0.3")
     gcs_emulator.stop()
     try:
-        with pytest.raises(fs.Unavailable) as down:
+        with pytest.raises(gcs.Unavailable) as down:
             fs.write_bytes(f"{gcs_bucket}/x.txt", b"x")
         assert str(down.value).startswith(f"{gcs_bucket}/x.txt: Cloud Storage failed ")
         assert "Connect call failed" in str(down.value) and "\n" not in str(down.value)
