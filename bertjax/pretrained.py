@@ -31,12 +31,16 @@ from flax import traverse_util
 import bertjax.models as models
 from bertjax.convert import Checkpoint, load_checkpoint, unflatten_params
 from bertjax.convert.checkpoint import head_of
-from bertjax.convert.sentence_transformers import EmbeddingSettings
 from bertjax.head_init import checkpoint_kinds
 from bertjax.models.heads import InferenceModel, SentenceEmbedder
-from bertjax.models.late_interaction import LateInteraction, LateInteractionSettings, embed_tokens
-from bertjax.retrieval import rerank
-from bertjax.sentence_embedding import embed_texts, max_length_of
+from bertjax.retrieval.bi_encoder.embedding import embed_texts, max_length_of
+from bertjax.retrieval.bi_encoder.sentence_transformers import EmbeddingSettings
+from bertjax.retrieval.colbert.late_interaction import (
+    LateInteraction,
+    LateInteractionSettings,
+    embed_tokens,
+)
+from bertjax.retrieval.reranker import rerank
 from bertjax.text import features, load_tokenizer
 
 log = logging.getLogger("bertjax")
@@ -165,7 +169,7 @@ class Pretrained:
         ``prompt`` (text) or ``prompt_name`` (one of ``embedding.prompts``) goes before every
         text; neither: the model's default prompt, if any. Texts are truncated to
         ``embedding.max_seq_length`` tokens with [CLS] and [SEP] (see
-        :mod:`bertjax.sentence_embedding`). Needs a tokenizer.
+        :mod:`bertjax.retrieval.bi_encoder.embedding`). Needs a tokenizer.
         """
         if self.tokenizer is None:
             raise ValueError(f"{self.source}: no vocabulary file found beside the checkpoint")
@@ -195,7 +199,7 @@ class Pretrained:
 
     def embed_queries(self, texts: Sequence[str], batch_size: int = 32) -> list[np.ndarray]:
         """Per-token vectors [tokens, dim] of each query, as PyLate's ``ColBERT.encode(texts,
-        is_query=True)`` (a late-interaction model: see :mod:`bertjax.models.late_interaction`)."""
+        is_query=True)`` (a late-interaction model: see :mod:`bertjax.retrieval.colbert.late_interaction`)."""
         return self._token_vectors(texts, True, batch_size)
 
     def embed_documents(self, texts: Sequence[str], batch_size: int = 32) -> list[np.ndarray]:
@@ -238,7 +242,7 @@ class Pretrained:
         classifier: ``predict(["a fine film", ...])``): [n] float32 for one label (a
         cross-encoder), else [n, num_labels]. Pairs are ``[CLS] query [SEP] passage [SEP]``
         truncated longest-first to ``max_length`` tokens (default ``cross_encoder.max_length``),
-        as ``CrossEncoder.predict`` does (see :mod:`bertjax.retrieval.rerank`)."""
+        as ``CrossEncoder.predict`` does (see :mod:`bertjax.retrieval.reranker.rerank`)."""
         if not self.module.num_labels:
             raise ValueError(f"{self.source}: no sequence-classification head to score pairs")
         if isinstance(pairs, str) or (

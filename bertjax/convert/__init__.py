@@ -33,15 +33,15 @@ from bertjax.convert.checkpoint import (
 )
 from bertjax.convert.hf import load_hf, write_hf
 from bertjax.convert.orbax_format import load_bertjax, write_bertjax
-from bertjax.convert.pylate import is_pylate_dir, load_pylate, write_pylate
-from bertjax.convert.sentence_transformers import (
+from bertjax.convert.tf import load_tf, write_tf
+from bertjax.retrieval.bi_encoder.pooling import POOLING_MODES
+from bertjax.retrieval.bi_encoder.sentence_transformers import (
     is_sentence_transformers_dir,
     load_sentence_transformers,
     with_pooling,
     write_sentence_transformers,
 )
-from bertjax.convert.tf import load_tf, write_tf
-from bertjax.models.pooling import POOLING_MODES
+from bertjax.retrieval.colbert.pylate import is_pylate_dir, load_pylate, write_pylate
 
 log = logging.getLogger("bertjax")
 

@@ -21,8 +21,8 @@ from bertjax.convert.checkpoint import (
     with_param_dtype,
 )
 from bertjax.convert.layouts import param_layout
-from bertjax.convert.sentence_transformers import settings_from_record, settings_record
-from bertjax.models import late_interaction
+from bertjax.retrieval.bi_encoder.sentence_transformers import settings_from_record, settings_record
+from bertjax.retrieval.colbert import late_interaction
 
 
 def _model_config(values: dict, flat: dict, source: str):

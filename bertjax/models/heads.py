@@ -11,7 +11,7 @@ BERT), so a pretrained encoder subtree drops in. Parameter trees (shown for BERT
     (ModernBERT adds head/{dense,norm} before both: HF's per-token ``head``; see token_head)
     MultipleChoice:     bert/..., classifier/{kernel [embed, 1], bias [1]}
     SentenceEmbedder:   bert/... (no pooler), dense_{i}/{kernel [in, out], bias [out]},
-                        dense_{i}_residual/kernel (optional, see bertjax.models.pooling)
+                        dense_{i}_residual/kernel (optional, see bertjax.retrieval.bi_encoder.pooling)
 
 The four fine-tuning heads take ``frozen_encoder``: the encoder then always runs deterministically
 (no dropout: a frozen encoder is a feature extractor, as in the BERT paper's feature-based
@@ -48,7 +48,7 @@ import jax.numpy as jnp
 from bertjax.layers.core import activation, gather_positions, output_dense
 from bertjax.layers.dropout import Dropout
 from bertjax.models import architecture
-from bertjax.models.pooling import EmbeddingHead, l2_normalize, pool
+from bertjax.retrieval.bi_encoder.pooling import EmbeddingHead, l2_normalize, pool
 
 Array = jax.Array
 
@@ -458,7 +458,7 @@ class InferenceModel(nn.Module):
 class SentenceEmbedder(nn.Module):
     """One vector per text (sentence-transformers' Transformer -> Pooling -> Dense -> Normalize):
     the encoder's token embeddings pooled, projected and normalised as ``head`` says, in float32
-    (see :mod:`bertjax.models.pooling`)."""
+    (see :mod:`bertjax.retrieval.bi_encoder.pooling`)."""
 
     config: Any
     head: EmbeddingHead = EmbeddingHead()

@@ -41,11 +41,16 @@ import bertjax.fs as fs
 import bertjax.models as models
 from bertjax import atomic, distributed, progress
 from bertjax.convert import unflatten_params
-from bertjax.convert.sentence_transformers import EmbeddingSettings
 from bertjax.models.heads import SentenceEmbedder
 from bertjax.retrieval import embedding_store as store
+from bertjax.retrieval.bi_encoder.embedding import (
+    embed_rows,
+    jitted_apply,
+    max_length_of,
+    token_rows,
+)
+from bertjax.retrieval.bi_encoder.sentence_transformers import EmbeddingSettings
 from bertjax.retrieval.corpus_input import Corpus
-from bertjax.sentence_embedding import embed_rows, jitted_apply, max_length_of, token_rows
 from bertjax.text import features
 
 _AXIS = "data"

@@ -2,7 +2,10 @@
 
 import ml_collections
 
-from bertjax.tasks import colbert, glue, ner, pretraining, reranker, retrieval, squad, swag  # noqa: F401  (each registers itself)
+from bertjax.retrieval.bi_encoder import task as retrieval  # noqa: F401  (each registers itself)
+from bertjax.retrieval.colbert import task as colbert  # noqa: F401
+from bertjax.retrieval.reranker import task as reranker  # noqa: F401
+from bertjax.tasks import glue, ner, pretraining, squad, swag  # noqa: F401
 from bertjax.tasks.base import REGISTRY, Task
 
 

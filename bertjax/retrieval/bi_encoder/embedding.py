@@ -20,8 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from bertjax import progress
-from bertjax.convert.sentence_transformers import EmbeddingSettings
 from bertjax.models.heads import SentenceEmbedder
+from bertjax.retrieval.bi_encoder.sentence_transformers import EmbeddingSettings
 from bertjax.text import features
 
 MIN_BUCKET = 16

@@ -30,7 +30,7 @@ import numpy as np
 
 from bertjax import progress
 from bertjax.retrieval import trec_format
-from bertjax.sentence_embedding import padded_length
+from bertjax.retrieval.bi_encoder.embedding import padded_length
 from bertjax.text import features
 
 Pair = tuple[str, str]

@@ -25,7 +25,12 @@ from safetensors.numpy import save_file
 
 from bertjax.convert.checkpoint import Checkpoint, fmt_shape, read_json_object
 from bertjax.convert.hf import bare_encoder, load_hf, read_safetensors, read_torch_file, write_hf
-from bertjax.models.pooling import POOLING_MODES, DenseLayer, EmbeddingHead, check_dense_tensors
+from bertjax.retrieval.bi_encoder.pooling import (
+    POOLING_MODES,
+    DenseLayer,
+    EmbeddingHead,
+    check_dense_tensors,
+)
 
 MODULES = "modules.json"
 SBERT_CONFIG = "sentence_bert_config.json"
@@ -65,7 +70,7 @@ _MODULE_TYPES = {
 class EmbeddingSettings:
     """What a sentence-transformers directory adds to its encoder.
 
-    ``head``: pooling, Dense layers and Normalize (:class:`~bertjax.models.pooling.EmbeddingHead`);
+    ``head``: pooling, Dense layers and Normalize (:class:`~bertjax.retrieval.bi_encoder.pooling.EmbeddingHead`);
     ``tensors``: the Dense layers' weights by bertjax path (``dense_{i}/kernel`` [in, out],
     ``dense_{i}/bias``, ``dense_{i}_residual/kernel``); ``max_seq_length``: tokens per text with
     [CLS] and [SEP] (None: the position table); ``do_lower_case``: lower-case texts before the
@@ -333,7 +338,9 @@ def load_sentence_transformers(directory: str) -> Checkpoint:
     :class:`EmbeddingSettings` in ``embedding``; the tokenizer is its tokenizer.json when there
     is one (what sentence-transformers runs), else the vocabulary file beside it."""
     cross_encoder = cross_encoder_folder(directory)
-    if cross_encoder is not None:  # the HF sequence classifier it wraps (bertjax.retrieval.rerank)
+    if (
+        cross_encoder is not None
+    ):  # the HF sequence classifier it wraps (bertjax.retrieval.reranker.rerank)
         ckpt = load_hf(cross_encoder)
         if os.path.isfile(os.path.join(cross_encoder, TOKENIZER_JSON)):
             ckpt.vocab_file = os.path.join(cross_encoder, TOKENIZER_JSON)

@@ -36,7 +36,7 @@ import numpy as np
 from bertjax import progress
 from bertjax.layers.core import activation
 from bertjax.models import architecture
-from bertjax.models.pooling import DenseLayer, check_dense_tensors, l2_normalize
+from bertjax.retrieval.bi_encoder.pooling import DenseLayer, check_dense_tensors, l2_normalize
 from bertjax.text import features
 
 Array = jax.Array

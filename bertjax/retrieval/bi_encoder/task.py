@@ -1,5 +1,5 @@
 """Bi-encoder training (dense retrieval): one encoder embeds queries and documents; InfoNCE over
-in-batch and hard negatives of the WHOLE global batch (``bertjax.retrieval.losses``).
+in-batch and hard negatives of the WHOLE global batch (``bertjax.retrieval.contrastive_losses``).
 
 Data (``data.train_file``, JSON lines ``{"query", "positive", "negatives": [...]}``; or a BEIR
 folder ``data_dir`` whose ``qrels/<data.train_split>.tsv`` pairs each query with every relevant
@@ -28,13 +28,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from bertjax import flops, fs
-from bertjax.convert.sentence_transformers import EmbeddingSettings, settings_record
 from bertjax.data.array_data import ArrayData
 from bertjax.models.heads import SentenceEmbedder
-from bertjax.models.pooling import EmbeddingHead
 from bertjax.pretrained import encode_batch
-from bertjax.retrieval import beir, losses, metrics
+from bertjax.retrieval import beir, contrastive_losses, ranking_metrics
 from bertjax.retrieval import evaluate as retrieval_eval
+from bertjax.retrieval.bi_encoder.pooling import EmbeddingHead
+from bertjax.retrieval.bi_encoder.sentence_transformers import EmbeddingSettings, settings_record
 from bertjax.tasks.base import register
 from bertjax.tasks.finetuning import FinetuneTask
 
@@ -347,10 +347,14 @@ class RetrievalTask(FinetuneTask):
         )
         q, d = embeddings["query"], embeddings["documents"]
         if r.matryoshka_dims:
-            return losses.matryoshka(
-                losses.multiple_negatives_ranking_loss, q, d, tuple(r.matryoshka_dims), **kwargs
+            return contrastive_losses.matryoshka(
+                contrastive_losses.multiple_negatives_ranking_loss,
+                q,
+                d,
+                tuple(r.matryoshka_dims),
+                **kwargs,
             )
-        return losses.multiple_negatives_ranking_loss(q, d, **kwargs)
+        return contrastive_losses.multiple_negatives_ranking_loss(q, d, **kwargs)
 
     def head_loss(self, outputs, batch, normalizers):
         raise NotImplementedError("retrieval trains through embed/batch_loss (cached)")
@@ -383,7 +387,7 @@ class RetrievalTask(FinetuneTask):
             similarity=self.config.retrieval.similarity,
             batch_size=self._eval_batch_size(),
         )
-        return metrics.evaluate(self.eval_data.qrels, found.run)
+        return ranking_metrics.evaluate(self.eval_data.qrels, found.run)
 
     def finalize(self, run, params, workdir):
         return {
