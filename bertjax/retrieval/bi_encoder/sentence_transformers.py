@@ -397,6 +397,11 @@ def with_pooling(settings: EmbeddingSettings | None, mode: str) -> EmbeddingSett
     return dataclasses.replace(settings, head=head)
 
 
+def set_pooling(ckpt: Checkpoint, mode: str) -> None:
+    """``convert --to=sentence-transformers --pooling=MODE``: the checkpoint pools by ``mode``."""
+    ckpt.embedding = with_pooling(ckpt.embedding, mode)
+
+
 def _write_json(path: str, value: Any) -> None:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w", encoding="utf-8") as f:
