@@ -32,9 +32,13 @@ import bertjax.models as models
 from bertjax.convert import Checkpoint, load_checkpoint, unflatten_params
 from bertjax.convert.checkpoint import head_of
 from bertjax.head_init import checkpoint_kinds
-from bertjax.models.heads import InferenceModel, SentenceEmbedder
-from bertjax.retrieval.bi_encoder.embedding import embed_texts, max_length_of
-from bertjax.retrieval.bi_encoder.sentence_transformers import EmbeddingSettings
+from bertjax.models.heads import InferenceModel
+from bertjax.retrieval.bi_encoder.embedding import (
+    EmbeddingSettings,
+    SentenceEmbedder,
+    embed_texts,
+    max_length_of,
+)
 from bertjax.retrieval.colbert.late_interaction import (
     LateInteraction,
     LateInteractionSettings,

@@ -69,7 +69,7 @@ class Checkpoint:
     # classifier has the tensors of a one-label sequence classifier); written back by ``--to=hf``.
     hf_class: str | None = None
     # A sentence-transformers directory's pooling, Dense, Normalize, prompts and max_seq_length
-    # (``bertjax.retrieval.bi_encoder.sentence_transformers.EmbeddingSettings``); None: not one.
+    # (``bertjax.retrieval.bi_encoder.embedding.EmbeddingSettings``); None: not one.
     embedding: Any = None
     # A bertjax fine-tuning run whose task head is feature-based (``head.features`` other than
     # ``last``, or ``head.bilstm``): that setting, e.g. "head.features=concat_last4". Its head

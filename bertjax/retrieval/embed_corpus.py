@@ -41,15 +41,15 @@ import bertjax.fs as fs
 import bertjax.models as models
 from bertjax import atomic, distributed, progress
 from bertjax.convert import unflatten_params
-from bertjax.models.heads import SentenceEmbedder
 from bertjax.retrieval import embedding_store as store
 from bertjax.retrieval.bi_encoder.embedding import (
+    EmbeddingSettings,
+    SentenceEmbedder,
     embed_rows,
     jitted_apply,
     max_length_of,
     token_rows,
 )
-from bertjax.retrieval.bi_encoder.sentence_transformers import EmbeddingSettings
 from bertjax.retrieval.corpus_input import Corpus
 from bertjax.text import features
 

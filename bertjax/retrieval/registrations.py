@@ -11,6 +11,7 @@ imports this module before a registry looks a name up, so no caller needs to imp
 
 from bertjax.convert import Format, Option, register_format
 from bertjax.convert.orbax_format import HeadRecord, register_head_record
+from bertjax.retrieval.bi_encoder import embedding
 from bertjax.retrieval.bi_encoder import sentence_transformers as st
 from bertjax.retrieval.bi_encoder import task as bi_encoder_task  # noqa: F401  (registers itself)
 from bertjax.retrieval.bi_encoder.pooling import POOLING_MODES
@@ -38,7 +39,12 @@ register_format(
 register_format(Format("pylate", pylate.load_pylate, pylate.write_pylate, pylate.is_pylate_dir))
 
 register_head_record(
-    HeadRecord("embedding", st.EmbeddingSettings, st.settings_record, st.settings_from_record)
+    HeadRecord(
+        "embedding",
+        embedding.EmbeddingSettings,
+        embedding.settings_record,
+        embedding.settings_from_record,
+    )
 )
 register_head_record(
     HeadRecord(

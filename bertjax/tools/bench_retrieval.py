@@ -54,7 +54,7 @@ def _score(model_dir: str, data, batch_size: int, max_seq_length: int) -> dict:
 
     import bertjax
     from bertjax.retrieval import evaluate, ranking_metrics
-    from bertjax.retrieval.bi_encoder.sentence_transformers import EmbeddingSettings
+    from bertjax.retrieval.bi_encoder.embedding import EmbeddingSettings
 
     model = bertjax.load_pretrained(model_dir, quiet=True)
     settings = model.embedding or EmbeddingSettings()

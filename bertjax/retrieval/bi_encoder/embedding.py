@@ -1,8 +1,10 @@
-"""Texts -> sentence embeddings [n, dim] with a loaded encoder, as ``SentenceTransformer.encode``.
+"""Texts -> sentence embeddings [n, dim] with a loaded encoder, as ``SentenceTransformer.encode``:
+the model (:class:`SentenceEmbedder`), its settings (:class:`EmbeddingSettings`: what a
+sentence-transformers directory or a bi-encoder run adds to the encoder) and the embedding loop.
 
 Each text gets the prompt put before it (lower-cased first where the settings say
 ``do_lower_case`` and the tokenizer does not), becomes ``[CLS] tokens [SEP]`` truncated to
-``max_seq_length`` tokens, and runs through :class:`~bertjax.models.heads.SentenceEmbedder`
+``max_seq_length`` tokens, and runs through :class:`SentenceEmbedder`
 jitted: texts sorted by length, batches of ``batch_size`` rows padded to a bucketed length
 (:func:`padded_length`: a power of two from 16 to 128, then multiples of 64, at most
 ``max_seq_length``; a length too few batches need takes the longer one before it), so a corpus
@@ -12,20 +14,150 @@ back. ``bertjax embed``, ``evaluate`` and ``mine-negatives`` embed alike, at the
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Sequence
+from typing import Any
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from bertjax import progress
-from bertjax.models.heads import SentenceEmbedder
-from bertjax.retrieval.bi_encoder.sentence_transformers import EmbeddingSettings
+from bertjax.layers.core import activation
+from bertjax.models.heads import encoder
+from bertjax.retrieval.bi_encoder.pooling import (
+    DenseLayer,
+    EmbeddingHead,
+    check_dense_tensors,
+    l2_normalize,
+    pool,
+)
 from bertjax.text import features
 
+Array = jax.Array
 MIN_BUCKET = 16
 MIN_BATCHES_PER_LENGTH = 3  # a padded length fewer batches need is not compiled
+
+
+@dataclasses.dataclass
+class EmbeddingSettings:
+    """What a sentence-transformers directory adds to its encoder.
+
+    ``head``: pooling, Dense layers and Normalize (:class:`~bertjax.retrieval.bi_encoder.pooling.EmbeddingHead`);
+    ``tensors``: the Dense layers' weights by bertjax path (``dense_{i}/kernel`` [in, out],
+    ``dense_{i}/bias``, ``dense_{i}_residual/kernel``); ``max_seq_length``: tokens per text with
+    [CLS] and [SEP] (None: the position table); ``do_lower_case``: lower-case texts before the
+    tokenizer; ``prompts`` (name -> text put before each text), ``default_prompt_name`` and
+    ``similarity_fn_name`` as ``config_sentence_transformers.json`` has them.
+    """
+
+    head: EmbeddingHead = EmbeddingHead()
+    tensors: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
+    max_seq_length: int | None = None
+    do_lower_case: bool = False
+    prompts: dict[str, str] = dataclasses.field(default_factory=dict)
+    default_prompt_name: str | None = None
+    similarity_fn_name: str | None = None
+
+    def resolve_prompt(self, prompt: str | None, prompt_name: str | None, source: str) -> str:
+        """The text put before each input: ``prompt``, else ``prompts[prompt_name]``, else the
+        default prompt ("" when none), as ``SentenceTransformer.encode`` picks it."""
+        if prompt is not None:
+            return prompt
+        name = prompt_name if prompt_name is not None else self.default_prompt_name
+        if name is None:
+            return ""
+        if name not in self.prompts:
+            raise ValueError(
+                f"{source}: prompt name {name!r} is not one of the model's prompts "
+                f"{sorted(self.prompts)}"
+            )
+        return self.prompts[name]
+
+
+def settings_record(settings: EmbeddingSettings) -> dict[str, Any]:
+    """``settings`` without its tensors, as JSON values: what a bertjax run that trains
+    embeddings records in its checkpoint config (``embedding``)."""
+    head = settings.head
+    return {
+        "pooling": list(head.pooling),
+        "include_prompt": head.include_prompt,
+        "dense": [dataclasses.asdict(layer) for layer in head.dense],
+        "normalize": head.normalize,
+        "max_seq_length": settings.max_seq_length,
+        "do_lower_case": settings.do_lower_case,
+        "prompts": dict(settings.prompts),
+        "default_prompt_name": settings.default_prompt_name,
+        "similarity_fn_name": settings.similarity_fn_name,
+    }
+
+
+def settings_from_record(
+    record: dict[str, Any], tensors: dict[str, np.ndarray], source: str
+) -> EmbeddingSettings:
+    """The :class:`EmbeddingSettings` a run recorded (:func:`settings_record`), with the Dense
+    layers' tensors (``dense_{i}/...``) taken from the checkpoint's."""
+    try:
+        head = EmbeddingHead(
+            pooling=tuple(record["pooling"]),
+            include_prompt=bool(record.get("include_prompt", True)),
+            dense=tuple(DenseLayer(**layer) for layer in record.get("dense") or ()),
+            normalize=bool(record.get("normalize", False)),
+        )
+    except (KeyError, TypeError, ValueError) as err:
+        raise ValueError(f"{source}: the recorded embedding head is not readable ({err})") from None
+    check_dense_tensors(head.dense, tensors, source, "embedding head", "Dense layers")
+    return EmbeddingSettings(
+        head=head,
+        tensors=dict(tensors),
+        max_seq_length=record.get("max_seq_length"),
+        do_lower_case=bool(record.get("do_lower_case", False)),
+        prompts=dict(record.get("prompts") or {}),
+        default_prompt_name=record.get("default_prompt_name"),
+        similarity_fn_name=record.get("similarity_fn_name"),
+    )
+
+
+class SentenceEmbedder(nn.Module):
+    """One vector per text (sentence-transformers' Transformer -> Pooling -> Dense -> Normalize):
+    the encoder's token embeddings pooled, projected and normalised as ``head`` says, in float32
+    (see :mod:`bertjax.retrieval.bi_encoder.pooling`). Params: the encoder's (no pooler),
+    ``dense_{i}/{kernel [in, out], bias [out]}``, ``dense_{i}_residual/kernel`` (optional)."""
+
+    config: Any
+    head: EmbeddingHead = EmbeddingHead()
+
+    @nn.compact
+    def __call__(
+        self,
+        input_ids: Array,  # [batch, seq]
+        token_type_ids: Array | None = None,
+        attention_mask: Array | None = None,
+        prompt_length: Array | None = None,  # [batch]: [CLS] + prompt tokens, when excluded
+        *,
+        deterministic: bool = True,
+    ) -> Array:
+        """Returns embeddings [batch, dim] (float32)."""
+        if attention_mask is None:
+            attention_mask = jnp.ones_like(input_ids)
+        out = encoder(self.config, add_pooler=False)(
+            input_ids, token_type_ids, attention_mask, deterministic=deterministic
+        )
+        hidden = out.sequence_output.astype(jnp.float32)  # [batch, seq, hidden]
+        if self.head.include_prompt:
+            prompt_length = None
+        x = pool(hidden, attention_mask, self.head.pooling, prompt_length)  # [batch, k * hidden]
+        for i, layer in enumerate(self.head.dense):
+            y = nn.Dense(layer.out_features, use_bias=layer.bias, name=f"dense_{i}")(x)
+            y = activation(layer.activation)(y)
+            if layer.residual:
+                same = layer.in_features == layer.out_features
+                name = f"dense_{i}_residual"
+                y = y + (x if same else nn.Dense(layer.out_features, use_bias=False, name=name)(x))
+            x = y
+        return l2_normalize(x) if self.head.normalize else x
 
 
 @functools.lru_cache(maxsize=16)

@@ -28,13 +28,18 @@ import jax.numpy as jnp
 import numpy as np
 
 from bertjax import flops, fs
+from bertjax.convert import unflatten_params
 from bertjax.data.array_data import ArrayData
-from bertjax.models.heads import SentenceEmbedder
+from bertjax.models import architecture
 from bertjax.pretrained import encode_batch
 from bertjax.retrieval import beir, contrastive_losses, ranking_metrics
 from bertjax.retrieval import evaluate as retrieval_eval
+from bertjax.retrieval.bi_encoder.embedding import (
+    EmbeddingSettings,
+    SentenceEmbedder,
+    settings_record,
+)
 from bertjax.retrieval.bi_encoder.pooling import EmbeddingHead
-from bertjax.retrieval.bi_encoder.sentence_transformers import EmbeddingSettings, settings_record
 from bertjax.tasks.base import register
 from bertjax.tasks.finetuning import FinetuneTask
 
@@ -267,6 +272,41 @@ class RetrievalTask(FinetuneTask):
 
     def build_model(self, model_config):
         return SentenceEmbedder(model_config, head=self.embedding_head())
+
+    def start_params(self, model, fresh):
+        """The init checkpoint's encoder, and the Dense layers of its sentence-embedding head
+        where it has the same layers (the task picks its head from it), else fresh."""
+        pretrained = self.source.pretrained if self.source is not None else None
+        if pretrained is None or not isinstance(model, SentenceEmbedder):
+            return super().start_params(model, fresh)  # (a subclass's model: its own loading)
+        source = self.source.init_checkpoint
+        params = pretrained.with_encoder(fresh, source)
+        encoder_name = architecture(model.config).encoder_name
+        settings = pretrained.embedding
+        heads = sorted(k for k in params if k != encoder_name)
+        tensors = unflatten_params(settings.tensors) if settings is not None else {}
+        for head in heads:
+            want = jax.tree.map(lambda x: tuple(x.shape), params[head])
+            got = jax.tree.map(lambda x: tuple(np.shape(x)), tensors.get(head))
+            if head in tensors and want != got:
+                raise ValueError(
+                    f"init checkpoint {source}: Dense layer {head!r} has shapes "
+                    f"{got}, the model wants {want}"
+                )
+            if head in tensors:
+                params[head] = jax.tree.map(
+                    lambda x, f: np.asarray(x).astype(f.dtype), tensors[head], params[head]
+                )
+        log.info(
+            "encoder initialised from %s%s",
+            source,
+            f"; Dense layers {heads} from it"
+            if heads and set(heads) <= set(tensors)
+            else f"; Dense layers initialised fresh: {heads}"
+            if heads
+            else "",
+        )
+        return params
 
     def model_inputs(self, batch):
         return dict(
