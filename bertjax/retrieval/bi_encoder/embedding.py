@@ -25,7 +25,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from bertjax import progress
+from bertjax.convert import unflatten_params
 from bertjax.layers.core import activation
+from bertjax.models import architecture
 from bertjax.models.heads import encoder
 from bertjax.retrieval.bi_encoder.pooling import (
     DenseLayer,
@@ -75,6 +77,39 @@ class EmbeddingSettings:
                 f"{sorted(self.prompts)}"
             )
         return self.prompts[name]
+
+    # ---- what a loaded model does with these settings (``pretrained.HeadBehaviour``) ----------
+    @property
+    def late_interaction(self) -> bool:
+        return False  # one vector per text
+
+    def embed(
+        self,
+        model,
+        texts: Sequence[str],
+        batch_size: int = 32,
+        prompt: str | None = None,
+        prompt_name: str | None = None,
+    ) -> np.ndarray:
+        """``Pretrained.embed``: ``texts`` through ``model``'s encoder and this head (see the
+        module docstring)."""
+        name = architecture(model.config).encoder_name
+        params = {name: model.encoder_params, **unflatten_params(self.tensors)}
+        return embed_texts(
+            SentenceEmbedder(model.config, self.head),  # jitted once per (config, head)
+            params,
+            model.tokenizer,
+            self,
+            texts,
+            max_length=max_length_of(self, model.config.max_position_embeddings),
+            batch_size=batch_size,
+            prompt=self.resolve_prompt(prompt, prompt_name, model.source),
+        )
+
+    def embed_queries(self, model, texts: Sequence[str], batch_size: int = 32):
+        raise ValueError(f"{model.source}: not a late-interaction (ColBERT) model; use embed")
+
+    embed_documents = embed_queries
 
 
 def settings_record(settings: EmbeddingSettings) -> dict[str, Any]:
