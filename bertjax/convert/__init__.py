@@ -104,7 +104,8 @@ def register_format(fmt: Format) -> None:
 
 
 def formats() -> dict[str, Format]:
-    """Every format by name, in registration order: the core's, then the families' (loaded first)."""
+    """Every format by name, in registration order: the core's, then the families' (which it
+    loads first)."""
     families.load()
     return dict(_REGISTERED)
 

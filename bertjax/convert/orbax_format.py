@@ -178,7 +178,7 @@ def write_bertjax(ckpt: Checkpoint, directory: str) -> None:
         heads = [h for h in head_records() if isinstance(ckpt.embedding, h.settings)]
         if not heads:
             raise ValueError(
-                f"{ckpt.source}: no registered head records {type(ckpt.embedding).__name__}"
+                f"{ckpt.source}: no registered head record takes {type(ckpt.embedding).__name__}"
             )
         meta[heads[0].key] = heads[0].record(ckpt.embedding)
         tensors.update(ckpt.embedding.tensors)

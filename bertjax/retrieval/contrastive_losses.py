@@ -28,7 +28,7 @@ DIRECTIONS = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")
 
 
 def normalize(x: Array) -> Array:
-    """Rows in float32 scaled to unit L2 norm (``bertjax.retrieval.bi_encoder.pooling.l2_normalize``)."""
+    """Rows in float32 scaled to unit L2 norm (``bi_encoder.pooling.l2_normalize``)."""
     return l2_normalize(x.astype(jnp.float32))
 
 

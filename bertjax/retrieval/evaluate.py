@@ -6,8 +6,8 @@ runs.
 (``search.dense_search``) with ties ranked as trec_eval ranks them, and drops a document whose id
 is the query's (BEIR's ``ignore_identical_ids``: ArguAna-style sets need it) before keeping the
 top ``top_k``. ``retrieve_maxsim`` does the same for a late-interaction (ColBERT) model, with
-per-token vectors and exact MaxSim (``search.maxsim_search``). ``ranking_metrics.evaluate`` then scores the
-run as pytrec_eval would.
+per-token vectors and exact MaxSim (``search.maxsim_search``). ``ranking_metrics.evaluate`` then
+scores the run as pytrec_eval would.
 """
 
 from __future__ import annotations

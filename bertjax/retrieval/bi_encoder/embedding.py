@@ -47,7 +47,7 @@ MIN_BATCHES_PER_LENGTH = 3  # a padded length fewer batches need is not compiled
 class EmbeddingSettings:
     """What a sentence-transformers directory adds to its encoder.
 
-    ``head``: pooling, Dense layers and Normalize (:class:`~bertjax.retrieval.bi_encoder.pooling.EmbeddingHead`);
+    ``head``: pooling, Dense layers and Normalize (:class:`~.pooling.EmbeddingHead`);
     ``tensors``: the Dense layers' weights by bertjax path (``dense_{i}/kernel`` [in, out],
     ``dense_{i}/bias``, ``dense_{i}_residual/kernel``); ``max_seq_length``: tokens per text with
     [CLS] and [SEP] (None: the position table); ``do_lower_case``: lower-case texts before the

@@ -1,13 +1,14 @@
 """Late-interaction retrieval (ColBERT, as PyLate trains it): per-token vectors, MaxSim scores.
 
-The model (``bertjax.retrieval.colbert.late_interaction``): the encoder, a linear projection of every token
-(``colbert.dim``, default 128, no bias) and per-token L2 normalisation. Queries are ``[CLS] [Q] ...
-[SEP]`` padded with [MASK] to ``colbert.query_length``; documents ``[CLS] [D] ... [SEP]`` cut to
-``colbert.document_length``, their punctuation (``colbert.skiplist_words``) left out of scoring.
+The model (``late_interaction``, beside this module): the encoder, a linear projection of every
+token (``colbert.dim``, default 128, no bias) and per-token L2 normalisation. Queries are
+``[CLS] [Q] ... [SEP]`` padded with [MASK] to ``colbert.query_length``; documents
+``[CLS] [D] ... [SEP]`` cut to ``colbert.document_length``, their punctuation
+(``colbert.skiplist_words``) left out of scoring.
 
-Data as the bi-encoder task (``bertjax.retrieval.bi_encoder.task``): rows of a query, its positive and up to
-``data.num_negatives`` hard negatives, from ``data.train_file`` (JSON lines) or a BEIR folder.
-``colbert.loss``:
+Data as the bi-encoder task (``bertjax.retrieval.bi_encoder.task``): rows of a query, its positive
+and up to ``data.num_negatives`` hard negatives, from ``data.train_file`` (JSON lines) or a BEIR
+folder. ``colbert.loss``:
 
 * ``contrastive``: PyLate's ``Contrastive``, cross-entropy of each query's MaxSim scores
   (/ ``colbert.temperature``) over every document of the WHOLE batch, hard negatives included;

@@ -198,7 +198,8 @@ def read_settings(directory: str | None, num_labels: int, position_table: int):
 
 
 def settings_of(model) -> CrossEncoderSettings:
-    """The :class:`CrossEncoderSettings` of a loaded classifier (``Pretrained``): its directory's."""
+    """The :class:`CrossEncoderSettings` of a loaded classifier (``Pretrained``), from its
+    directory."""
     return read_settings(
         model.directory, model.module.num_labels, model.config.max_position_embeddings
     )

@@ -17,7 +17,7 @@ as ``bertjax evaluate retrieval --output_run``'s on the training split), each qu
 ``data.num_negatives`` documents that are not judged relevant, as label 0.
 
 A pair is ``[CLS] query [SEP] passage [SEP]`` truncated longest-first to ``data.max_seq_length``
-tokens, as ``CrossEncoder`` tokenizes it (``bertjax.retrieval.reranker.rerank``). Evaluation, every epoch:
+tokens, as ``CrossEncoder`` tokenizes it (``rerank``, beside this module). Evaluation, every epoch:
 with ``data.eval_run`` (a TREC first-stage run), the top ``data.rerank_top_k`` documents of each
 judged query of ``data_dir``'s ``data.eval_split`` are reranked and scored (nDCG@10, Recall@10/100,
 MRR@10, MAP@100 as trec_eval; nDCG@10 keeps the best checkpoint); else ``data.dev_file`` (pairs as
