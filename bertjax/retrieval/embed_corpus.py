@@ -119,7 +119,7 @@ class _Encoder:
         self.apply = jitted_apply(self.module)
 
     def token_rows(self, texts: list[str]) -> tuple[list[features.Row], int]:
-        """Token ids per text and the prompt's length, as ``sentence_embedding.embed_texts``."""
+        """Token ids per text and the prompt's length, as ``bi_encoder.embedding.embed_texts``."""
         lower = self.settings.do_lower_case and not getattr(self.tokenizer, "do_lower_case", False)
         return token_rows(self.tokenizer, texts, self.max_length, prompt=self.prompt, lower=lower)
 
