@@ -29,9 +29,7 @@ import jax
 import numpy as np
 
 from bertjax import models
-from bertjax.convert import unflatten_params
 from bertjax.head_init import carry_task_head, model_kind
-from bertjax.models.heads import SentenceEmbedder
 from bertjax.pretrained import Pretrained, load_pretrained
 from bertjax.text import load_tokenizer
 
@@ -235,8 +233,6 @@ class ModelSource:
                 hf_class=self.pretrained.hf_class,
                 pooler="pooler" not in self.pretrained.missing,
             )
-        if isinstance(model, SentenceEmbedder):
-            return self._load_embedding_head(params, encoder_name)
         loaded, fresh = [], []
         if "pooler" in params[encoder_name]:
             (fresh if "pooler" in self.pretrained.missing else loaded).append("pooler")
@@ -261,34 +257,5 @@ class ModelSource:
             source,
             loaded or "none",
             fresh or "none",
-        )
-        return params
-
-    def _load_embedding_head(self, params: Any, encoder_name: str) -> Any:
-        """A sentence-embedding model's Dense layers from the checkpoint's sentence-transformers
-        head where it has the same layers (the task picks its head from it), else fresh."""
-        settings = self.pretrained.embedding
-        heads = sorted(k for k in params if k != encoder_name)
-        tensors = unflatten_params(settings.tensors) if settings is not None else {}
-        for head in heads:
-            want = jax.tree.map(lambda x: tuple(x.shape), params[head])
-            got = jax.tree.map(lambda x: tuple(np.shape(x)), tensors.get(head))
-            if head in tensors and want != got:
-                raise ValueError(
-                    f"init checkpoint {self.init_checkpoint}: Dense layer {head!r} has shapes "
-                    f"{got}, the model wants {want}"
-                )
-            if head in tensors:
-                params[head] = jax.tree.map(
-                    lambda x, f: np.asarray(x).astype(f.dtype), tensors[head], params[head]
-                )
-        log.info(
-            "encoder initialised from %s%s",
-            self.init_checkpoint,
-            f"; Dense layers {heads} from it"
-            if heads and set(heads) <= set(tensors)
-            else f"; Dense layers initialised fresh: {heads}"
-            if heads
-            else "",
         )
         return params

@@ -12,6 +12,11 @@ A sentence-transformers directory (``modules.json``) loads the same way and keep
 Dense, Normalize, prompts and ``max_seq_length`` in ``embedding``; ``model.embed(texts)`` gives
 the vectors ``SentenceTransformer(path).encode(texts)`` gives. Any other checkpoint embeds as
 sentence-transformers wraps a plain HF model: mean pooling, no Normalize, its position table.
+
+The loader knows no family: ``embedding`` is whatever head settings a family's format reader
+returned (a :class:`HeadBehaviour`: ``embed``, ``embed_queries``, ``embed_documents``), and what a
+checkpoint does not carry (the default embedding head, a classifier's cross-encoder settings) comes
+from :func:`default_head`, which the families fill (``bertjax.families``).
 """
 
 from __future__ import annotations
@@ -19,8 +24,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 import flax.linen as nn
 import jax
@@ -29,14 +34,11 @@ import numpy as np
 from flax import traverse_util
 
 import bertjax.models as models
+from bertjax import families
 from bertjax.convert import Checkpoint, load_checkpoint, unflatten_params
 from bertjax.convert.checkpoint import head_of
-from bertjax.convert.sentence_transformers import EmbeddingSettings
 from bertjax.head_init import checkpoint_kinds
-from bertjax.models.heads import InferenceModel, SentenceEmbedder
-from bertjax.models.late_interaction import LateInteraction, LateInteractionSettings, embed_tokens
-from bertjax.retrieval import rerank
-from bertjax.sentence_embedding import embed_texts, max_length_of
+from bertjax.models.heads import InferenceModel
 from bertjax.text import features, load_tokenizer
 
 log = logging.getLogger("bertjax")
@@ -52,6 +54,74 @@ def __getattr__(name):
             "bertjax.models.heads.InferenceModel in bertjax 0.3"
         )
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+class HeadBehaviour(Protocol):
+    """A family's head settings as a loaded model runs them (``Pretrained.embedding``: what the
+    family's format reader put in ``Checkpoint.embedding``). ``late_interaction``: one vector per
+    token (``embed_queries`` / ``embed_documents``, ColBERT) rather than one per text (``embed``);
+    each kind refuses the other's calls in one line."""
+
+    @property
+    def late_interaction(self) -> bool: ...
+
+    def embed(
+        self,
+        model: Pretrained,
+        texts: Sequence[str],
+        batch_size: int,
+        prompt: str | None,
+        prompt_name: str | None,
+    ) -> np.ndarray: ...
+
+    def embed_queries(
+        self, model: Pretrained, texts: Sequence[str], batch_size: int
+    ) -> list[np.ndarray]: ...
+
+    def embed_documents(
+        self, model: Pretrained, texts: Sequence[str], batch_size: int
+    ) -> list[np.ndarray]: ...
+
+
+class PairScorer(Protocol):
+    """How a loaded sequence classifier scores texts and (query, passage) pairs, as
+    ``CrossEncoder(source)`` would (``Pretrained.cross_encoder``): tokens per pair (``max_length``),
+    the activation ``predict`` applies, and the scoring itself."""
+
+    max_length: int
+    activation: str
+
+    def scores(
+        self, model: Pretrained, pairs: Sequence, batch_size: int, max_length: int | None
+    ) -> np.ndarray: ...
+
+    def predict(
+        self,
+        model: Pretrained,
+        pairs: Sequence,
+        batch_size: int,
+        activation: str | None,
+        max_length: int | None,
+    ) -> np.ndarray: ...
+
+
+# A family's head for a loaded model that its checkpoint did not carry, by kind: "embedding" (a
+# HeadBehaviour: how a plain encoder embeds texts) and "cross_encoder" (a PairScorer: how its
+# classifier scores pairs), each made from the model. The families register them.
+_DEFAULT_HEADS: dict[str, Callable[[Pretrained], Any]] = {}
+
+
+def register_default_head(kind: str, make: Callable[[Pretrained], Any]) -> None:
+    """Makes ``make(model)`` the head of kind ``kind`` of a model whose checkpoint has none."""
+    _DEFAULT_HEADS[kind] = make
+
+
+def default_head(kind: str, model: Pretrained) -> Any:
+    """The head of kind ``kind`` a family gives ``model`` (loads the families first)."""
+    families.load()
+    if kind not in _DEFAULT_HEADS:
+        raise ValueError(f"{model.source}: no family gives a {kind} head (see bertjax.families)")
+    return _DEFAULT_HEADS[kind](model)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,7 +178,7 @@ class Pretrained:
     task_tensors: dict = dataclasses.field(default_factory=dict)
     task_kinds: frozenset = frozenset()
     hf_class: str | None = None
-    embedding: EmbeddingSettings | None = None  # a sentence-transformers directory's settings
+    embedding: HeadBehaviour | None = None  # a family's head (sentence-transformers, PyLate)
     directory: str | None = None  # the directory load_pretrained read (cross-encoder settings)
 
     def __post_init__(self):
@@ -153,6 +223,11 @@ class Pretrained:
                 f"(max_position_embeddings={self.config.max_position_embeddings})"
             )
 
+    def embedding_head(self) -> HeadBehaviour:
+        """``embedding``, else the head a family gives a plain encoder (sentence-transformers' way
+        of wrapping a plain model: mean pooling, no Normalize, the position table)."""
+        return self.embedding if self.embedding is not None else default_head("embedding", self)
+
     def embed(
         self,
         texts: Sequence[str],
@@ -165,71 +240,32 @@ class Pretrained:
         ``prompt`` (text) or ``prompt_name`` (one of ``embedding.prompts``) goes before every
         text; neither: the model's default prompt, if any. Texts are truncated to
         ``embedding.max_seq_length`` tokens with [CLS] and [SEP] (see
-        :mod:`bertjax.sentence_embedding`). Needs a tokenizer.
+        :mod:`bertjax.retrieval.bi_encoder.embedding`). Needs a tokenizer.
         """
         if self.tokenizer is None:
             raise ValueError(f"{self.source}: no vocabulary file found beside the checkpoint")
-        if isinstance(self.embedding, LateInteractionSettings):
-            raise ValueError(
-                f"{self.source}: a late-interaction (ColBERT) model: use embed_queries / "
-                "embed_documents"
-            )
-        settings = self.embedding or EmbeddingSettings()
-        name = models.architecture(self.config).encoder_name
-        params = {name: self.encoder_params, **unflatten_params(settings.tensors)}
-        return embed_texts(
-            SentenceEmbedder(self.config, settings.head),  # jitted once per (config, head)
-            params,
-            self.tokenizer,
-            settings,
-            texts,
-            max_length=max_length_of(settings, self.config.max_position_embeddings),
-            batch_size=batch_size,
-            prompt=settings.resolve_prompt(prompt, prompt_name, self.source),
-        )
+        return self.embedding_head().embed(self, texts, batch_size, prompt, prompt_name)
 
     @property
     def late_interaction(self) -> bool:
         """Whether this is a late-interaction (ColBERT) model: per-token vectors, MaxSim."""
-        return isinstance(self.embedding, LateInteractionSettings)
+        return self.embedding is not None and self.embedding.late_interaction
 
     def embed_queries(self, texts: Sequence[str], batch_size: int = 32) -> list[np.ndarray]:
         """Per-token vectors [tokens, dim] of each query, as PyLate's ``ColBERT.encode(texts,
-        is_query=True)`` (a late-interaction model: see :mod:`bertjax.models.late_interaction`)."""
-        return self._token_vectors(texts, True, batch_size)
+        is_query=True)`` (a late-interaction model: see
+        :mod:`bertjax.retrieval.colbert.late_interaction`)."""
+        return self.embedding_head().embed_queries(self, texts, batch_size)
 
     def embed_documents(self, texts: Sequence[str], batch_size: int = 32) -> list[np.ndarray]:
         """Per-token vectors [tokens, dim] of each document (skiplist tokens dropped), as
         PyLate's ``ColBERT.encode(texts, is_query=False)``."""
-        return self._token_vectors(texts, False, batch_size)
-
-    def _token_vectors(self, texts, is_query: bool, batch_size: int) -> list[np.ndarray]:
-        settings = self.embedding
-        if not isinstance(settings, LateInteractionSettings):
-            raise ValueError(f"{self.source}: not a late-interaction (ColBERT) model; use embed")
-        settings = settings.capped(self.config.max_position_embeddings)
-        if self.tokenizer is None:
-            raise ValueError(f"{self.source}: no vocabulary file found beside the checkpoint")
-        name = models.architecture(self.config).encoder_name
-        params = {name: self.encoder_params, **unflatten_params(settings.tensors)}
-        prompt = settings.prompts.get(settings.default_prompt_name or "", "")
-        return embed_tokens(
-            LateInteraction(self.config, settings.head),  # jitted once per (config, head)
-            params,
-            self.tokenizer,
-            settings,
-            texts,
-            is_query=is_query,
-            batch_size=batch_size,
-            prompt=prompt,
-        )
+        return self.embedding_head().embed_documents(self, texts, batch_size)
 
     @functools.cached_property
-    def cross_encoder(self) -> rerank.CrossEncoderSettings:
+    def cross_encoder(self) -> PairScorer:
         """What ``CrossEncoder(source)`` reads beside the weights: tokens per pair, activation."""
-        return rerank.read_settings(
-            self.directory, self.module.num_labels, self.config.max_position_embeddings
-        )
+        return default_head("cross_encoder", self)
 
     def rerank_scores(
         self, pairs: Sequence, batch_size: int = 32, max_length: int | None = None
@@ -238,25 +274,10 @@ class Pretrained:
         classifier: ``predict(["a fine film", ...])``): [n] float32 for one label (a
         cross-encoder), else [n, num_labels]. Pairs are ``[CLS] query [SEP] passage [SEP]``
         truncated longest-first to ``max_length`` tokens (default ``cross_encoder.max_length``),
-        as ``CrossEncoder.predict`` does (see :mod:`bertjax.retrieval.rerank`)."""
+        as ``CrossEncoder.predict`` does (see :mod:`bertjax.retrieval.reranker.rerank`)."""
         if not self.module.num_labels:
             raise ValueError(f"{self.source}: no sequence-classification head to score pairs")
-        if isinstance(pairs, str) or (
-            isinstance(pairs, tuple) and len(pairs) == 2 and all(isinstance(t, str) for t in pairs)
-        ):
-            pairs = [pairs]  # one text, or one (query, passage) tuple as CrossEncoder.predict takes
-        if self.tokenizer is None:
-            raise ValueError(f"{self.source}: no vocabulary file found beside the checkpoint")
-        max_length = max_length or self.cross_encoder.max_length
-        self.check_length(max_length)
-
-        def apply(ids, types, mask):
-            return self._apply({"params": self.params}, ids, types, mask)["logits"]
-
-        logits = rerank.score_pairs(
-            apply, self.tokenizer, pairs, max_length=max_length, batch_size=batch_size
-        )
-        return logits[:, 0] if self.module.num_labels == 1 else logits
+        return self.cross_encoder.scores(self, pairs, batch_size, max_length)
 
     def predict(
         self,
@@ -266,12 +287,9 @@ class Pretrained:
         max_length: int | None = None,
     ) -> np.ndarray:
         """``CrossEncoder(source).predict(pairs)``: :meth:`rerank_scores` through ``activation``
-        (a torch.nn name of ``rerank.ACTIVATIONS``: Sigmoid, Identity, Tanh; default the
-        directory's ``activation_fn``, else Sigmoid for one label)."""
-        name = activation or self.cross_encoder.activation
-        if name not in rerank.ACTIVATIONS:
-            raise ValueError(f"activation={name!r} is not one of {sorted(rerank.ACTIVATIONS)}")
-        return rerank.ACTIVATIONS[name](self.rerank_scores(pairs, batch_size, max_length))
+        (a torch.nn name: Sigmoid, Identity, Tanh; default the directory's ``activation_fn``,
+        else Sigmoid for one label)."""
+        return self.cross_encoder.predict(self, pairs, batch_size, activation, max_length)
 
     def __call__(
         self,

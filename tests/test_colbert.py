@@ -23,7 +23,7 @@ from pylate_reference import TEXTS
 import bertjax
 from bertjax.convert import detect_format, load_checkpoint
 from bertjax.convert import main as convert_main
-from bertjax.retrieval import losses, search
+from bertjax.retrieval import contrastive_losses, search
 
 DATA = pathlib.Path(__file__).resolve().parent / "data" / "pylate"
 KINDS = ("bert", "modernbert")
@@ -140,8 +140,10 @@ def test_a_plain_checkpoint_cannot_be_written_as_pylate(tmp_path):
 def test_maxsim_search_scores_equal_pylate_colbert_scores(reference):
     q, d = reference["scores/q"], reference["scores/d"]
     q_mask, d_mask = reference["scores/q_mask"] > 0, reference["scores/d_mask"] > 0
-    np.testing.assert_allclose(losses.colbert_scores(q, d), reference["scores/plain"], rtol=1e-6)
-    masked = losses.colbert_scores(q, d, q_mask, d_mask)
+    np.testing.assert_allclose(
+        contrastive_losses.colbert_scores(q, d), reference["scores/plain"], rtol=1e-6
+    )
+    masked = contrastive_losses.colbert_scores(q, d, q_mask, d_mask)
     np.testing.assert_allclose(masked, reference["scores/masked"], rtol=1e-6)
     # exact search: every document alone (PyLate scores a document's own tokens: no padding)
     top, rows = search.maxsim_search(q, np.ones(q.shape[:2], bool), d, np.ones(d.shape[:2]), k=4)
@@ -153,7 +155,9 @@ def test_maxsim_search_scores_equal_pylate_colbert_scores(reference):
         [
             [
                 np.asarray(
-                    losses.colbert_scores(q[i : i + 1][:, q_mask[i]], d[j : j + 1][:, d_mask[j]])
+                    contrastive_losses.colbert_scores(
+                        q[i : i + 1][:, q_mask[i]], d[j : j + 1][:, d_mask[j]]
+                    )
                 )[0, 0]
                 for j in range(len(d))
             ]
@@ -177,7 +181,9 @@ def test_contrastive_loss_and_gradients_equal_pylate(reference, temperature):
     d_mask = np.stack([f["mask"] for f in docs], axis=1)
 
     def loss(q, d):
-        return losses.colbert_contrastive(q, d, document_mask=d_mask, temperature=temperature)[0]
+        return contrastive_losses.colbert_contrastive(
+            q, d, document_mask=d_mask, temperature=temperature
+        )[0]
 
     value, (dq, dd) = jax.value_and_grad(loss, argnums=(0, 1))(query["embeddings"], d)
     assert float(value) == pytest.approx(
@@ -200,7 +206,7 @@ def test_distillation_loss_and_gradients_equal_pylate(reference, normalize):
     teacher = reference["distillation/labels"]
 
     def loss(q, d):
-        return losses.colbert_distillation(
+        return contrastive_losses.colbert_distillation(
             q, d, teacher, document_mask=d_mask, normalize_scores=normalize
         )[0]
 
@@ -221,7 +227,10 @@ def test_padded_documents_leave_the_losses_as_without_them():
     teacher = rng.normal(size=(3, 2)).astype(np.float32)
     padded = np.concatenate([d, rng.normal(size=(3, 1, 5, 8)).astype(np.float32)], axis=1)
     valid = np.array([[1, 1, 0]] * 3)
-    for fn, args in ((losses.colbert_contrastive, ()), (losses.colbert_distillation, (teacher,))):
+    for fn, args in (
+        (contrastive_losses.colbert_contrastive, ()),
+        (contrastive_losses.colbert_distillation, (teacher,)),
+    ):
         extra = args if not args else (np.concatenate([teacher, np.zeros((3, 1))], 1),)
         want, _ = fn(q, d, *args)
         got, _ = fn(q, padded, *extra, document_valid=valid)

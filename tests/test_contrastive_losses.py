@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from bertjax.retrieval import losses
+from bertjax.retrieval import contrastive_losses
 
 torch = pytest.importorskip("torch")
 st_losses = pytest.importorskip("sentence_transformers.sentence_transformer.losses")
@@ -33,7 +33,7 @@ def _reference(queries, documents, **kwargs):
 
 def _ours(queries, documents, **kwargs):
     def f(q, d):
-        return losses.multiple_negatives_ranking_loss(q, d, **kwargs)[0]
+        return contrastive_losses.multiple_negatives_ranking_loss(q, d, **kwargs)[0]
 
     loss, (gq, gd) = jax.value_and_grad(f, argnums=(0, 1))(
         jnp.asarray(queries), jnp.asarray(documents)
@@ -89,11 +89,15 @@ def test_padded_hard_negatives_are_left_out():
     mask[1, 2] = mask[3, 1:] = 0
     garbage = documents.copy()
     garbage[mask == 0] = 1e3
-    a = losses.multiple_negatives_ranking_loss(queries, documents, document_mask=mask)[0]
-    b = losses.multiple_negatives_ranking_loss(queries, garbage, document_mask=mask)[0]
+    a = contrastive_losses.multiple_negatives_ranking_loss(queries, documents, document_mask=mask)[
+        0
+    ]
+    b = contrastive_losses.multiple_negatives_ranking_loss(queries, garbage, document_mask=mask)[0]
     assert float(a) == float(b)
     kept = [documents[:, 0]] + [documents[[0, 2], 2]] + [documents[[0, 1, 2], 1]]
-    scores = np.concatenate([losses.similarity(queries, k) for k in kept], axis=1) * 20.0
+    scores = (
+        np.concatenate([contrastive_losses.similarity(queries, k) for k in kept], axis=1) * 20.0
+    )
     log_z = jax.nn.logsumexp(scores, axis=1)
     assert float(a) == pytest.approx(float(np.mean(log_z - np.diag(scores[:, :4]))), rel=1e-6)
 
@@ -101,12 +105,14 @@ def test_padded_hard_negatives_are_left_out():
 def test_matryoshka_is_the_weighted_sum_of_renormalised_prefixes():
     queries, documents = _embeddings(d=32, seed=3)
     dims, weights = (32, 16, 8), (1.0, 0.5, 0.25)
-    total, _ = losses.matryoshka(
-        losses.multiple_negatives_ranking_loss, queries, documents, dims, weights
+    total, _ = contrastive_losses.matryoshka(
+        contrastive_losses.multiple_negatives_ranking_loss, queries, documents, dims, weights
     )
     want = sum(
         w * _reference(queries[:, :d], documents[..., :d])[0] for d, w in zip(dims, weights)
     )  # cosine similarity: re-normalising the prefix changes nothing in the reference
     assert float(total) == pytest.approx(want, rel=1e-5)
     with pytest.raises(ValueError, match="matryoshka dims"):
-        losses.matryoshka(losses.multiple_negatives_ranking_loss, queries, documents, (64,))
+        contrastive_losses.matryoshka(
+            contrastive_losses.multiple_negatives_ranking_loss, queries, documents, (64,)
+        )

@@ -18,10 +18,11 @@ import numpy as np
 import pytest
 from helpers import ctrl_c_in_shard, st_dir, tiny_hf
 
-from bertjax import cli, sentence_embedding
+from bertjax import cli
 from bertjax.commands import embed as embed_tool
 from bertjax.retrieval import corpus_input, embed_corpus
 from bertjax.retrieval.beir import document_text
+from bertjax.retrieval.bi_encoder import embedding
 from bertjax.retrieval.embedding_store import load_embeddings
 
 pytest.importorskip("torch")
@@ -230,9 +231,7 @@ def test_another_model_input_or_setting_is_refused(st_dirs, tmp_path, capsys):
 
 
 def test_bucketed_lengths():
-    assert [
-        sentence_embedding.padded_length(n, 512) for n in (1, 16, 17, 100, 129, 192, 193, 600)
-    ] == [
+    assert [embedding.padded_length(n, 512) for n in (1, 16, 17, 100, 129, 192, 193, 600)] == [
         16,
         16,
         32,
@@ -242,9 +241,9 @@ def test_bucketed_lengths():
         256,
         512,
     ]
-    assert sentence_embedding.padded_length(200, 160) == 160
+    assert embedding.padded_length(200, 160) == 160
     # one batch at 64 is not worth a compile: it takes the 128 before it; three at 32 are
-    assert sentence_embedding.batch_lengths([100, 90, 60, 30, 30, 30], 512) == [
+    assert embedding.batch_lengths([100, 90, 60, 30, 30, 30], 512) == [
         128,
         128,
         128,

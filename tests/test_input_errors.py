@@ -306,7 +306,7 @@ def _read_with(reader):
     from bertjax.commands import plot
     from bertjax.data import formats
     from bertjax.retrieval import beir, corpus_input
-    from bertjax.tasks import reranker
+    from bertjax.retrieval.reranker import task as reranker
 
     return {
         "corpus": lambda path: corpus_input.read_corpus(str(path)),

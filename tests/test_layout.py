@@ -52,6 +52,44 @@ def test_the_import_graph_has_no_cycle():
             visit(m, [m])
 
 
+# The families built on the core (``bertjax.families`` names the module that registers each) and
+# the modules above both, which may import them: the command line, its commands, the dev tools.
+FAMILIES = ("bertjax.retrieval",)
+ABOVE_THE_FAMILIES = ("bertjax.cli", "bertjax.commands", "bertjax.tools")
+MODULE_NAME = re.compile(r"bertjax(\.\w+)+")
+
+
+def _within(name: str, packages) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in packages)
+
+
+def test_imports_point_down_from_the_commands_to_the_families_to_the_core():
+    """No module of the core (models/, layers/, convert/, tasks/, pretrained.py, the trainer...)
+    imports a family, not even inside a function, and none but ``bertjax/families.py`` (the one
+    table of them) names a family's module to import it at run time: a family plugs into the
+    core's registries instead. A family imports neither the commands nor the tools above it."""
+    modules = _modules()
+    offenders = []
+    for name, path in sorted(modules.items()):
+        if _within(name, ABOVE_THE_FAMILIES):
+            continue
+        above = _within(name, FAMILIES)
+        for imported in sorted(_imports(path, modules)):
+            if _within(imported, ABOVE_THE_FAMILIES if above else FAMILIES):
+                offenders.append(f"{name} imports {imported}")
+        if above or name == "bertjax.families":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            value = node.value if isinstance(node, ast.Constant) else None
+            if isinstance(value, str) and MODULE_NAME.fullmatch(value) and _within(value, FAMILIES):
+                offenders.append(f"{name} names {value}")
+    assert not offenders, offenders
+
+    from bertjax import families
+
+    assert families.FAMILIES and all(_within(m, FAMILIES) for m in families.FAMILIES)
+
+
 def test_no_module_reaches_into_another_modules_private_names():
     modules = _modules()
     short = {name.rsplit(".", 1)[-1] for name in modules}

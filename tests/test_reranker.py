@@ -17,8 +17,8 @@ from helpers import LONG, PAIR_MAX_LEN, PAIRS, WORDS, cross_encoder_dir, tiny_hf
 from hf_random import randomize
 
 import bertjax
-from bertjax.retrieval import rerank
-from bertjax.tasks.reranker import beir_pairs, read_pairs
+from bertjax.retrieval.reranker import rerank
+from bertjax.retrieval.reranker.task import beir_pairs, read_pairs
 from bertjax.text import load_tokenizer
 
 transformers = pytest.importorskip("transformers")

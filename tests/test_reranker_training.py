@@ -37,7 +37,7 @@ import bertjax
 from bertjax import optim, train
 from bertjax.commands import score
 from bertjax.convert import main as convert_main
-from bertjax.retrieval import metrics
+from bertjax.retrieval import ranking_metrics
 from configs import reranker as reranker_config
 
 transformers = pytest.importorskip("transformers")
@@ -212,7 +212,7 @@ def test_a_beir_folder_trains_reranks_and_evaluate_rerank_agrees(
     assert task.train_features["label"].sum() == 8
     results = json.loads((workdir / "eval_results.json").read_text())
     assert results["best_metric"] == "ndcg@10"
-    assert set(results["dev"]) == set(metrics.MEASURES)
+    assert set(results["dev"]) == set(ranking_metrics.MEASURES)
 
     base = ["--rerank", str(workdir / "best"), "--data", str(beir_dir), "--split", "test"]
     capsys.readouterr()

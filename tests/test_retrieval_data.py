@@ -9,7 +9,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from bertjax.tasks.retrieval import no_duplicate_batches, read_training_rows
+from bertjax.retrieval.bi_encoder.task import no_duplicate_batches, read_training_rows
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("sentence_transformers")
@@ -125,7 +125,7 @@ def _beir(root, queries, corpus, qrels):
 
 
 def test_beir_an_empty_query_names_its_line_and_absent_documents_are_counted(tmp_path, caplog):
-    from bertjax.retrieval import beir, metrics
+    from bertjax.retrieval import beir, ranking_metrics
 
     corpus = [{"_id": "d1", "text": "one"}, {"_id": "d2", "text": "two"}]
     queries = [{"_id": "q1", "text": "first"}, {"_id": "q2", "text": " "}]
@@ -138,7 +138,7 @@ def test_beir_an_empty_query_names_its_line_and_absent_documents_are_counted(tmp
     assert "2 judgements name documents that" in caplog.text and "'gone'" in caplog.text
     # still relevant, as pytrec_eval counts them: each query finds 1 of its 2 relevant documents
     run = {"q1": {"d1": 2.0, "d2": 1.0}, "q2": {"d2": 2.0, "d1": 1.0}}
-    assert metrics.evaluate(data.qrels, run)["recall@10"] == 0.5
+    assert ranking_metrics.evaluate(data.qrels, run)["recall@10"] == 0.5
 
 
 def test_evaluate_searches_with_the_models_own_similarity():

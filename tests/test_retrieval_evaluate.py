@@ -17,7 +17,7 @@ from helpers import minilm_directory, write_beir
 
 import bertjax
 from bertjax.commands import score
-from bertjax.retrieval import beir, metrics, search, trec_format
+from bertjax.retrieval import beir, ranking_metrics, search, trec_format
 from bertjax.retrieval import evaluate as retrieval
 
 pytrec_eval = pytest.importorskip("pytrec_eval")
@@ -110,7 +110,7 @@ def test_beir_end_to_end_equals_beirs_procedure(tmp_path, similarity):
     assert set(found.run) == set(data.query_ids)
     assert all(len(docs) == 100 for docs in found.run.values())  # 101 searched, self dropped
     assert "d5" not in found.run["d5"]
-    ours = metrics.evaluate(data.qrels, found.run)
+    ours = ranking_metrics.evaluate(data.qrels, found.run)
     reference = beir_reference(data, similarity)
     if similarity == "dot":  # integer scores: the same ranking, ties included
         for key in KEYS:
@@ -180,7 +180,7 @@ def test_scoring_a_run_needs_no_tensorflow(tmp_path):
     trec_format.write_run(tmp_path / "run.trec", {"q": {"a": 2.0, "b": 1.0, "c": 3.0}})
     code = (
         "import sys; from bertjax import cli; "
-        "from bertjax.retrieval import search, evaluate, beir, metrics; "
+        "from bertjax.retrieval import search, evaluate, beir, ranking_metrics; "
         "cli.main(['bertjax', 'evaluate', 'retrieval', sys.argv[1], sys.argv[2]]); "
         "assert not [m for m in sys.modules if m.startswith('tensorflow')]"
     )
@@ -225,7 +225,7 @@ def test_real_minilm_on_a_scifact_subset_equals_sentence_transformers(shared_dat
         query_texts=full.query_texts[:20],
         qrels={q: full.qrels[q] for q in query_ids},
     )
-    ours = metrics.evaluate(data.qrels, retrieval.retrieve(model.embed, data).run)
+    ours = ranking_metrics.evaluate(data.qrels, retrieval.retrieve(model.embed, data).run)
     reference_model = st.SentenceTransformer(str(directory), device="cpu")
     q = reference_model.encode(data.query_texts, normalize_embeddings=True)
     c = reference_model.encode(data.doc_texts, normalize_embeddings=True, batch_size=32)

@@ -1,4 +1,4 @@
-"""bertjax.retrieval.metrics against pytrec_eval (the trec_eval BEIR and MTEB use) on generated runs:
+"""bertjax.retrieval.ranking_metrics against pytrec_eval (the trec_eval BEIR and MTEB use) on generated runs:
 ties, graded and negative relevance, no relevant retrieved, empty rankings, k beyond the ranking,
 queries only in the run or only in the qrels; equal to 1e-12 per query and on average."""
 
@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from bertjax.retrieval import metrics
+from bertjax.retrieval import ranking_metrics
 from bertjax.retrieval.trec_format import ranked
 
 pytrec_eval = pytest.importorskip("pytrec_eval")
@@ -64,14 +64,14 @@ MEASURES = [f"{kind}@{k}" for kind in ("ndcg", "recall", "map", "mrr") for k in 
 def test_equal_to_pytrec_eval_on_generated_runs(seed):
     qrels, run = _generated(seed)
     expected = _reference(qrels, run)
-    ours = metrics.per_query(qrels, run, MEASURES)
+    ours = ranking_metrics.per_query(qrels, run, MEASURES)
     assert ours.keys() == expected.keys()  # the judged queries of the run, empty rankings too
     for qid in expected:
         for name in MEASURES:
             assert ours[qid][name] == pytest.approx(expected[qid][name], abs=1e-12), (qid, name)
     if not expected:
         return
-    means = metrics.evaluate(qrels, run, MEASURES)
+    means = ranking_metrics.evaluate(qrels, run, MEASURES)
     for name in MEASURES:
         reference = sum(v[name] for v in expected.values()) / len(expected)
         assert means[name] == pytest.approx(reference, abs=1e-12), name
@@ -83,7 +83,7 @@ def test_mrr_is_pytrec_eval_recip_rank_of_the_ranking_cut_at_k(seed):
     for k in (1, 10):
         cut = {qid: dict(ranked(docs)[:k]) for qid, docs in run.items()}
         expected = pytrec_eval.RelevanceEvaluator(qrels, {"recip_rank"}).evaluate(cut)
-        ours = metrics.per_query(qrels, run, [f"mrr@{k}"])
+        ours = ranking_metrics.per_query(qrels, run, [f"mrr@{k}"])
         for qid in expected:
             assert ours[qid][f"mrr@{k}"] == pytest.approx(expected[qid]["recip_rank"], abs=1e-12)
 
@@ -99,7 +99,7 @@ def test_mrr_equals_mtebs_loop_without_ties():
         top = sorted(docs.items(), key=lambda item: item[1], reverse=True)[:10]
         hits = [rank for rank, (d, _) in enumerate(top) if qrels[qid].get(d, 0) > 0]
         rrs.append(1.0 / (hits[0] + 1) if hits else 0.0)
-    assert metrics.evaluate(qrels, run, ["mrr@10"])["mrr@10"] == pytest.approx(
+    assert ranking_metrics.evaluate(qrels, run, ["mrr@10"])["mrr@10"] == pytest.approx(
         sum(rrs) / len(rrs), abs=1e-12
     )
 
@@ -110,7 +110,7 @@ def test_ties_are_ranked_by_document_id_descending_as_trec_eval_does():
         qrels = {"q": {winner: 1}}
         run = {"q": dict.fromkeys(ids, 0.5)}
         expected = pytrec_eval.RelevanceEvaluator(qrels, {"P.1"}).evaluate(run)["q"]["P_1"]
-        assert expected == 1.0 and metrics.evaluate(qrels, run, ["mrr@1"])["mrr@1"] == 1.0
+        assert expected == 1.0 and ranking_metrics.evaluate(qrels, run, ["mrr@1"])["mrr@1"] == 1.0
 
 
 def test_the_reported_measures_and_their_pytrec_eval_names():
@@ -119,7 +119,7 @@ def test_the_reported_measures_and_their_pytrec_eval_names():
     names = {"ndcg_cut.10", "recall.10,100", "recip_rank", "map_cut.100"}
     ref = pytrec_eval.RelevanceEvaluator(qrels, names).evaluate(run)
     assert set(ref) == {"1", "2", "3"}
-    ours = metrics.evaluate(qrels, run)
+    ours = ranking_metrics.evaluate(qrels, run)
     assert list(ours) == ["ndcg@10", "recall@10", "recall@100", "mrr@10", "map@100"]
     mapping = {
         "ndcg@10": "ndcg_cut_10",
@@ -136,6 +136,6 @@ def test_the_reported_measures_and_their_pytrec_eval_names():
 def test_bad_measure_names_and_nothing_to_average():
     for bad in ("ndcg", "ndcg@0", "p@10", "NDCG@10"):
         with pytest.raises(ValueError, match="unknown measure"):
-            metrics.parse_measure(bad)
+            ranking_metrics.parse_measure(bad)
     with pytest.raises(ValueError, match="no query of the run has judgements"):
-        metrics.evaluate({"q": {"a": 1}}, {"other": {"a": 1.0}})
+        ranking_metrics.evaluate({"q": {"a": 1}}, {"other": {"a": 1.0}})

@@ -14,7 +14,7 @@ from helpers import tiny_run
 from train_fixtures import set_keys
 
 from bertjax import train
-from bertjax.retrieval import losses
+from bertjax.retrieval import contrastive_losses
 from configs import retrieval as retrieval_config
 
 
@@ -105,12 +105,12 @@ def test_a_repeated_positive_is_not_a_negative_of_its_own_query():
     q, d = rng.normal(size=(4, 8)), rng.normal(size=(4, 1, 8))
     d[2, 0] = d[0, 0]  # rows 0 and 2 share a positive
     key = np.array([7, 1, 7, 3])
-    got, _ = losses.multiple_negatives_ranking_loss(q, d, positive_key=key)
-    scores = np.asarray(losses.similarity(q, d[:, 0])) * 20.0
+    got, _ = contrastive_losses.multiple_negatives_ranking_loss(q, d, positive_key=key)
+    scores = np.asarray(contrastive_losses.similarity(q, d[:, 0])) * 20.0
     scores[0, 2] = scores[2, 0] = -np.inf
     want = np.mean(jax.nn.logsumexp(scores, axis=1) - np.diag(scores))
     assert float(got) == pytest.approx(float(want), rel=1e-6)
-    plain, _ = losses.multiple_negatives_ranking_loss(q, d)
+    plain, _ = contrastive_losses.multiple_negatives_ranking_loss(q, d)
     assert float(plain) > float(got)  # the shared positive counted against rows 0 and 2
 
 

@@ -12,7 +12,7 @@
 
 Prints the official JSON (SQuAD: evaluate-v1.1.py / evaluate-v2.0.py keys; GLUE: the task's metrics
 as fractions; retrieval: ndcg@10, recall@10, recall@100, mrr@10 and map@100 as fractions, computed
-as pytrec_eval computes them, see bertjax.retrieval.metrics). The GLUE predictions file is the
+as pytrec_eval computes them, see bertjax.retrieval.ranking_metrics). The GLUE predictions file is the
 submission format `index<TAB>prediction` with label strings (or scores for STS-B). Retrieval scores
 a TREC run file, or embeds, searches (exactly, on device) and scores a BEIR folder end to end. Bad input prints a one-line error and exits with status 2.
 """
@@ -130,7 +130,7 @@ def _model_similarity(model) -> str:
 
 def evaluate_retrieval(args: argparse.Namespace) -> dict:
     """`bertjax evaluate retrieval`: a run file against qrels, or a model on a BEIR folder."""
-    from bertjax.retrieval import beir, metrics, trec_format
+    from bertjax.retrieval import beir, ranking_metrics, trec_format
     from bertjax.retrieval import evaluate as retrieval
 
     if getattr(args, "rerank", None):
@@ -188,18 +188,19 @@ def evaluate_retrieval(args: argparse.Namespace) -> dict:
         trec_format.write_run(args.output_run, found.run)
     took = ", ".join(f"{name} {secs:.1f} s" for name, secs in found.seconds.items())
     print(f"bertjax evaluate: {took}", file=sys.stderr)
-    return metrics.evaluate(data.qrels, found.run)
+    return ranking_metrics.evaluate(data.qrels, found.run)
 
 
 def rerank_retrieval(args: argparse.Namespace) -> dict:
     """`bertjax evaluate retrieval --rerank=CROSS_ENCODER --data=BEIR_DIR` with `--run=FILE` (a
     first-stage run) or `--checkpoint=MODEL` (a bi-encoder searched first): the top `--top_k`
     documents of each judged query reranked by the cross-encoder (pairs truncated longest-first
-    as CrossEncoder does, see bertjax.retrieval.rerank) and scored; the reranked run holds those
+    as CrossEncoder does, see bertjax.retrieval.reranker.rerank) and scored; the reranked run holds those
     `--top_k` documents (BEIR's Rerank)."""
     import bertjax
-    from bertjax.retrieval import beir, metrics, rerank, trec_format
+    from bertjax.retrieval import beir, ranking_metrics, trec_format
     from bertjax.retrieval import evaluate as retrieval
+    from bertjax.retrieval.reranker import rerank
 
     if not args.data or args.qrels or (args.run is None) == (args.checkpoint is None):
         raise ValueError(
@@ -228,7 +229,7 @@ def rerank_retrieval(args: argparse.Namespace) -> dict:
             similarity=args.similarity or _model_similarity(model),
             batch_size=args.batch_size,
         ).run
-    before = metrics.evaluate(data.qrels, first)
+    before = ranking_metrics.evaluate(data.qrels, first)
     print(
         f"bertjax evaluate: first stage ndcg@10 {before['ndcg@10']:.4f}; reranking the top "
         f"{args.top_k} of {len(data.query_ids)} judged queries",
@@ -243,7 +244,7 @@ def rerank_retrieval(args: argparse.Namespace) -> dict:
     )
     if args.output_run:
         trec_format.write_run(args.output_run, reranked)
-    return metrics.evaluate(data.qrels, reranked)
+    return ranking_metrics.evaluate(data.qrels, reranked)
 
 
 def _parser() -> argparse.ArgumentParser:

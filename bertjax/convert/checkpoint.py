@@ -68,8 +68,9 @@ class Checkpoint:
     # The Hugging Face class it was read as, where the heads alone do not tell it (a multiple-choice
     # classifier has the tensors of a one-label sequence classifier); written back by ``--to=hf``.
     hf_class: str | None = None
-    # A sentence-transformers directory's pooling, Dense, Normalize, prompts and max_seq_length
-    # (``bertjax.convert.sentence_transformers.EmbeddingSettings``); None: not one.
+    # A family's head settings, as its format's reader returns them (a ``pretrained.HeadBehaviour``:
+    # a sentence-transformers directory's pooling, Dense, Normalize, prompts and max_seq_length, a
+    # PyLate directory's ColBERT settings); None: not one.
     embedding: Any = None
     # A bertjax fine-tuning run whose task head is feature-based (``head.features`` other than
     # ``last``, or ``head.bilstm``): that setting, e.g. "head.features=concat_last4". Its head

@@ -1,14 +1,22 @@
-"""bertjax's own checkpoints (Orbax): a training run's WORKDIR or a directory ``convert`` wrote."""
+"""bertjax's own checkpoints (Orbax): a training run's WORKDIR or a directory ``convert`` wrote.
+
+A family's head (a retriever's pooling and Dense layers, a ColBERT projection) is recorded in the
+checkpoint config under its key, its tensors beside the encoder's; the families register how to
+read and write it (:class:`HeadRecord`, :func:`register_head_record`).
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+from collections.abc import Callable
+from typing import Any
 
 import ml_collections
 
 import bertjax.models as models
-from bertjax import fs
+from bertjax import families, fs
 from bertjax.checkpointing import Checkpointer, restore_params
 from bertjax.convert.checkpoint import (
     Checkpoint,
@@ -21,8 +29,35 @@ from bertjax.convert.checkpoint import (
     with_param_dtype,
 )
 from bertjax.convert.layouts import param_layout
-from bertjax.convert.sentence_transformers import settings_from_record, settings_record
-from bertjax.models import late_interaction
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadRecord:
+    """A family's head as a bertjax checkpoint records it: under config key ``key``, the head's
+    settings (``settings``: the class a reader puts in ``Checkpoint.embedding``) as JSON values,
+    ``record(settings)``, and back, ``read(record, tensors, source)``, where ``tensors`` are the
+    params whose first part starts with ``prefix`` (the head's Dense layers)."""
+
+    key: str
+    settings: type
+    record: Callable[[Any], dict]
+    read: Callable[[dict, dict, str], Any]
+    prefix: str = "dense_"
+
+
+_HEAD_RECORDS: dict[str, HeadRecord] = {}
+
+
+def register_head_record(head: HeadRecord) -> None:
+    """Adds a family's head to those :func:`load_bertjax` reads and :func:`write_bertjax` writes."""
+    _HEAD_RECORDS[head.key] = head
+
+
+def head_records() -> list[HeadRecord]:
+    """Every registered head, the last registered first (a head built on another's, as ColBERT's
+    on the bi-encoder's Dense layers, is asked first); loads the families first."""
+    families.load()
+    return list(reversed(_HEAD_RECORDS.values()))
 
 
 def _model_config(values: dict, flat: dict, source: str):
@@ -90,13 +125,11 @@ def load_bertjax(path: str) -> Checkpoint:
     flat = unstack_layers(flatten_params(params))
     source = f"{directory} (step {step})"
     embedding = None
-    colbert, sentence = values.get("late_interaction"), values.get("embedding")
-    if colbert is not None or sentence is not None:  # a retriever's head: its Dense layers
-        dense = {k: flat.pop(k) for k in list(flat) if k.split("/")[0].startswith("dense_")}
-        if colbert is not None:  # a ColBERT run: its per-token head
-            embedding = late_interaction.settings_from_record(colbert, dense, source)
-        else:  # a run that trained sentence embeddings
-            embedding = settings_from_record(sentence, dense, source)
+    for head in head_records():
+        if values.get(head.key) is not None:  # a family's head (a retriever's): its own tensors
+            own = [k for k in flat if k.split("/")[0].startswith(head.prefix)]
+            embedding = head.read(values[head.key], {k: flat.pop(k) for k in own}, source)
+            break
     config = _model_config(values, flat, source)
     config = config.replace(scan_layers=False, remat="none")
     feature_head = _feature_head(values)
@@ -141,11 +174,13 @@ def write_bertjax(ckpt: Checkpoint, directory: str) -> None:
         "hf_class": ckpt.hf_class,
     }
     tensors = dict(ckpt.tensors)
-    if isinstance(ckpt.embedding, late_interaction.LateInteractionSettings):  # ColBERT
-        meta["late_interaction"] = late_interaction.settings_record(ckpt.embedding)
-        tensors.update(ckpt.embedding.tensors)
-    elif ckpt.embedding is not None:  # a sentence-embedding model: its head and Dense layers
-        meta["embedding"] = settings_record(ckpt.embedding)
+    if ckpt.embedding is not None:  # a family's head: its record and its tensors
+        heads = [h for h in head_records() if isinstance(ckpt.embedding, h.settings)]
+        if not heads:
+            raise ValueError(
+                f"{ckpt.source}: no registered head record takes {type(ckpt.embedding).__name__}"
+            )
+        meta[heads[0].key] = heads[0].record(ckpt.embedding)
         tensors.update(ckpt.embedding.tensors)
     manager = Checkpointer(directory, keep=1, async_save=False)
     try:

@@ -10,8 +10,6 @@ BERT), so a pretrained encoder subtree drops in. Parameter trees (shown for BERT
     TokenClassifier:    bert/..., classifier/{kernel [embed, classes], bias [classes]}
     (ModernBERT adds head/{dense,norm} before both: HF's per-token ``head``; see token_head)
     MultipleChoice:     bert/..., classifier/{kernel [embed, 1], bias [1]}
-    SentenceEmbedder:   bert/... (no pooler), dense_{i}/{kernel [in, out], bias [out]},
-                        dense_{i}_residual/kernel (optional, see bertjax.models.pooling)
 
 The four fine-tuning heads take ``frozen_encoder``: the encoder then always runs deterministically
 (no dropout: a frozen encoder is a feature extractor, as in the BERT paper's feature-based
@@ -45,10 +43,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from bertjax.layers.core import activation, gather_positions, output_dense
+from bertjax.layers.core import gather_positions, output_dense
 from bertjax.layers.dropout import Dropout
 from bertjax.models import architecture
-from bertjax.models.pooling import EmbeddingHead, l2_normalize, pool
 
 Array = jax.Array
 
@@ -453,45 +450,6 @@ class InferenceModel(nn.Module):
         if self.num_labels:
             result["logits"] = classifier_logits(cfg, pooled, self.num_labels, deterministic)
         return result
-
-
-class SentenceEmbedder(nn.Module):
-    """One vector per text (sentence-transformers' Transformer -> Pooling -> Dense -> Normalize):
-    the encoder's token embeddings pooled, projected and normalised as ``head`` says, in float32
-    (see :mod:`bertjax.models.pooling`)."""
-
-    config: Any
-    head: EmbeddingHead = EmbeddingHead()
-
-    @nn.compact
-    def __call__(
-        self,
-        input_ids: Array,  # [batch, seq]
-        token_type_ids: Array | None = None,
-        attention_mask: Array | None = None,
-        prompt_length: Array | None = None,  # [batch]: [CLS] + prompt tokens, when excluded
-        *,
-        deterministic: bool = True,
-    ) -> Array:
-        """Returns embeddings [batch, dim] (float32)."""
-        if attention_mask is None:
-            attention_mask = jnp.ones_like(input_ids)
-        out = encoder(self.config, add_pooler=False)(
-            input_ids, token_type_ids, attention_mask, deterministic=deterministic
-        )
-        hidden = out.sequence_output.astype(jnp.float32)  # [batch, seq, hidden]
-        if self.head.include_prompt:
-            prompt_length = None
-        x = pool(hidden, attention_mask, self.head.pooling, prompt_length)  # [batch, k * hidden]
-        for i, layer in enumerate(self.head.dense):
-            y = nn.Dense(layer.out_features, use_bias=layer.bias, name=f"dense_{i}")(x)
-            y = activation(layer.activation)(y)
-            if layer.residual:
-                same = layer.in_features == layer.out_features
-                name = f"dense_{i}_residual"
-                y = y + (x if same else nn.Dense(layer.out_features, use_bias=False, name=name)(x))
-            x = y
-        return l2_normalize(x) if self.head.normalize else x
 
 
 HEADS = {

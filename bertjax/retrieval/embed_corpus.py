@@ -41,11 +41,16 @@ import bertjax.fs as fs
 import bertjax.models as models
 from bertjax import atomic, distributed, progress
 from bertjax.convert import unflatten_params
-from bertjax.convert.sentence_transformers import EmbeddingSettings
-from bertjax.models.heads import SentenceEmbedder
 from bertjax.retrieval import embedding_store as store
+from bertjax.retrieval.bi_encoder.embedding import (
+    EmbeddingSettings,
+    SentenceEmbedder,
+    embed_rows,
+    jitted_apply,
+    max_length_of,
+    token_rows,
+)
 from bertjax.retrieval.corpus_input import Corpus
-from bertjax.sentence_embedding import embed_rows, jitted_apply, max_length_of, token_rows
 from bertjax.text import features
 
 _AXIS = "data"
@@ -114,7 +119,7 @@ class _Encoder:
         self.apply = jitted_apply(self.module)
 
     def token_rows(self, texts: list[str]) -> tuple[list[features.Row], int]:
-        """Token ids per text and the prompt's length, as ``sentence_embedding.embed_texts``."""
+        """Token ids per text and the prompt's length, as ``bi_encoder.embedding.embed_texts``."""
         lower = self.settings.do_lower_case and not getattr(self.tokenizer, "do_lower_case", False)
         return token_rows(self.tokenizer, texts, self.max_length, prompt=self.prompt, lower=lower)
 

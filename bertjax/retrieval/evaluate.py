@@ -6,8 +6,8 @@ runs.
 (``search.dense_search``) with ties ranked as trec_eval ranks them, and drops a document whose id
 is the query's (BEIR's ``ignore_identical_ids``: ArguAna-style sets need it) before keeping the
 top ``top_k``. ``retrieve_maxsim`` does the same for a late-interaction (ColBERT) model, with
-per-token vectors and exact MaxSim (``search.maxsim_search``). ``metrics.evaluate`` then scores the
-run as pytrec_eval would.
+per-token vectors and exact MaxSim (``search.maxsim_search``). ``ranking_metrics.evaluate`` then
+scores the run as pytrec_eval would.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from bertjax import progress
-from bertjax.retrieval import beir, metrics, search, trec_format
+from bertjax.retrieval import beir, ranking_metrics, search, trec_format
 
 Embed = Callable[..., np.ndarray]  # embed(texts: list[str], batch_size: int) -> [n, dim]
 
@@ -153,4 +153,4 @@ def score_run_files(qrels_path: str, run_path: str) -> tuple[dict[str, float], l
     run = trec_format.read_run(run_path)
     if not any(qid in qrels for qid in run):
         raise ValueError(f"{run_path}: no query of the run is judged in {qrels_path}")
-    return metrics.evaluate(qrels, run), [qid for qid in qrels if qid not in run]
+    return ranking_metrics.evaluate(qrels, run), [qid for qid in qrels if qid not in run]

@@ -53,15 +53,15 @@ def _score(model_dir: str, data, batch_size: int, max_seq_length: int) -> dict:
     import dataclasses
 
     import bertjax
-    from bertjax.convert.sentence_transformers import EmbeddingSettings
-    from bertjax.retrieval import evaluate, metrics
+    from bertjax.retrieval import evaluate, ranking_metrics
+    from bertjax.retrieval.bi_encoder.embedding import EmbeddingSettings
 
     model = bertjax.load_pretrained(model_dir, quiet=True)
     settings = model.embedding or EmbeddingSettings()
     if settings.max_seq_length is None:
         model.embedding = dataclasses.replace(settings, max_seq_length=max_seq_length)
     found = evaluate.retrieve(model.embed, data, top_k=100, batch_size=batch_size)
-    return metrics.evaluate(data.qrels, found.run)
+    return ranking_metrics.evaluate(data.qrels, found.run)
 
 
 def _order(args, rows: list) -> list[list[int]]:
@@ -71,7 +71,7 @@ def _order(args, rows: list) -> list[list[int]]:
     import numpy as np
 
     from bertjax.data.array_data import ArrayData
-    from bertjax.tasks.retrieval import no_duplicate_batches
+    from bertjax.retrieval.bi_encoder.task import no_duplicate_batches
 
     texts = [frozenset((q, p, *negatives[:0])) for q, p, negatives in rows]
     arrange = functools.partial(no_duplicate_batches, row_texts=texts, batch_size=args.batch)
@@ -163,7 +163,7 @@ def main(argv=None) -> int:
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     sys.path.insert(0, root)  # configs/
     from bertjax.retrieval import beir
-    from bertjax.tasks.retrieval import beir_training_rows
+    from bertjax.retrieval.bi_encoder.task import beir_training_rows
 
     rows = beir_training_rows(beir.load(args.data, args.train_split))
     args.steps = args.steps or len(rows) // args.batch

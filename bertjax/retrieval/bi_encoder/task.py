@@ -1,5 +1,5 @@
 """Bi-encoder training (dense retrieval): one encoder embeds queries and documents; InfoNCE over
-in-batch and hard negatives of the WHOLE global batch (``bertjax.retrieval.losses``).
+in-batch and hard negatives of the WHOLE global batch (``bertjax.retrieval.contrastive_losses``).
 
 Data (``data.train_file``, JSON lines ``{"query", "positive", "negatives": [...]}``; or a BEIR
 folder ``data_dir`` whose ``qrels/<data.train_split>.tsv`` pairs each query with every relevant
@@ -28,13 +28,18 @@ import jax.numpy as jnp
 import numpy as np
 
 from bertjax import flops, fs
-from bertjax.convert.sentence_transformers import EmbeddingSettings, settings_record
+from bertjax.convert import unflatten_params
 from bertjax.data.array_data import ArrayData
-from bertjax.models.heads import SentenceEmbedder
-from bertjax.models.pooling import EmbeddingHead
+from bertjax.models import architecture
 from bertjax.pretrained import encode_batch
-from bertjax.retrieval import beir, losses, metrics
+from bertjax.retrieval import beir, contrastive_losses, ranking_metrics
 from bertjax.retrieval import evaluate as retrieval_eval
+from bertjax.retrieval.bi_encoder.embedding import (
+    EmbeddingSettings,
+    SentenceEmbedder,
+    settings_record,
+)
+from bertjax.retrieval.bi_encoder.pooling import EmbeddingHead
 from bertjax.tasks.base import register
 from bertjax.tasks.finetuning import FinetuneTask
 
@@ -268,6 +273,41 @@ class RetrievalTask(FinetuneTask):
     def build_model(self, model_config):
         return SentenceEmbedder(model_config, head=self.embedding_head())
 
+    def start_params(self, model, fresh):
+        """The init checkpoint's encoder, and the Dense layers of its sentence-embedding head
+        where it has the same layers (the task picks its head from it), else fresh."""
+        pretrained = self.source.pretrained if self.source is not None else None
+        if pretrained is None or not isinstance(model, SentenceEmbedder):
+            return super().start_params(model, fresh)  # (a subclass's model: its own loading)
+        source = self.source.init_checkpoint
+        params = pretrained.with_encoder(fresh, source)
+        encoder_name = architecture(model.config).encoder_name
+        settings = pretrained.embedding
+        heads = sorted(k for k in params if k != encoder_name)
+        tensors = unflatten_params(settings.tensors) if settings is not None else {}
+        for head in heads:
+            want = jax.tree.map(lambda x: tuple(x.shape), params[head])
+            got = jax.tree.map(lambda x: tuple(np.shape(x)), tensors.get(head))
+            if head in tensors and want != got:
+                raise ValueError(
+                    f"init checkpoint {source}: Dense layer {head!r} has shapes "
+                    f"{got}, the model wants {want}"
+                )
+            if head in tensors:
+                params[head] = jax.tree.map(
+                    lambda x, f: np.asarray(x).astype(f.dtype), tensors[head], params[head]
+                )
+        log.info(
+            "encoder initialised from %s%s",
+            source,
+            f"; Dense layers {heads} from it"
+            if heads and set(heads) <= set(tensors)
+            else f"; Dense layers initialised fresh: {heads}"
+            if heads
+            else "",
+        )
+        return params
+
     def model_inputs(self, batch):
         return dict(
             input_ids=batch["input_ids"],
@@ -347,10 +387,14 @@ class RetrievalTask(FinetuneTask):
         )
         q, d = embeddings["query"], embeddings["documents"]
         if r.matryoshka_dims:
-            return losses.matryoshka(
-                losses.multiple_negatives_ranking_loss, q, d, tuple(r.matryoshka_dims), **kwargs
+            return contrastive_losses.matryoshka(
+                contrastive_losses.multiple_negatives_ranking_loss,
+                q,
+                d,
+                tuple(r.matryoshka_dims),
+                **kwargs,
             )
-        return losses.multiple_negatives_ranking_loss(q, d, **kwargs)
+        return contrastive_losses.multiple_negatives_ranking_loss(q, d, **kwargs)
 
     def head_loss(self, outputs, batch, normalizers):
         raise NotImplementedError("retrieval trains through embed/batch_loss (cached)")
@@ -383,7 +427,7 @@ class RetrievalTask(FinetuneTask):
             similarity=self.config.retrieval.similarity,
             batch_size=self._eval_batch_size(),
         )
-        return metrics.evaluate(self.eval_data.qrels, found.run)
+        return ranking_metrics.evaluate(self.eval_data.qrels, found.run)
 
     def finalize(self, run, params, workdir):
         return {

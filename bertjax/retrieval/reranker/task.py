@@ -17,7 +17,7 @@ as ``bertjax evaluate retrieval --output_run``'s on the training split), each qu
 ``data.num_negatives`` documents that are not judged relevant, as label 0.
 
 A pair is ``[CLS] query [SEP] passage [SEP]`` truncated longest-first to ``data.max_seq_length``
-tokens, as ``CrossEncoder`` tokenizes it (``bertjax.retrieval.rerank``). Evaluation, every epoch:
+tokens, as ``CrossEncoder`` tokenizes it (``rerank``, beside this module). Evaluation, every epoch:
 with ``data.eval_run`` (a TREC first-stage run), the top ``data.rerank_top_k`` documents of each
 judged query of ``data_dir``'s ``data.eval_split`` are reranked and scored (nDCG@10, Recall@10/100,
 MRR@10, MAP@100 as trec_eval; nDCG@10 keeps the best checkpoint); else ``data.dev_file`` (pairs as
@@ -36,7 +36,8 @@ import optax
 
 from bertjax import fs
 from bertjax.models.heads import SequenceClassifier
-from bertjax.retrieval import beir, metrics, rerank, trec_format
+from bertjax.retrieval import beir, ranking_metrics, trec_format
+from bertjax.retrieval.reranker import rerank
 from bertjax.tasks.base import register
 from bertjax.tasks.finetuning import EvalSet, FinetuneTask, subset
 
@@ -244,7 +245,7 @@ class RerankerTask(FinetuneTask):
             run: trec_format.Run = {qid: {} for qid in qids}
             for (qid, doc), value in zip(keys, scores.tolist()):
                 run[qid][doc] = value
-            return metrics.evaluate(qrels, run)
+            return ranking_metrics.evaluate(qrels, run)
         labels = eval_set.features["label"].astype(np.float64)
         bce = np.maximum(scores, 0) - scores * labels + np.log1p(np.exp(-np.abs(scores)))
         accuracy = np.mean((scores > 0) == (labels >= 0.5))

@@ -3,7 +3,7 @@ as sentence-transformers' ``Pooling``, ``Dense`` and ``Normalize`` modules compu
 
 :class:`EmbeddingHead` describes the head (hashable, so a jitted model keys on it); the functions
 here are plain ``jax.numpy`` on right-padded batches and are run by
-``bertjax.models.heads.SentenceEmbedder`` after the encoder:
+``bertjax.retrieval.bi_encoder.embedding.SentenceEmbedder`` after the encoder:
 
 * ``cls``: the first token the mask keeps; ``lasttoken``: the last one (zeros for an empty row);
 * ``mean`` / ``mean_sqrt_len_tokens``: the masked sum over the count (or its square root);

@@ -25,7 +25,8 @@ from safetensors.numpy import save_file
 
 from bertjax.convert.checkpoint import Checkpoint, fmt_shape, read_json_object
 from bertjax.convert.hf import bare_encoder, load_hf, read_safetensors, read_torch_file, write_hf
-from bertjax.models.pooling import POOLING_MODES, DenseLayer, EmbeddingHead, check_dense_tensors
+from bertjax.retrieval.bi_encoder.embedding import EmbeddingSettings
+from bertjax.retrieval.bi_encoder.pooling import POOLING_MODES, DenseLayer, EmbeddingHead
 
 MODULES = "modules.json"
 SBERT_CONFIG = "sentence_bert_config.json"
@@ -59,85 +60,6 @@ _MODULE_TYPES = {
     "Dense": "sentence_transformers.models.Dense",
     "Normalize": "sentence_transformers.models.Normalize",
 }
-
-
-@dataclasses.dataclass
-class EmbeddingSettings:
-    """What a sentence-transformers directory adds to its encoder.
-
-    ``head``: pooling, Dense layers and Normalize (:class:`~bertjax.models.pooling.EmbeddingHead`);
-    ``tensors``: the Dense layers' weights by bertjax path (``dense_{i}/kernel`` [in, out],
-    ``dense_{i}/bias``, ``dense_{i}_residual/kernel``); ``max_seq_length``: tokens per text with
-    [CLS] and [SEP] (None: the position table); ``do_lower_case``: lower-case texts before the
-    tokenizer; ``prompts`` (name -> text put before each text), ``default_prompt_name`` and
-    ``similarity_fn_name`` as ``config_sentence_transformers.json`` has them.
-    """
-
-    head: EmbeddingHead = EmbeddingHead()
-    tensors: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
-    max_seq_length: int | None = None
-    do_lower_case: bool = False
-    prompts: dict[str, str] = dataclasses.field(default_factory=dict)
-    default_prompt_name: str | None = None
-    similarity_fn_name: str | None = None
-
-    def resolve_prompt(self, prompt: str | None, prompt_name: str | None, source: str) -> str:
-        """The text put before each input: ``prompt``, else ``prompts[prompt_name]``, else the
-        default prompt ("" when none), as ``SentenceTransformer.encode`` picks it."""
-        if prompt is not None:
-            return prompt
-        name = prompt_name if prompt_name is not None else self.default_prompt_name
-        if name is None:
-            return ""
-        if name not in self.prompts:
-            raise ValueError(
-                f"{source}: prompt name {name!r} is not one of the model's prompts "
-                f"{sorted(self.prompts)}"
-            )
-        return self.prompts[name]
-
-
-def settings_record(settings: EmbeddingSettings) -> dict[str, Any]:
-    """``settings`` without its tensors, as JSON values: what a bertjax run that trains
-    embeddings records in its checkpoint config (``embedding``)."""
-    head = settings.head
-    return {
-        "pooling": list(head.pooling),
-        "include_prompt": head.include_prompt,
-        "dense": [dataclasses.asdict(layer) for layer in head.dense],
-        "normalize": head.normalize,
-        "max_seq_length": settings.max_seq_length,
-        "do_lower_case": settings.do_lower_case,
-        "prompts": dict(settings.prompts),
-        "default_prompt_name": settings.default_prompt_name,
-        "similarity_fn_name": settings.similarity_fn_name,
-    }
-
-
-def settings_from_record(
-    record: dict[str, Any], tensors: dict[str, np.ndarray], source: str
-) -> EmbeddingSettings:
-    """The :class:`EmbeddingSettings` a run recorded (:func:`settings_record`), with the Dense
-    layers' tensors (``dense_{i}/...``) taken from the checkpoint's."""
-    try:
-        head = EmbeddingHead(
-            pooling=tuple(record["pooling"]),
-            include_prompt=bool(record.get("include_prompt", True)),
-            dense=tuple(DenseLayer(**layer) for layer in record.get("dense") or ()),
-            normalize=bool(record.get("normalize", False)),
-        )
-    except (KeyError, TypeError, ValueError) as err:
-        raise ValueError(f"{source}: the recorded embedding head is not readable ({err})") from None
-    check_dense_tensors(head.dense, tensors, source, "embedding head", "Dense layers")
-    return EmbeddingSettings(
-        head=head,
-        tensors=dict(tensors),
-        max_seq_length=record.get("max_seq_length"),
-        do_lower_case=bool(record.get("do_lower_case", False)),
-        prompts=dict(record.get("prompts") or {}),
-        default_prompt_name=record.get("default_prompt_name"),
-        similarity_fn_name=record.get("similarity_fn_name"),
-    )
 
 
 def is_sentence_transformers_dir(path: str) -> bool:
@@ -333,7 +255,9 @@ def load_sentence_transformers(directory: str) -> Checkpoint:
     :class:`EmbeddingSettings` in ``embedding``; the tokenizer is its tokenizer.json when there
     is one (what sentence-transformers runs), else the vocabulary file beside it."""
     cross_encoder = cross_encoder_folder(directory)
-    if cross_encoder is not None:  # the HF sequence classifier it wraps (bertjax.retrieval.rerank)
+    if (
+        cross_encoder is not None
+    ):  # the HF sequence classifier it wraps (bertjax.retrieval.reranker.rerank)
         ckpt = load_hf(cross_encoder)
         if os.path.isfile(os.path.join(cross_encoder, TOKENIZER_JSON)):
             ckpt.vocab_file = os.path.join(cross_encoder, TOKENIZER_JSON)
@@ -388,6 +312,11 @@ def with_pooling(settings: EmbeddingSettings | None, mode: str) -> EmbeddingSett
         )
     head = dataclasses.replace(settings.head, pooling=(mode,))
     return dataclasses.replace(settings, head=head)
+
+
+def set_pooling(ckpt: Checkpoint, mode: str) -> None:
+    """``convert --to=sentence-transformers --pooling=MODE``: the checkpoint pools by ``mode``."""
+    ckpt.embedding = with_pooling(ckpt.embedding, mode)
 
 
 def _write_json(path: str, value: Any) -> None:

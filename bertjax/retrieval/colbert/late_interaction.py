@@ -34,9 +34,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from bertjax import progress
+from bertjax.convert import unflatten_params
 from bertjax.layers.core import activation
 from bertjax.models import architecture
-from bertjax.models.pooling import DenseLayer, check_dense_tensors, l2_normalize
+from bertjax.retrieval.bi_encoder.pooling import DenseLayer, check_dense_tensors, l2_normalize
 from bertjax.text import features
 
 Array = jax.Array
@@ -103,6 +104,43 @@ class LateInteractionSettings:
             self,
             query_length=min(self.query_length, position_table),
             document_length=min(self.document_length, position_table),
+        )
+
+    # ---- what a loaded model does with these settings (``pretrained.HeadBehaviour``) ----------
+    @property
+    def late_interaction(self) -> bool:
+        return True  # one vector per token
+
+    def embed(self, model, texts, batch_size=32, prompt=None, prompt_name=None):
+        raise ValueError(
+            f"{model.source}: a late-interaction (ColBERT) model: use embed_queries / "
+            "embed_documents"
+        )
+
+    def embed_queries(self, model, texts: Sequence[str], batch_size: int = 32) -> list[np.ndarray]:
+        """``Pretrained.embed_queries``: see :func:`embed_tokens`."""
+        return self._token_vectors(model, texts, True, batch_size)
+
+    def embed_documents(self, model, texts: Sequence[str], batch_size: int = 32):
+        """``Pretrained.embed_documents``: see :func:`embed_tokens`."""
+        return self._token_vectors(model, texts, False, batch_size)
+
+    def _token_vectors(self, model, texts, is_query: bool, batch_size: int) -> list[np.ndarray]:
+        settings = self.capped(model.config.max_position_embeddings)
+        if model.tokenizer is None:
+            raise ValueError(f"{model.source}: no vocabulary file found beside the checkpoint")
+        name = architecture(model.config).encoder_name
+        params = {name: model.encoder_params, **unflatten_params(settings.tensors)}
+        prompt = settings.prompts.get(settings.default_prompt_name or "", "")
+        return embed_tokens(
+            LateInteraction(model.config, settings.head),  # jitted once per (config, head)
+            params,
+            model.tokenizer,
+            settings,
+            texts,
+            is_query=is_query,
+            batch_size=batch_size,
+            prompt=prompt,
         )
 
 

@@ -7,8 +7,8 @@ added prefix tokens "[Q] " and "[D] ") and one or more ``pylate.models.Dense.Den
 ``linear.weight``, ``linear.bias``, ``residual.weight``); ``config_sentence_transformers.json``
 holds ``model_type: ColBERT`` and the settings (prefixes, query/document lengths, query expansion,
 skiplist). Reading gives the HF loader's :class:`Checkpoint` with
-:class:`~bertjax.models.late_interaction.LateInteractionSettings` in ``embedding``; PyLate's
-defaults fill absent keys. Writing stores the bare encoder through the HF writer and these files
+:class:`~.late_interaction.LateInteractionSettings` in ``embedding``; PyLate's defaults fill
+absent keys. Writing stores the bare encoder through the HF writer and these files
 beside it, in the layout PyLate 1.x saves (sentence-transformers 6 loads it too).
 """
 
@@ -19,8 +19,8 @@ import os
 
 from bertjax.convert.checkpoint import Checkpoint, read_json_object
 from bertjax.convert.hf import bare_encoder, load_hf, write_hf
-from bertjax.convert.sentence_transformers import read_dense, write_dense
-from bertjax.models.late_interaction import LateInteractionHead, LateInteractionSettings
+from bertjax.retrieval.bi_encoder.sentence_transformers import read_dense, write_dense
+from bertjax.retrieval.colbert.late_interaction import LateInteractionHead, LateInteractionSettings
 
 MODULES = "modules.json"
 ST_CONFIG = "config_sentence_transformers.json"

@@ -1,13 +1,14 @@
 """Late-interaction retrieval (ColBERT, as PyLate trains it): per-token vectors, MaxSim scores.
 
-The model (``bertjax.models.late_interaction``): the encoder, a linear projection of every token
-(``colbert.dim``, default 128, no bias) and per-token L2 normalisation. Queries are ``[CLS] [Q] ...
-[SEP]`` padded with [MASK] to ``colbert.query_length``; documents ``[CLS] [D] ... [SEP]`` cut to
-``colbert.document_length``, their punctuation (``colbert.skiplist_words``) left out of scoring.
+The model (``late_interaction``, beside this module): the encoder, a linear projection of every
+token (``colbert.dim``, default 128, no bias) and per-token L2 normalisation. Queries are
+``[CLS] [Q] ... [SEP]`` padded with [MASK] to ``colbert.query_length``; documents
+``[CLS] [D] ... [SEP]`` cut to ``colbert.document_length``, their punctuation
+(``colbert.skiplist_words``) left out of scoring.
 
-Data as the bi-encoder task (``bertjax.tasks.retrieval``): rows of a query, its positive and up to
-``data.num_negatives`` hard negatives, from ``data.train_file`` (JSON lines) or a BEIR folder.
-``colbert.loss``:
+Data as the bi-encoder task (``bertjax.retrieval.bi_encoder.task``): rows of a query, its positive
+and up to ``data.num_negatives`` hard negatives, from ``data.train_file`` (JSON lines) or a BEIR
+folder. ``colbert.loss``:
 
 * ``contrastive``: PyLate's ``Contrastive``, cross-entropy of each query's MaxSim scores
   (/ ``colbert.temperature``) over every document of the WHOLE batch, hard negatives included;
@@ -36,8 +37,12 @@ import numpy as np
 from bertjax import fs
 from bertjax.convert import Checkpoint, save_checkpoint
 from bertjax.convert.checkpoint import flatten_params, unstack_layers
-from bertjax.models import architecture, late_interaction
-from bertjax.models.late_interaction import (
+from bertjax.models import architecture
+from bertjax.retrieval import contrastive_losses, ranking_metrics
+from bertjax.retrieval import evaluate as retrieval_eval
+from bertjax.retrieval.bi_encoder.task import RetrievalTask
+from bertjax.retrieval.colbert import late_interaction
+from bertjax.retrieval.colbert.late_interaction import (
     LateInteraction,
     LateInteractionSettings,
     TokenLayout,
@@ -45,10 +50,7 @@ from bertjax.models.late_interaction import (
     projection_head,
     query_ids,
 )
-from bertjax.retrieval import evaluate as retrieval_eval
-from bertjax.retrieval import losses, metrics
 from bertjax.tasks.base import register
-from bertjax.tasks.retrieval import RetrievalTask
 
 log = logging.getLogger("bertjax")
 
@@ -259,10 +261,10 @@ class ColbertTask(RetrievalTask):
         )
         q, d = embeddings["query"], embeddings["documents"]
         if c.loss == "distillation":
-            return losses.colbert_distillation(
+            return contrastive_losses.colbert_distillation(
                 q, d, batch["teacher_scores"], normalize_scores=bool(c.normalize_scores), **common
             )
-        return losses.colbert_contrastive(
+        return contrastive_losses.colbert_contrastive(
             q, d, temperature=float(c.temperature), positive_key=batch["positive_key"], **common
         )
 
@@ -297,7 +299,7 @@ class ColbertTask(RetrievalTask):
             top_k=100,
             batch_size=self._eval_batch_size(),
         )
-        return metrics.evaluate(self.eval_data.qrels, found.run)
+        return ranking_metrics.evaluate(self.eval_data.qrels, found.run)
 
     def finalize(self, run, params, workdir):
         result = super().finalize(run, params, workdir)

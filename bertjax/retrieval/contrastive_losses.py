@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 import jax
 import jax.numpy as jnp
 
-from bertjax.models.pooling import l2_normalize
+from bertjax.retrieval.bi_encoder.pooling import l2_normalize
 
 Array = jax.Array
 
@@ -28,7 +28,7 @@ DIRECTIONS = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")
 
 
 def normalize(x: Array) -> Array:
-    """Rows in float32 scaled to unit L2 norm (``bertjax.models.pooling.l2_normalize``)."""
+    """Rows in float32 scaled to unit L2 norm (``bi_encoder.pooling.l2_normalize``)."""
     return l2_normalize(x.astype(jnp.float32))
 
 

@@ -30,7 +30,7 @@ import numpy as np
 
 from bertjax import progress
 from bertjax.retrieval import trec_format
-from bertjax.sentence_embedding import padded_length
+from bertjax.retrieval.bi_encoder.embedding import padded_length
 from bertjax.text import features
 
 Pair = tuple[str, str]
@@ -93,10 +93,49 @@ def score_pairs(
 @dataclasses.dataclass(frozen=True)
 class CrossEncoderSettings:
     """What ``CrossEncoder(DIR)`` reads beside the weights: tokens per pair and the activation
-    ``predict`` applies (a torch.nn class name of ``ACTIVATIONS``)."""
+    ``predict`` applies (a torch.nn class name of ``ACTIVATIONS``); ``scores`` and ``predict``
+    are a loaded classifier's ``rerank_scores`` and ``predict`` (``Pretrained.cross_encoder``)."""
 
     max_length: int
     activation: str = "Sigmoid"
+
+    def scores(
+        self, model, pairs: Sequence, batch_size: int = 32, max_length: int | None = None
+    ) -> np.ndarray:
+        """The raw logits of ``model`` (a loaded sequence classifier) on (query, passage) pairs
+        or single texts: [n] float32 for one label, else [n, num_labels]; pairs truncated
+        longest-first to ``max_length`` tokens (default ``self.max_length``)."""
+        if isinstance(pairs, str) or (
+            isinstance(pairs, tuple) and len(pairs) == 2 and all(isinstance(t, str) for t in pairs)
+        ):
+            pairs = [pairs]  # one text, or one (query, passage) tuple as CrossEncoder.predict takes
+        if model.tokenizer is None:
+            raise ValueError(f"{model.source}: no vocabulary file found beside the checkpoint")
+        max_length = max_length or self.max_length
+        model.check_length(max_length)
+
+        def apply(ids, types, mask):
+            return model(ids, types, mask).logits
+
+        logits = score_pairs(
+            apply, model.tokenizer, pairs, max_length=max_length, batch_size=batch_size
+        )
+        return logits[:, 0] if model.module.num_labels == 1 else logits
+
+    def predict(
+        self,
+        model,
+        pairs: Sequence,
+        batch_size: int = 32,
+        activation: str | None = None,
+        max_length: int | None = None,
+    ) -> np.ndarray:
+        """``CrossEncoder.predict``: ``model.rerank_scores`` through ``activation`` (default
+        ``self.activation``)."""
+        name = activation or self.activation
+        if name not in ACTIVATIONS:
+            raise ValueError(f"activation={name!r} is not one of {sorted(ACTIVATIONS)}")
+        return ACTIVATIONS[name](model.rerank_scores(pairs, batch_size, max_length))
 
 
 def _json(path: str) -> dict:
@@ -156,6 +195,14 @@ def read_settings(directory: str | None, num_labels: int, position_table: int):
     limit = _json(os.path.join(folder, "tokenizer_config.json")).get("model_max_length")
     length = min(int(limit), position_table) if isinstance(limit, (int, float)) else position_table
     return CrossEncoderSettings(length, activation)
+
+
+def settings_of(model) -> CrossEncoderSettings:
+    """The :class:`CrossEncoderSettings` of a loaded classifier (``Pretrained``), from its
+    directory."""
+    return read_settings(
+        model.directory, model.module.num_labels, model.config.max_position_embeddings
+    )
 
 
 def rerank_run(
