@@ -307,11 +307,17 @@ def remat(cls, policy: str, static_argnums: tuple[int, ...]):
     return nn.remat(cls, policy=saveable, static_argnums=static_argnums)
 
 
-def check_common_fields(config) -> None:
-    """Validates the fields every model config shares; a ValueError names the key."""
+def config_error(config, key: str, why: str) -> ValueError:
+    """The one-line error for a bad model config field: ``model config: KEY=VALUE WHY``."""
+    return ValueError(f"model config: {key}={getattr(config, key)!r} {why}")
+
+
+def check_common_fields(config, positive: tuple[str, ...] = ()) -> None:
+    """Validates the fields every model config shares, and the family's own ``positive`` fields
+    (each must be > 0); a ValueError names the key."""
 
     def bad(key, why):
-        raise ValueError(f"model config: {key}={getattr(config, key)!r} {why}")
+        raise config_error(config, key, why)
 
     for key in ("vocab_size", "hidden_size", "num_layers", "num_heads", "intermediate_size"):
         if getattr(config, key) <= 0:
@@ -332,6 +338,9 @@ def check_common_fields(config) -> None:
     for key in ("hidden_dropout", "attention_dropout"):
         if not 0.0 <= getattr(config, key) < 1.0:
             bad(key, "must be in [0, 1)")
+    for key in positive:
+        if getattr(config, key) <= 0:
+            bad(key, "must be positive")
 
 
 @flax.struct.dataclass

@@ -32,6 +32,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from bertjax.layers.core import config_error
+
 Array = jax.Array
 
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3", "proportional")
@@ -236,7 +238,7 @@ class RopeConfig:
         that gives no frequencies."""
 
         def bad(key, why):
-            raise ValueError(f"model config: {key}={getattr(self, key)!r} {why}")
+            raise config_error(self, key, why)
 
         if self.head_dim % 2:
             bad("hidden_size", f"gives an odd head_dim={self.head_dim} (RoPE needs it even)")

@@ -47,6 +47,7 @@ from bertjax.layers.core import (
     RMSNorm,
     activation,
     check_common_fields,
+    config_error,
     dtype_of,
     embed_table,
     embedding_lookup,
@@ -102,11 +103,11 @@ class EuroBertConfig(RopeConfig, EncoderConfig):
     architecture: ClassVar[str] = "eurobert"
 
     def __post_init__(self):
-        check_common_fields(self)
+        check_common_fields(self, positive=("rms_norm_eps", "initializer_range"))
         self.check_rope()
 
         def bad(key, why):
-            raise ValueError(f"model config: {key}={getattr(self, key)!r} {why}")
+            raise config_error(self, key, why)
 
         if self.scan_layers:
             bad("scan_layers", "is not supported by EuroBERT yet; use False")
@@ -114,9 +115,6 @@ class EuroBertConfig(RopeConfig, EncoderConfig):
             bad("num_kv_heads", f"does not divide num_heads={self.num_heads}")
         if self.classifier_pooling not in POOLINGS:
             bad("classifier_pooling", f"is not one of {POOLINGS}")
-        for key in ("rms_norm_eps", "initializer_range"):
-            if getattr(self, key) <= 0:
-                bad(key, "must be positive")
 
     @property
     def kv_heads(self) -> int:

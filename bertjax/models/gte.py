@@ -39,7 +39,7 @@ import dataclasses
 from typing import Any, ClassVar
 
 from bertjax.layers.blocks import PostNormEncoder
-from bertjax.layers.core import EncoderConfig, check_common_fields
+from bertjax.layers.core import EncoderConfig, check_common_fields, config_error
 from bertjax.layers.rope import RopeConfig, schedule_json
 from bertjax.models.contract import Architecture
 from bertjax.models.nomicbert import MaskedLMHead as NomicBertMaskedLMHead
@@ -81,19 +81,16 @@ class GteConfig(RopeConfig, EncoderConfig):
     architecture: ClassVar[str] = "gte"
 
     def __post_init__(self):
-        check_common_fields(self)
+        check_common_fields(self, positive=("layer_norm_eps", "initializer_range"))
         self.check_rope()
 
         def bad(key, why):
-            raise ValueError(f"model config: {key}={getattr(self, key)!r} {why}")
+            raise config_error(self, key, why)
 
         if self.scan_layers:
             bad("scan_layers", "is not supported by GTE yet; use False")
         if self.type_vocab_size < 0:
             bad("type_vocab_size", "must be >= 0")
-        for key in ("layer_norm_eps", "initializer_range"):
-            if getattr(self, key) <= 0:
-                bad(key, "must be positive")
 
     def num_params(self, include_heads: bool = True, include_pooler: bool = False) -> int:
         """Analytic parameter count: the encoder, plus the MLM head (``include_heads``: what

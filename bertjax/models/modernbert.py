@@ -52,6 +52,7 @@ from bertjax.layers.core import (
     activation,
     attention_bias,
     check_common_fields,
+    config_error,
     dtype_of,
     embedding_lookup,
     gather_positions,
@@ -116,10 +117,13 @@ class ModernBertConfig(EncoderConfig):
     architecture: ClassVar[str] = "modernbert"
 
     def __post_init__(self):
-        check_common_fields(self)
+        check_common_fields(
+            self,
+            positive=("norm_eps", "global_rope_theta", "local_rope_theta", "initializer_range"),
+        )
 
         def bad(key, why):
-            raise ValueError(f"model config: {key}={getattr(self, key)!r} {why}")
+            raise config_error(self, key, why)
 
         if self.scan_layers:  # the layers differ: global/local, no attention norm in layer 0
             bad("scan_layers", "is not supported by ModernBERT (its layers differ); use False")
@@ -132,9 +136,6 @@ class ModernBertConfig(EncoderConfig):
         for key in ("global_attn_every_n_layers", "local_attention", "max_position_embeddings"):
             if getattr(self, key) < 1:
                 bad(key, "must be >= 1")
-        for key in ("norm_eps", "global_rope_theta", "local_rope_theta", "initializer_range"):
-            if getattr(self, key) <= 0:
-                bad(key, "must be positive")
         pattern = self.layer_pattern
         if pattern and (len(pattern) != self.num_layers or set(pattern) - set("gl")):
             bad("layer_pattern", f"is not one letter g or l for each of {self.num_layers} layers")

@@ -34,7 +34,13 @@ from typing import Any, ClassVar
 import jax
 
 from bertjax.layers.blocks import PostNormEncoder
-from bertjax.layers.core import EncoderConfig, check_common_fields, dtype_of, normal_init
+from bertjax.layers.core import (
+    EncoderConfig,
+    check_common_fields,
+    config_error,
+    dtype_of,
+    normal_init,
+)
 from bertjax.layers.rope import RopeConfig
 from bertjax.models.bert import MaskedLMHead as BertMaskedLMHead
 from bertjax.models.contract import Architecture
@@ -77,19 +83,16 @@ class NomicBertConfig(RopeConfig, EncoderConfig):
     architecture: ClassVar[str] = "nomicbert"
 
     def __post_init__(self):
-        check_common_fields(self)
+        check_common_fields(self, positive=("layer_norm_eps", "initializer_range"))
         self.check_rope()
 
         def bad(key, why):
-            raise ValueError(f"model config: {key}={getattr(self, key)!r} {why}")
+            raise config_error(self, key, why)
 
         if self.scan_layers:
             bad("scan_layers", "is not supported by NomicBERT yet; use False")
         if self.type_vocab_size < 1:
             bad("type_vocab_size", "must be >= 1")
-        for key in ("layer_norm_eps", "initializer_range"):
-            if getattr(self, key) <= 0:
-                bad(key, "must be positive")
 
     def num_params(self, include_heads: bool = True, include_pooler: bool = False) -> int:
         """Analytic parameter count: the encoder, plus the MLM head (``include_heads``: what
