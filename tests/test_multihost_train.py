@@ -10,6 +10,7 @@ import sys
 
 import numpy as np
 import pytest
+from helpers import xla_flags
 from train_fixtures import read_metrics, tiny_config
 
 from bertjax import compile as aot
@@ -41,7 +42,7 @@ def _local(tmp_path, nproc, devices, workdir, *extra, timeout=420):
         LOG_DIR=str(tmp_path / "logs"),
         PYTHONUNBUFFERED="1",
     )
-    env.pop("XLA_FLAGS", None)
+    env["XLA_FLAGS"] = xla_flags()  # local.sh adds the device count
     cmd = [
         "bash",
         str(REPO / "launch" / "local.sh"),

@@ -17,6 +17,7 @@ import shlex
 import subprocess
 
 import pytest
+from helpers import xla_flags
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 DOCS = [
@@ -106,7 +107,8 @@ def test_readme_local_sh_example_runs_with_logs_under_the_workdir(tmp_path):
     # Run from an empty folder (to see that nothing lands in ./workdir): the repo's paths made absolute.
     words = [str(REPO / w) if w.startswith("launch/") else w for w in words]
     words = [w.replace("--config=configs/", f"--config={REPO}/configs/") for w in words]
-    env = {k: v for k, v in os.environ.items() if k not in ("LOG_DIR", "XLA_FLAGS")}
+    env = {k: v for k, v in os.environ.items() if k != "LOG_DIR"}
+    env["XLA_FLAGS"] = xla_flags()  # no device count: local.sh sets it
     proc = subprocess.run(
         ["bash", *words, "--config.train.steps=2", "--config.optimizer.warmup_steps=1"],  # 2 steps
         cwd=tmp_path,  # no ./workdir/logs here afterwards
@@ -301,7 +303,8 @@ def test_readme_make_and_bertjax_commands_run_as_written(tmp_path):
     for name in (".venv", "configs", "Makefile"):
         (here / name).symlink_to(REPO / name)
     _write_task_data(here)
-    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "XLA_FLAGS")}
+    env = {k: v for k, v in os.environ.items() if k != "MAKEFLAGS"}
+    env["XLA_FLAGS"] = xla_flags()  # the host's one device, as a user's machine has
     for command in _RUNS:
         run = _as_run(command, here)
         proc = subprocess.run(

@@ -13,6 +13,7 @@ import textwrap
 import jax
 import numpy as np
 import pytest
+from helpers import xla_flags
 
 from bertjax.retrieval import search
 from bertjax.retrieval.trec_format import ranked, tie_order
@@ -143,7 +144,7 @@ def test_sharded_over_8_devices_in_a_fresh_process():
     )
     env = dict(
         os.environ,
-        XLA_FLAGS="--xla_force_host_platform_device_count=8",
+        XLA_FLAGS=xla_flags(8),
         JAX_PLATFORMS="cpu",
         PYTHONPATH=str(REPO),
     )
