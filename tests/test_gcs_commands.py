@@ -2,8 +2,10 @@
 tests/gcs_emulator.py), each against the same command on local files: `embed` writing resumable
 shards into a bucket (interrupted, then resumed: the bytes of a local run), `evaluate retrieval`
 reading a BEIR folder in a bucket, `prepare` reading a corpus in a bucket and writing its records
-there, `plot` of a run in a bucket, and `convert` to and from a bucket in the sentence-transformers,
-PyLate and TF formats (tests/test_gcs.py has HF and bertjax), read back by `load_pretrained`."""
+there, `plot` of a run in a bucket, `convert` to and from a bucket in the sentence-transformers,
+PyLate and TF formats (tests/test_gcs.py has HF and bertjax), read back by `load_pretrained`,
+`extract-features` and `vocab` with their inputs and outputs in a bucket, and tokenizers read from
+it."""
 
 import json
 import pathlib
@@ -174,3 +176,54 @@ def test_plot_of_a_run_in_a_bucket(gcs_bucket):
 
     assert plot.plot(f"{gcs_bucket}/run") == f"{gcs_bucket}/run/curves.png"
     assert fs.read_bytes(f"{gcs_bucket}/run/curves.png").startswith(b"\x89PNG")
+
+
+def test_extract_features_reads_and_writes_a_bucket_as_local_files(models, gcs_bucket, tmp_path):
+    """The checkpoint, the input lines and the .jsonl / .npz outputs in the bucket: the bytes of
+    the local run."""
+    from bertjax.commands import extract_features
+
+    lines = "the quick brown fox\nlazy dog ||| Hello, world!\nx\n"
+    (tmp_path / "lines.txt").write_text(lines)
+    fs.write_bytes(f"{gcs_bucket}/lines.txt", lines.encode())
+    _upload_tree(models["hf"], f"{gcs_bucket}/hf")
+    for suffix in ("jsonl", "npz"):
+        local, remote = tmp_path / f"feats.{suffix}", f"{gcs_bucket}/feats.{suffix}"
+        common = ["--layers=-1,0", "--max_seq_length=16"]
+        extract_features.main([f"--checkpoint={models['hf']}", f"--input={tmp_path}/lines.txt",
+                               f"--output={local}", *common])  # fmt: skip
+        extract_features.main([f"--checkpoint={gcs_bucket}/hf", f"--input={gcs_bucket}/lines.txt",
+                               f"--output={remote}", *common])  # fmt: skip
+        assert fs.read_bytes(remote) == local.read_bytes(), suffix
+
+
+def test_vocab_from_a_bucket_into_the_bucket_and_its_tokenizers_read_there(gcs_bucket, tmp_path):
+    """`bertjax vocab` of a gzipped JSONL and a Parquet corpus in the bucket, WordPiece and
+    SentencePiece, written into the bucket: the local files' bytes; each loads from the bucket
+    and tokenizes as the local one."""
+    import gzip
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from bertjax.data import vocab as vocab_tool
+
+    texts = [" ".join(WORDS[(i + w) % 20] for w in range(3 + i % 5)) for i in range(60)]
+    jsonl = gzip.compress("".join(json.dumps({"text": t}) + "\n" for t in texts).encode(), mtime=0)
+    (tmp_path / "corpus.jsonl.gz").write_bytes(jsonl)
+    fs.write_bytes(f"{gcs_bucket}/corpus.jsonl.gz", jsonl)
+    pq.write_table(pa.table({"text": texts}), tmp_path / "corpus.parquet")
+    fs.write_bytes(f"{gcs_bucket}/corpus.parquet", (tmp_path / "corpus.parquet").read_bytes())
+    for fmt, name, kind, size, out in (
+        ("jsonl", "corpus.jsonl.gz", "wordpiece", 80, "vocab.txt"),
+        ("parquet", "corpus.parquet", "sentencepiece", 32, "sp"),
+    ):
+        common = [f"--format={fmt}", f"--kind={kind}", f"--vocab_size={size}"]
+        vocab_tool.main([f"--input={tmp_path}/{name}", f"--output={tmp_path}/{out}", *common])
+        vocab_tool.main([f"--input={gcs_bucket}/{name}", f"--output={gcs_bucket}/{out}", *common])
+        files = [out] if kind == "wordpiece" else [f"{out}.model", f"{out}.vocab"]
+        for f in files:
+            assert fs.read_bytes(f"{gcs_bucket}/{f}") == (tmp_path / f).read_bytes(), f
+        local = load_tokenizer(str(tmp_path / files[0]))
+        remote = load_tokenizer(f"{gcs_bucket}/{files[0]}")
+        assert [remote.tokenize(t) for t in texts[:8]] == [local.tokenize(t) for t in texts[:8]]

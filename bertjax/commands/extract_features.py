@@ -37,8 +37,7 @@ _PAIR = re.compile(r"^(.*) \|\|\| (.*)$")
 def read_examples(path: str) -> list[str | tuple[str, str]]:
     """One example per line: a sentence, or ``(A, B)`` for a line ``A ||| B``."""
     try:
-        with open(path, encoding="utf-8") as f:
-            lines = f.read().splitlines()
+        lines = fs.read_bytes(path).decode("utf-8").splitlines()  # local or gs://
     except UnicodeDecodeError as err:
         raise fs.utf8_error(path, err) from None
     examples: list[str | tuple[str, str]] = []

@@ -229,6 +229,8 @@ def test_env(platform: str) -> dict[str, str]:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env["JAX_PLATFORMS"] = {"gpu": "cuda", "tpu": "tpu"}.get(platform, "cpu")
     env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")
+    if platform != "cpu":  # the accelerator's own compiler settings, not the CPU suite's defaults
+        env.setdefault("XLA_FLAGS", "")
     return env
 
 
