@@ -110,7 +110,7 @@ def test_readme_local_sh_example_runs_with_logs_under_the_workdir(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "LOG_DIR"}
     env["XLA_FLAGS"] = xla_flags()  # no device count: local.sh sets it
     proc = subprocess.run(
-        ["bash", *words, "--config.train.steps=2", "--config.optimizer.warmup_steps=1"],  # 2 steps
+        ["bash", *words, *TINY_PRETRAIN.split()],  # 2 steps, 1 eval batch
         cwd=tmp_path,  # no ./workdir/logs here afterwards
         env=env,
         capture_output=True,
@@ -149,6 +149,9 @@ SKIPPED = {  # a command is skipped when it is, or starts with, a key (then a sp
 # Commands that fail today, each with the error it gives (the test fails once one is fixed, so that
 # it moves to the commands that must pass).
 KNOWN_BROKEN: dict[str, str] = {}
+TINY_PRETRAIN = (
+    "--config.train.steps=2 --config.optimizer.warmup_steps=1 --config.train.eval_steps=1"
+)
 TINY_FT = (
     "--config.train.steps=2 --config.train.global_batch_size=8 --config.data.max_seq_length=32"
     " --config.data.eval_batch_size=8"
@@ -230,8 +233,8 @@ def _as_run(command: str, here: pathlib.Path) -> str:
     command = command.replace(f"{here}/tmp/bert-hf", f"{here}/tmp/demo-hf")  # made just before
     if command.startswith("make "):
         command = "make -o .venv/bin/.installed " + command[5:]
-    if command.endswith("make -o .venv/bin/.installed pretrain"):
-        command += ' ARGS="--config.train.steps=2 --config.optimizer.warmup_steps=1"'  # 2 steps
+    if command.endswith("make -o .venv/bin/.installed pretrain"):  # 2 steps, 1 eval batch
+        command += f' ARGS="{TINY_PRETRAIN}"'
     if " finetune " in command:  # 2 steps of batch 8 on tiny files
         command = command.replace('ARGS="', f'ARGS="{TINY_FT} ')
         command += "" if "ARGS=" in command else f" {TINY_FT}"
@@ -241,6 +244,8 @@ def _as_run(command: str, here: pathlib.Path) -> str:
         command = command.replace(f"{here}/tmp/demo", "workdirs/demo") + " --dry_run"
     if " prepare " in command:
         command += " --num_shards=2"  # small: one shard per core
+    if " evaluate-mlm " in command:
+        command += " --max_batches=2"
     return command
 
 
