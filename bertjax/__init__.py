@@ -5,7 +5,7 @@ functions, and (lazily, so that ``import bertjax`` stays light) the pretrained-w
 the tokenizers.
 """
 
-__version__ = "0.4.0"
+__version__ = "0.5.0"
 
 __all__ = [
     "ARCHITECTURES",

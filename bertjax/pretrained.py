@@ -38,6 +38,7 @@ from bertjax import families
 from bertjax.convert import Checkpoint, load_checkpoint, unflatten_params
 from bertjax.convert.checkpoint import head_of
 from bertjax.head_init import checkpoint_kinds
+from bertjax.layers.core import refuse_renamed_inputs
 from bertjax.models.heads import InferenceModel
 from bertjax.text import features, load_tokenizer
 
@@ -141,7 +142,8 @@ def encode_batch(
 ) -> dict[str, np.ndarray]:
     """Texts or (text_a, text_b) pairs -> ``[CLS] A [SEP] (B [SEP])`` padded int32 arrays.
 
-    Returns input_ids, token_type_ids and attention_mask (the model's argument names), each
+    Returns input_ids, segment_ids and input_mask (the model's argument names and the keys of
+    training batches), each
     [batch, length] where length is the longest sequence (or ``max_length`` when
     ``pad_to_max_length``). Longer inputs are truncated as the original BERT truncates (see
     :mod:`bertjax.text.features`).
@@ -149,14 +151,9 @@ def encode_batch(
     if max_length < 3:
         raise ValueError(f"max_length={max_length} leaves no room for [CLS] text [SEP]")
     rows = features.rows(tokenizer, list(texts_or_pairs), max_length)
-    batch = features.pad(
+    return features.pad(
         rows, max_length if pad_to_max_length else features.longest(rows), tokenizer.pad_id
     )
-    return {
-        "input_ids": batch["input_ids"],
-        "token_type_ids": batch["segment_ids"],
-        "attention_mask": batch["input_mask"],
-    }
 
 
 @dataclasses.dataclass
@@ -294,23 +291,28 @@ class Pretrained:
     def __call__(
         self,
         input_ids,
-        token_type_ids=None,
-        attention_mask=None,
+        segment_ids=None,
+        input_mask=None,
         *,
         output_hidden_states: bool = False,
+        **renamed,
     ) -> PretrainedOutput:
-        """Runs the model (jitted) on [batch, seq] int arrays; masks default to all ones."""
+        """Runs the model (jitted) on [batch, seq] int arrays; ``segment_ids`` default to zeros
+        and ``input_mask`` to ones."""
+        refuse_renamed_inputs(renamed)
+        if renamed:
+            raise TypeError(f"unexpected keyword argument {next(iter(renamed))!r}")
         input_ids = jnp.asarray(input_ids, jnp.int32)
         if input_ids.ndim != 2:
             raise ValueError(f"input_ids must be [batch, seq], got shape {input_ids.shape}")
         self.check_length(input_ids.shape[1])
-        token_type_ids = jnp.zeros_like(input_ids) if token_type_ids is None else token_type_ids
-        attention_mask = jnp.ones_like(input_ids) if attention_mask is None else attention_mask
+        segment_ids = jnp.zeros_like(input_ids) if segment_ids is None else segment_ids
+        input_mask = jnp.ones_like(input_ids) if input_mask is None else input_mask
         out = self._apply(
             {"params": self.params},
             input_ids,
-            jnp.asarray(token_type_ids, jnp.int32),
-            jnp.asarray(attention_mask, jnp.int32),
+            jnp.asarray(segment_ids, jnp.int32),
+            jnp.asarray(input_mask, jnp.int32),
             output_hidden_states=output_hidden_states,
         )
         return PretrainedOutput(**out)

@@ -66,7 +66,7 @@ def sample_batch(model, shared_data, max_length=40):
     """Four sentences and two pairs of different lengths, padded: a real masked batch."""
     s = sst2_sentences(shared_data, 8)
     batch = model.encode_batch([s[0], s[1], s[2], s[3], (s[4], s[5]), (s[6], s[7])], max_length)
-    assert len(set(batch["attention_mask"].sum(1).tolist())) > 3  # lengths differ: padding
+    assert len(set(batch["input_mask"].sum(1).tolist())) > 3  # lengths differ: padding
     return batch
 
 
@@ -96,11 +96,24 @@ def make_hf_model(directory, uncased_vocab, cls_name="BertForPreTraining", seed=
     return model
 
 
+HF_INPUT_NAMES = {"segment_ids": "token_type_ids", "input_mask": "attention_mask"}
+
+
+def hf_inputs(batch) -> dict:
+    """bertjax's input keys (input_ids, segment_ids, input_mask) as transformers names them, as
+    int64 torch tensors."""
+    import torch
+
+    return {
+        HF_INPUT_NAMES.get(k, k): torch.from_numpy(np.asarray(v)).long() for k, v in batch.items()
+    }
+
+
 def torch_outputs(hf_model, batch) -> dict[str, np.ndarray]:
     """sequence/pooled outputs and whichever head logits the transformers model has."""
     import torch
 
-    args = {k: torch.tensor(v).long() for k, v in batch.items()}
+    args = hf_inputs(batch)
     out = {}
     with torch.no_grad():
         base = getattr(hf_model, "bert", hf_model)

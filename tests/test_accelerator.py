@@ -57,7 +57,7 @@ def _batch(layout: str, vocab: int) -> dict[str, np.ndarray]:
     if layout == "padded":
         lengths = [SEQ, 77, 100, 9]
         mask = (np.arange(SEQ)[None] < np.asarray(lengths)[:, None]).astype(np.int32)
-        return dict(input_ids=ids * mask, attention_mask=mask, pack_ids=None)
+        return dict(input_ids=ids * mask, input_mask=mask, pack_ids=None)
     # packed rows: sequences 1..n side by side, 0 = padding at the end
     rows = [[50, 60], [SEQ], [20, 20, 20, 40], [33, 17]]
     pack = np.zeros((b, SEQ), np.int32)
@@ -67,7 +67,7 @@ def _batch(layout: str, vocab: int) -> dict[str, np.ndarray]:
             pack[r, start : start + length] = n
             start += length
     mask = (pack > 0).astype(np.int32)
-    return dict(input_ids=ids * mask, attention_mask=mask, pack_ids=pack)
+    return dict(input_ids=ids * mask, input_mask=mask, pack_ids=pack)
 
 
 def _encode(cfg, params, batch):
@@ -83,7 +83,7 @@ def _encode(cfg, params, batch):
     with jax.default_matmul_precision("highest"):
         return np.asarray(
             jax.jit(run)(
-                params, jnp.asarray(batch["input_ids"]), jnp.asarray(batch["attention_mask"]), pack
+                params, jnp.asarray(batch["input_ids"]), jnp.asarray(batch["input_mask"]), pack
             )
         )
 
@@ -107,12 +107,12 @@ def test_attention_impl_equals_xla(arch, layout, impl):
         jax.random.key(0),
         jnp.asarray(batch["input_ids"]),
         jnp.zeros((4, SEQ), jnp.int32),
-        jnp.asarray(batch["attention_mask"]),
+        jnp.asarray(batch["input_mask"]),
         deterministic=True,
     )
     want = _encode(reference_cfg, params, batch)
     got = _encode(_config(arch, impl, dtype), params, batch)
-    real = batch["attention_mask"] > 0
+    real = batch["input_mask"] > 0
     assert np.isfinite(got[real]).all()
     diff = np.abs(got[real] - want[real])
     if dtype == "float32":
@@ -127,7 +127,7 @@ def test_bf16_loss_within_tolerance_of_fp32(arch):
     fp32 = _config(arch, "xla", "float32")
     batch = _batch("padded", fp32.vocab_size)
     model = PreTrainingModel(fp32, nsp=False)
-    ids, mask = jnp.asarray(batch["input_ids"]), jnp.asarray(batch["attention_mask"])
+    ids, mask = jnp.asarray(batch["input_ids"]), jnp.asarray(batch["input_mask"])
     params = model.init(jax.random.key(1), ids, None, mask, deterministic=True)
     labels = jnp.asarray(np.random.default_rng(1).integers(5, fp32.vocab_size, ids.shape))
 

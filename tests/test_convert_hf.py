@@ -171,7 +171,7 @@ def test_token_classifier_keeps_its_encoder_and_round_trips(tmp_path, uncased_vo
     mask = (ids > 0).astype(np.int32)
     with torch.no_grad():
         want = hf_model.bert(input_ids=torch.tensor(ids).long(), attention_mask=torch.tensor(mask))
-    got = model(ids, attention_mask=mask)
+    got = model(ids, input_mask=mask)
     assert got.pooled_output is None and got.logits is None
     assert np.abs(np.asarray(got.sequence_output) - want.last_hidden_state.numpy()).max() < TOL
     convert_main([str(tmp_path / "tok"), "--to=bertjax", str(tmp_path / "bj")])

@@ -241,7 +241,7 @@ def test_load_pretrained_and_continued_pretraining(tmp_path):
     real = mask.astype(bool)
     close(
         "load_pretrained",
-        np.asarray(bert(ids, attention_mask=mask).mlm_logits)[real],
+        np.asarray(bert(ids, input_mask=mask).mlm_logits)[real],
         want.numpy()[real],
         1e-4,
     )

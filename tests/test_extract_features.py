@@ -4,7 +4,7 @@ import json
 
 import numpy as np
 import pytest
-from helpers import make_hf_model, sst2_sentences
+from helpers import hf_inputs, make_hf_model, sst2_sentences
 
 from bertjax.commands.extract_features import main, parse_layers, read_examples
 from bertjax.pretrained import encode_batch
@@ -31,11 +31,9 @@ def _reference(hf_model, directory, text, max_len):
     tok = load_tokenizer(str(directory / "vocab.txt"))
     batch = encode_batch(tok, read_examples(str(text)), max_len)
     with torch.no_grad():
-        out = hf_model.bert(
-            **{k: torch.tensor(v).long() for k, v in batch.items()}, output_hidden_states=True
-        )
+        out = hf_model.bert(**hf_inputs(batch), output_hidden_states=True)
     hidden = np.stack([out.hidden_states[i].numpy() for i in LAYERS], axis=2)
-    lengths = batch["attention_mask"].sum(1)
+    lengths = batch["input_mask"].sum(1)
     tokens = [tok.convert_ids_to_tokens(ids[:n]) for ids, n in zip(batch["input_ids"], lengths)]
     return tokens, [hidden[i, :n] for i, n in enumerate(lengths)], batch
 
@@ -76,8 +74,8 @@ def test_jsonl_and_npz_equal_transformers_hidden_states(setup, tmp_path, capsys,
         assert npz["tokens"][i, : len(toks)].tolist() == toks
         np.testing.assert_allclose(npz["features"][i, : len(toks)], want, atol=1e-4)
         assert not npz["features"][i, len(toks) :].any()
-    pair = batch["token_type_ids"][1]
-    assert npz["token_type_ids"][1, : len(pair)].tolist() == pair.tolist() and pair.sum() > 0
+    pair = batch["segment_ids"][1]
+    assert npz["segment_ids"][1, : len(pair)].tolist() == pair.tolist() and pair.sum() > 0
 
 
 def test_read_examples_and_layer_indices(tmp_path):

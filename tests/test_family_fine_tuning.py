@@ -110,6 +110,6 @@ def test_fine_tuning_from_the_familys_directory(files, mlm_dirs, tmp_path, arch,
     ids[:, 0], ids = 2, np.where(mask > 0, ids, 0)
     with torch.no_grad():
         want = hf.eval()(torch.from_numpy(ids).long(), attention_mask=torch.from_numpy(mask))
-    got = bertjax.load_pretrained(str(workdir))(ids, attention_mask=mask).logits
+    got = bertjax.load_pretrained(str(workdir))(ids, input_mask=mask).logits
     np.testing.assert_allclose(np.asarray(got), want.logits.numpy(), atol=1e-4)
     assert float(np.abs(want.logits.numpy()).max()) > 1e-3  # not a vacuous comparison

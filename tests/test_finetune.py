@@ -281,8 +281,8 @@ def test_init_checkpoint_replaces_the_encoder(files, tmp_path, scan):
     batch = task.eval_sets[0].features
     inputs = dict(
         input_ids=batch["input_ids"],
-        token_type_ids=batch["segment_ids"],
-        attention_mask=batch["input_mask"],
+        segment_ids=batch["segment_ids"],
+        input_mask=batch["input_mask"],
     )
     from bertjax.models.bert import BertModel
 

@@ -276,7 +276,7 @@ def test_original_checkpoints_load(tmp_path):
     assert bert.config == gte_hf.config_from_hf(ref["config"].to_dict())
     ids, mask, types = ref["ids"], ref["mask"], ref["types"]
     real = mask.astype(bool)
-    got = np.asarray(bert(ids, token_type_ids=types, attention_mask=mask).mlm_logits)
+    got = np.asarray(bert(ids, segment_ids=types, input_mask=mask).mlm_logits)
     close("original mlm_logits", got[real], ref["logits"]["mlm"][real])
     original = json.loads((tmp_path / "new" / "config.json").read_text())
     for key, value, match in (
@@ -417,7 +417,7 @@ def test_load_pretrained_and_continued_pretraining(tmp_path):
     real = mask.astype(bool)
     close(
         "load_pretrained",
-        np.asarray(bert(ids, token_type_ids=types, attention_mask=mask).mlm_logits)[real],
+        np.asarray(bert(ids, segment_ids=types, input_mask=mask).mlm_logits)[real],
         want.numpy()[real],
         1e-4,
     )

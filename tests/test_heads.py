@@ -30,7 +30,7 @@ def _inputs(shape=(B, S), seed=0):
     mask[..., -2:] = 0  # padding at the end
     types = np.zeros(shape, np.int32)
     types[..., S // 2 :] = 1
-    return dict(input_ids=ids, token_type_ids=types, attention_mask=mask)
+    return dict(input_ids=ids, segment_ids=types, input_mask=mask)
 
 
 def _init(model, inputs):

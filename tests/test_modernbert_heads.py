@@ -150,7 +150,7 @@ def test_load_pretrained_keeps_the_encoder_of_a_token_classifier(tmp_path):
     pretrained = pretrained_from_checkpoint(load_checkpoint(str(tmp_path / "hf")))
     assert pretrained.heads == () and set(pretrained.params) == {"model"}
     ids, mask = _batch(2)
-    out = pretrained(ids, attention_mask=mask)
+    out = pretrained(ids, input_mask=mask)
     with torch.no_grad():
         ref = model.model(
             torch.from_numpy(ids).long(), attention_mask=torch.from_numpy(mask).long()
@@ -173,4 +173,4 @@ def test_a_masked_lm_checkpoint_names_only_heads_modernbert_has(tmp_path, caplog
     full = pretrained_from_checkpoint(load_checkpoint(str(tmp_path / "hf")), heads="all")
     assert full.heads == ("pooler", "mlm") and "seq_relationship" not in full.params
     ids, mask = _batch(2)
-    assert np.isfinite(np.asarray(full(ids, attention_mask=mask).pooled_output)).all()
+    assert np.isfinite(np.asarray(full(ids, input_mask=mask).pooled_output)).all()

@@ -61,7 +61,7 @@ def test_load_pretrained_matches_transformers_and_converts_both_ways(tmp_path):
     want = _torch_logits(model, ids, mask)
     bert = bertjax.load_pretrained(str(tmp_path / "hf"))
     assert bert.config.architecture == "modernbert" and "mlm" in bert.heads
-    got = np.asarray(bert(ids, attention_mask=mask).mlm_logits)
+    got = np.asarray(bert(ids, input_mask=mask).mlm_logits)
     real = mask.astype(bool)
     np.testing.assert_allclose(got[real], want[real], atol=1e-4)
     # hf -> bertjax -> hf: transformers loads the result and computes the same logits

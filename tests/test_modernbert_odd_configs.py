@@ -174,7 +174,7 @@ def _hf_outputs(model, ids, mask) -> np.ndarray:
 
 
 def _bertjax_outputs(pretrained, cls: str, ids, mask) -> np.ndarray:
-    out = pretrained(ids, attention_mask=mask)
+    out = pretrained(ids, input_mask=mask)
     if cls == "ModernBertModel":
         return np.asarray(out.sequence_output)
     return np.asarray(out.mlm_logits if cls == "ModernBertForMaskedLM" else out.logits)

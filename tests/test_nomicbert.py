@@ -240,7 +240,7 @@ def test_original_config_keys_load(variant, tmp_path):
     assert bert.config == nhf.config_from_hf(hf)
     ids, mask, types = ref["ids"], ref["mask"], ref["types"]
     real = mask.astype(bool)
-    got = np.asarray(bert(ids, token_type_ids=types, attention_mask=mask).mlm_logits)
+    got = np.asarray(bert(ids, segment_ids=types, input_mask=mask).mlm_logits)
     close("original keys mlm_logits", got[real], ref["logits"]["mlm"][real])
     padded = nhf.config_from_hf({**original, "vocab_size": 300, "pad_vocab_size_multiple": 64})
     assert padded.vocab_size == 320
@@ -323,7 +323,7 @@ def test_load_pretrained_and_continued_pretraining(tmp_path):
     real = mask.astype(bool)
     close(
         "load_pretrained",
-        np.asarray(bert(ids, token_type_ids=types, attention_mask=mask).mlm_logits)[real],
+        np.asarray(bert(ids, segment_ids=types, input_mask=mask).mlm_logits)[real],
         want.numpy()[real],
         1e-4,
     )

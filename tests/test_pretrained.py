@@ -84,6 +84,15 @@ def test_training_checkpoint_with_scanned_layers(tmp_path):
     out = model(IDS, TYPES, MASK)
     for name in ("sequence_output", "pooled_output", "mlm_logits", "nsp_logits"):
         np.testing.assert_allclose(getattr(out, name), expected[name], atol=1e-5, err_msg=name)
+    by_name = model(IDS, segment_ids=TYPES, input_mask=MASK)
+    np.testing.assert_array_equal(by_name.sequence_output, out.sequence_output)
+    # bertjax 0.4's input names are one line naming the new ones, on the loader and on a module.
+    with pytest.raises(TypeError, match=r"^token_type_ids= is now segment_ids= "):
+        model(IDS, token_type_ids=TYPES)
+    with pytest.raises(TypeError, match=r"^attention_mask= is now input_mask= "):
+        module.apply({"params": params}, IDS, attention_mask=MASK)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'input_maks'"):
+        model(IDS, input_maks=MASK)
     low = load_pretrained(str(tmp_path / "checkpoints"), dtype="bfloat16")(IDS, TYPES, MASK)
     assert low.sequence_output.dtype == jnp.bfloat16
     assert np.abs(np.asarray(low.sequence_output, np.float32) - out.sequence_output).max() < 0.1
@@ -110,7 +119,7 @@ def test_encode_batch_pairs_truncation_and_padding(uncased_vocab):
     tok = load_tokenizer(str(uncased_vocab))
     long_a = "the quick brown fox jumps over the lazy dog " * 2
     batch = encode_batch(tok, ["hello world", (long_a, "a short one")], max_length=12)
-    ids, types, mask = batch["input_ids"], batch["token_type_ids"], batch["attention_mask"]
+    ids, types, mask = batch["input_ids"], batch["segment_ids"], batch["input_mask"]
     assert ids.shape == (2, 12) and ids.dtype == np.int32
     assert tok.convert_ids_to_tokens(ids[0, :4]) == ["[CLS]", "hello", "world", "[SEP]"]
     assert mask[0].tolist() == [1] * 4 + [0] * 8 and ids[0, 4:].tolist() == [tok.pad_id] * 8

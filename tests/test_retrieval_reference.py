@@ -198,7 +198,7 @@ def test_a_retrieval_runs_checkpoint_embeds_as_the_model_it_trained(tmp_path, ki
     }
     ids = task._encode(texts, config.data.max_seq_length)
     own = setup.model.apply(
-        {"params": restored}, ids["input_ids"], ids["token_type_ids"], ids["attention_mask"]
+        {"params": restored}, ids["input_ids"], ids["segment_ids"], ids["input_mask"]
     )
     np.testing.assert_allclose(vectors, np.asarray(own), atol=1e-5)
     np.testing.assert_allclose(np.linalg.norm(vectors, axis=1), 1.0, atol=1e-5)

@@ -27,7 +27,7 @@ from typing import Any
 import jax
 import numpy as np
 import pytest
-from helpers import small_config
+from helpers import hf_inputs, small_config
 from train_fixtures import tiny_config, write_prepared
 
 import bertjax
@@ -166,7 +166,7 @@ def trained(tmp_path_factory, files):
 
 
 def _probe(run: Run) -> dict[str, np.ndarray]:
-    """input_ids, token_type_ids, attention_mask [2, SEQ]: [CLS] ids [SEP], the second row padded
+    """input_ids, segment_ids, input_mask [2, SEQ]: [CLS] ids [SEP], the second row padded
     after 9 tokens, two segments (zeros for ModernBERT); [2, CHOICES, SEQ] for multiple choice."""
     rows = 2 * CHOICES if run.name == "swag" else 2
     rng = np.random.default_rng(0)
@@ -179,7 +179,7 @@ def _probe(run: Run) -> dict[str, np.ndarray]:
     types = ((np.arange(SEQ)[None] >= lengths[:, None] // 2) & (mask == 1)).astype(np.int32)
     if run.config.model.get("architecture") == "modernbert":
         types = np.zeros_like(types)
-    batch = dict(input_ids=ids, token_type_ids=types, attention_mask=mask)
+    batch = dict(input_ids=ids, segment_ids=types, input_mask=mask)
     if run.name == "swag":
         batch = {k: v.reshape(2, CHOICES, SEQ) for k, v in batch.items()}
     return batch
@@ -191,7 +191,7 @@ def _flat(batch):
 
 
 def _real(batch):
-    return _flat(batch)["attention_mask"].astype(bool)
+    return _flat(batch)["input_mask"].astype(bool)
 
 
 def _trainer_outputs(run: Run, folder: str = "checkpoints", at: int = 2) -> dict[str, np.ndarray]:
@@ -215,7 +215,7 @@ def _trainer_outputs(run: Run, folder: str = "checkpoints", at: int = 2) -> dict
     encoder = build_encoder(model.config, add_pooler="pooler" in enc_params)
     flat = _flat(batch)
     enc_out = jax.jit(encoder.apply)(
-        {"params": enc_params}, flat["input_ids"], flat["token_type_ids"], flat["attention_mask"]
+        {"params": enc_params}, flat["input_ids"], flat["segment_ids"], flat["input_mask"]
     )
     result = {"sequence_output": np.asarray(enc_out.sequence_output)}
     if isinstance(out, tuple):  # QA: (start, end) -> [b, seq, 2]
@@ -311,7 +311,7 @@ def test_the_best_folder_is_the_model_of_its_step(outputs, tmp_path, name):
 
 
 def _torch_inputs(run: Run, batch) -> dict:
-    out = {k: torch.from_numpy(np.asarray(v)).long() for k, v in batch.items()}
+    out = hf_inputs(batch)
     if run.config.model.get("architecture") == "modernbert":
         out.pop("token_type_ids")
     return out

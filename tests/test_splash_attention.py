@@ -65,7 +65,7 @@ def test_packed_segments_give_block_diagonal_attention():
     got = jax.jit(_splash)(q, k, v, ids)
     ref = _reference(q, k, v, ids[:, :, None] == ids[:, None, :])
     np.testing.assert_allclose(got, ref, atol=1e-5, rtol=1e-5)  # every position, padding included
-    # Pack ids are the segment ids as they are (attention_mask unread, as in attention_bias).
+    # Pack ids are the segment ids as they are (input_mask unread, as in attention_bias).
     np.testing.assert_array_equal(segment_ids_from_mask(jnp.ones((2, SEQ)), ids), ids)
 
 
@@ -109,8 +109,8 @@ def _pretraining_losses(cfg, params, batch):
     out = PreTrainingModel(cfg).apply(
         {"params": params},
         batch["input_ids"],
-        batch["token_type_ids"],
-        batch["attention_mask"],
+        batch["segment_ids"],
+        batch["input_mask"],
         batch["masked_lm_positions"],
     )
     mlm, _ = losses.masked_lm_loss(out["mlm_logits"], batch["masked_lm_ids"], batch["weights"])
@@ -124,8 +124,8 @@ def test_model_switch_computes_the_same_losses(monkeypatch):
     mask[1, 70:] = 0
     batch = dict(
         input_ids=rng.integers(5, VOCAB, (2, SEQ)).astype(np.int32) * mask,
-        token_type_ids=(np.arange(SEQ) >= 40).astype(np.int32)[None].repeat(2, 0) * mask,
-        attention_mask=mask,
+        segment_ids=(np.arange(SEQ) >= 40).astype(np.int32)[None].repeat(2, 0) * mask,
+        input_mask=mask,
         masked_lm_positions=np.array([[3, 50, 90, 120], [1, 20, 69, 0]], np.int32),
         masked_lm_ids=rng.integers(5, VOCAB, (2, 4)).astype(np.int32),
         weights=np.array([[1, 1, 1, 1], [1, 1, 1, 0]], np.float32),

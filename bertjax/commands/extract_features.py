@@ -8,7 +8,7 @@ states: 0 is the embedding output and i the output of layer i, so negative indic
   [{"token": "[CLS]", "layers": [{"index": -1, "values": [...]}, ...]}, ...]}`` (values rounded
   to 6 decimals);
 * ``.npz``: ``features`` [lines, max_seq_length, layers, hidden] float32 (zero past each line's
-  ``lengths``), ``tokens`` [lines, max_seq_length] str, ``input_ids``, ``token_type_ids``,
+  ``lengths``), ``tokens`` [lines, max_seq_length] str, ``input_ids``, ``segment_ids``,
   ``lengths``, ``layers``.
 
 The output is written under a temporary name and renamed when complete.
@@ -79,12 +79,12 @@ def extract_features(
     layers = tuple(layers)
 
     @jax.jit
-    def step(params, input_ids, token_type_ids, attention_mask):
+    def step(params, input_ids, segment_ids, input_mask):
         out = model.module.apply(
             {"params": params},
             input_ids,
-            token_type_ids,
-            attention_mask,
+            segment_ids,
+            input_mask,
             output_hidden_states=True,
         )
         hidden = out["hidden_states"]
@@ -100,12 +100,12 @@ def extract_features(
             step(
                 model.params,
                 padded["input_ids"],
-                padded["token_type_ids"],
-                padded["attention_mask"],
+                padded["segment_ids"],
+                padded["input_mask"],
             )
         )
         for row in range(len(chunk)):
-            length = int(batch["attention_mask"][row].sum())
+            length = int(batch["input_mask"][row].sum())
             ids = batch["input_ids"][row, :length]
             tokens = model.tokenizer.convert_ids_to_tokens(ids)
             encoded = {k: v[row] for k, v in batch.items()}
@@ -164,7 +164,7 @@ def write_features(path: str, records, layers: Sequence[int], max_seq_length: in
                 features=feats,
                 tokens=tokens.astype(str),
                 input_ids=np.stack([r[2]["input_ids"] for r in rows]).astype(np.int32),
-                token_type_ids=np.stack([r[2]["token_type_ids"] for r in rows]),
+                segment_ids=np.stack([r[2]["segment_ids"] for r in rows]),
                 lengths=np.array([len(r[1]) for r in rows], np.int32),
                 layers=np.array(layers, np.int32),
             )

@@ -221,14 +221,14 @@ def cudnn_dropout_attention(
     )
 
 
-def sees_a_key(attention_mask: Array, half: int | None) -> Array:
+def sees_a_key(input_mask: Array, half: int | None) -> Array:
     """[batch, seq, 1, 1] float32: 1 where a query has an unmasked key (within ``half`` positions
     of it in sliding-window layers; anywhere when ``half`` is None), else 0.
 
     Only padding queries far from every token (or rows of padding alone) see none. transformers'
     default attention (PyTorch SDPA) gives such a fully masked row a zero context (its eager
     attention averages every value instead), so their outputs match SDPA's with this mask."""
-    m = (attention_mask > 0).astype(jnp.int32)  # [batch, seq]
+    m = (input_mask > 0).astype(jnp.int32)  # [batch, seq]
     seq = m.shape[1]
     if half is None:
         seen = jnp.broadcast_to(m.max(axis=1, keepdims=True), m.shape)

@@ -27,6 +27,7 @@ from bertjax.layers.core import (
     embed_table,
     embedding_lookup,
     layer_norm,
+    model_inputs,
     remat,
     tanh_pooler,
 )
@@ -49,7 +50,7 @@ class RopeSelfAttention(nn.Module):
     use_bias: bool = False
 
     @nn.compact
-    def __call__(self, x, bias, rope, deterministic: bool, segment_ids=None) -> Array:
+    def __call__(self, x, bias, rope, deterministic: bool, attention_segment_ids=None) -> Array:
         cfg = self.config
         h, n, d, ab = cfg.hidden_size, cfg.num_heads, cfg.head_dim, self.use_bias
         g = self.kv_heads or n
@@ -69,7 +70,7 @@ class RopeSelfAttention(nn.Module):
             dropout_rate=cfg.attention_dropout,
             dropout_impl=cfg.dropout_impl,
             deterministic=deterministic,
-            segment_ids=segment_ids,
+            segment_ids=attention_segment_ids,
             kernel_seed=kernel_seed(self),
         )  # [batch, seq, heads, head_dim]
         ctx = nn.with_logical_constraint(ctx, BATCH_LENGTH_HEADS_KV)
@@ -113,20 +114,20 @@ def check_length(cfg: Any, input_ids: Array) -> None:
 
 def rope_inputs(
     cfg: Any,
-    attention_mask: Array,
+    input_mask: Array,
     position_ids: Array | None,
     pack_ids: Array | None,
 ) -> tuple[Array, Array | None, tuple[Array, Array]]:
     """(additive mask bias [batch, 1, 1 or q, k], splash segment ids or None, RoPE cos/sin) of a
     rotary encoder's inputs; ``position_ids`` None: 0..seq-1. The config has ``rope(seq_len)``."""
-    seq_len = attention_mask.shape[1]
-    bias = attention_bias(attention_mask, jnp.float32, pack_ids)
-    segment_ids = None
+    seq_len = input_mask.shape[1]
+    bias = attention_bias(input_mask, jnp.float32, pack_ids)
+    attention_segment_ids = None
     if resolve_impl(cfg.attention_impl) == "splash":
-        segment_ids = segment_ids_from_mask(attention_mask, pack_ids)
+        attention_segment_ids = segment_ids_from_mask(input_mask, pack_ids)
     if position_ids is None:
         position_ids = jnp.arange(seq_len)[None, :]  # [1, seq]
-    return bias, segment_ids, rope_tables(position_ids, *cfg.rope(seq_len))
+    return bias, attention_segment_ids, rope_tables(position_ids, *cfg.rope(seq_len))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -135,21 +136,21 @@ def rope_inputs(
 class PostNormEmbeddings(nn.Module):
     """Word embeddings (+ token-type embeddings where ``type_vocab_size`` > 0), LayerNorm,
     dropout; no position table (RoPE). With one token type every token reads it, whatever its
-    ``token_type_ids`` (a pair's second segment included: transformers' tokenizers of such
+    ``segment_ids`` (a pair's second segment included: transformers' tokenizers of such
     checkpoints give none). The config has ``type_vocab_size`` and ``layer_norm_eps``."""
 
     config: Any
 
     @nn.compact
-    def __call__(self, input_ids: Array, token_type_ids: Array, deterministic: bool) -> Array:
+    def __call__(self, input_ids: Array, segment_ids: Array, deterministic: bool) -> Array:
         cfg = self.config
         words = embed_table(cfg, cfg.vocab_size, ("vocab", "embed"), "word_embeddings")
         x = embedding_lookup(words, input_ids)
         if cfg.type_vocab_size:
             types = embed_table(cfg, cfg.type_vocab_size, (None, "embed"), "token_type_embeddings")
             if cfg.type_vocab_size == 1:
-                token_type_ids = jnp.zeros_like(token_type_ids)
-            x = x + embedding_lookup(types, token_type_ids)
+                segment_ids = jnp.zeros_like(segment_ids)
+            x = x + embedding_lookup(types, segment_ids)
         x = layer_norm(cfg, "LayerNorm", epsilon=cfg.layer_norm_eps)(x)
         x = Dropout(cfg.hidden_dropout, cfg.dropout_impl)(x, deterministic=deterministic)
         return nn.with_logical_constraint(x, BATCH_LENGTH_EMBED)
@@ -166,11 +167,11 @@ class PostNormLayer(nn.Module):
     mlp_dropout: bool = False
 
     @nn.compact
-    def __call__(self, x, bias, rope, deterministic: bool, segment_ids=None) -> Array:
+    def __call__(self, x, bias, rope, deterministic: bool, attention_segment_ids=None) -> Array:
         cfg = self.config
         drop = Dropout(cfg.hidden_dropout, cfg.dropout_impl)
         attention = RopeSelfAttention(cfg, use_bias=self.attention_bias, name="self_attn")
-        attn = attention(x, bias, rope, deterministic, segment_ids)
+        attn = attention(x, bias, rope, deterministic, attention_segment_ids)
         x = x + drop(attn, deterministic=deterministic)
         x = layer_norm(cfg, "post_attention_layernorm", epsilon=cfg.layer_norm_eps)(x)
         mlp = GatedMLP(cfg, down_bias=self.down_bias, dropout=self.mlp_dropout, name="mlp")
@@ -184,7 +185,7 @@ class PostNormEncoder(nn.Module):
     class attributes ``attention_bias``, ``down_bias`` and ``mlp_dropout`` of a family's subclass
     say) and the optional tanh pooler on the first token (``pooler``).
 
-    ``attention_mask`` [batch, seq] (1 = token, 0 = padding; padded keys are masked, padded
+    ``input_mask`` [batch, seq] (1 = token, 0 = padding; padded keys are masked, padded
     queries computed and never read, as in transformers). Packed rows pass ``pack_ids`` and
     ``position_ids`` restarting at 0 per sequence. ``pool_positions`` [batch, k] pools at those
     positions (pooled_output [batch, k, hidden]); without them pooled_output is [batch, hidden].
@@ -198,12 +199,13 @@ class PostNormEncoder(nn.Module):
     down_bias: ClassVar[bool] = False
     mlp_dropout: ClassVar[bool] = False
 
+    @model_inputs
     @nn.compact
     def __call__(
         self,
         input_ids: Array,
-        token_type_ids: Array | None = None,
-        attention_mask: Array | None = None,
+        segment_ids: Array | None = None,
+        input_mask: Array | None = None,
         *,
         deterministic: bool = True,
         output_hidden_states: bool = False,
@@ -213,13 +215,13 @@ class PostNormEncoder(nn.Module):
     ) -> EncoderOutput:
         cfg = self.config
         check_length(cfg, input_ids)
-        if token_type_ids is None:
-            token_type_ids = jnp.zeros_like(input_ids)
-        if attention_mask is None:
-            attention_mask = jnp.ones_like(input_ids)
-        x = PostNormEmbeddings(cfg, name="embeddings")(input_ids, token_type_ids, deterministic)
-        bias, segment_ids, rope = rope_inputs(cfg, attention_mask, position_ids, pack_ids)
-        # static_argnums counts self: (self, x, bias, rope, deterministic, segment_ids)
+        if segment_ids is None:
+            segment_ids = jnp.zeros_like(input_ids)
+        if input_mask is None:
+            input_mask = jnp.ones_like(input_ids)
+        x = PostNormEmbeddings(cfg, name="embeddings")(input_ids, segment_ids, deterministic)
+        bias, attention_segment_ids, rope = rope_inputs(cfg, input_mask, position_ids, pack_ids)
+        # static_argnums counts self: (self, x, bias, rope, deterministic, attention_segment_ids)
         layer_cls = remat(PostNormLayer, cfg.remat, static_argnums=(4,))
         options = dict(
             attention_bias=self.attention_bias,
@@ -229,7 +231,7 @@ class PostNormEncoder(nn.Module):
         hidden_states = [x]
         for i in range(cfg.num_layers):
             layer = layer_cls(cfg, **options, name=f"layer_{i}")
-            x = layer(x, bias, rope, deterministic, segment_ids)
+            x = layer(x, bias, rope, deterministic, attention_segment_ids)
             hidden_states.append(x)
         pooled = tanh_pooler(cfg, x, pool_positions, "pooler") if self.add_pooler else None
         hidden = tuple(hidden_states) if output_hidden_states else ()

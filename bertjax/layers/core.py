@@ -195,12 +195,12 @@ class RMSNorm(nn.Module):
 
 
 def pool_members(
-    attention_mask: Array, pack_ids: Array | None, pool_positions: Array | None
+    input_mask: Array, pack_ids: Array | None, pool_positions: Array | None
 ) -> tuple[Array, Array]:
     """(positions [batch, k], members [batch, k, seq] bool) of a pooler: ``pool_positions`` (None:
     position 0 of every row, k = 1) and the tokens each pooled mean there averages: the row's real
     tokens, or with ``pack_ids`` and ``pool_positions`` the tokens of the packed sequence there."""
-    batch, seq_len = attention_mask.shape
+    batch, seq_len = input_mask.shape
     if pool_positions is None:
         positions = jnp.zeros((batch, 1), jnp.int32)
     else:
@@ -208,7 +208,7 @@ def pool_members(
     if pack_ids is not None and pool_positions is not None:
         ids = jnp.take_along_axis(pack_ids, positions, axis=1)  # [batch, k]
         return positions, pack_ids[:, None, :] == ids[:, :, None]  # [batch, k, seq]
-    tokens = attention_mask if pack_ids is None else pack_ids
+    tokens = input_mask if pack_ids is None else pack_ids
     members = jnp.broadcast_to((tokens > 0)[:, None, :], (batch, positions.shape[1], seq_len))
     return positions, members
 
@@ -233,20 +233,47 @@ def output_dense(config, features: int, name: str) -> nn.Dense:
     )
 
 
-def attention_bias(attention_mask: Array, dtype: Any, pack_ids: Array | None = None) -> Array:
+# A model's inputs are named as its training batches' keys: input_ids, segment_ids, input_mask.
+# bertjax 0.4 called the last two token_type_ids and attention_mask; for one release those names
+# are a one-line error naming the new ones.
+RENAMED_INPUTS = {"token_type_ids": "segment_ids", "attention_mask": "input_mask"}
+
+
+def refuse_renamed_inputs(kwargs: dict[str, Any]) -> None:
+    """A TypeError naming the new keyword for an input keyword bertjax 0.5 renamed."""
+    for old, new in RENAMED_INPUTS.items():
+        if old in kwargs:
+            raise TypeError(
+                f"{old}= is now {new}= (bertjax 0.5 names a model's inputs as its batches are "
+                "named: input_ids, segment_ids, input_mask)"
+            )
+
+
+def model_inputs(call):
+    """Decorates a model's ``__call__`` (above ``nn.compact``): :func:`refuse_renamed_inputs`."""
+
+    @functools.wraps(call)
+    def checked(self, *args, **kwargs):
+        refuse_renamed_inputs(kwargs)
+        return call(self, *args, **kwargs)
+
+    return checked
+
+
+def attention_bias(input_mask: Array, dtype: Any, pack_ids: Array | None = None) -> Array:
     """[batch, seq] 0/1 mask (or [batch, q, k]) -> additive bias [batch, 1, q or 1, k] (fp32 softmax).
 
     With ``pack_ids`` [batch, seq] (packed rows: 1..n per sequence, 0 = padding) the mask is block
-    diagonal and ``attention_mask`` is not read: a real token attends exactly to the tokens of its own
+    diagonal and ``input_mask`` is not read: a real token attends exactly to the tokens of its own
     sequence. Padding tokens attend to each other (their outputs are never read), so no query row is
     fully masked (which would be NaN where the bias rounds to -inf, e.g. in bfloat16).
     """
     if pack_ids is not None:
-        attention_mask = pack_ids[:, :, None] == pack_ids[:, None, :]  # [batch, q, k]
-    if attention_mask.ndim == 2:
-        allowed = attention_mask[:, None, None, :]
+        input_mask = pack_ids[:, :, None] == pack_ids[:, None, :]  # [batch, q, k]
+    if input_mask.ndim == 2:
+        allowed = input_mask[:, None, None, :]
     else:
-        allowed = attention_mask[:, None, :, :]
+        allowed = input_mask[:, None, :, :]
     return jnp.where(allowed > 0, 0.0, jnp.finfo(dtype).min).astype(dtype)
 
 

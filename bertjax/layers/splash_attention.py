@@ -55,22 +55,22 @@ _BLOCKS = (512, 256, 128)  # tried largest first
 LOGICAL_AXES = ("batch", "length", "act_heads", "kv")
 
 
-def segment_ids_from_mask(attention_mask: Array, pack_ids: Array | None = None) -> Array:
+def segment_ids_from_mask(input_mask: Array, pack_ids: Array | None = None) -> Array:
     """Segment ids [batch, seq] int32 for the kernel: 0 at padding, else 1 (or the pack id).
 
-    ``attention_mask`` [batch, seq] is 1 at real tokens and 0 at padding. With ``pack_ids``
+    ``input_mask`` [batch, seq] is 1 at real tokens and 0 at padding. With ``pack_ids``
     [batch, seq] (packed rows: 1..n per sequence, 0 = padding) those are the ids and
-    ``attention_mask`` is not read, as in ``modeling.attention_bias``. A 3-D [batch, q, k] mask
+    ``input_mask`` is not read, as in ``modeling.attention_bias``. A 3-D [batch, q, k] mask
     cannot be expressed as segment ids and is an error. (Not BERT's token-type "segment_ids".)
     """
     if pack_ids is not None:
         return pack_ids.astype(jnp.int32)
-    if attention_mask.ndim != 2:
+    if input_mask.ndim != 2:
         raise ValueError(
             f"attention_impl='splash' needs a [batch, seq] attention mask (segment ids), got shape "
-            f"{attention_mask.shape}; use attention_impl='xla' for a [batch, q, k] mask"
+            f"{input_mask.shape}; use attention_impl='xla' for a [batch, q, k] mask"
         )
-    return (attention_mask > 0).astype(jnp.int32)
+    return (input_mask > 0).astype(jnp.int32)
 
 
 def block_size(seq_len: int) -> int:

@@ -48,6 +48,7 @@ from bertjax.layers.core import (
     embed_table,
     embedding_lookup,
     layer_norm,
+    model_inputs,
     remat,
     tanh_pooler,
     zeros_init,
@@ -165,7 +166,7 @@ class BertEmbeddings(nn.Module):
     def __call__(
         self,
         input_ids: Array,
-        token_type_ids: Array,
+        segment_ids: Array,
         *,
         deterministic: bool,
         position_ids: Array | None = None,
@@ -191,7 +192,7 @@ class BertEmbeddings(nn.Module):
             positions = embedding_lookup(table, position_ids)
         types = embedding_lookup(
             embed_table(cfg, cfg.type_vocab_size, (None, "embed"), "token_type_embeddings"),
-            token_type_ids,
+            segment_ids,
         )
         x = words + positions + types  # [batch, seq, hidden]
         x = layer_norm(cfg, "LayerNorm", epsilon=cfg.layer_norm_eps)(x)
@@ -339,7 +340,7 @@ class BertModel(nn.Module):
     """The BERT encoder with its tanh pooler on ``[CLS]``.
 
     Packed rows (several sequences per row) pass ``pack_ids`` [batch, seq] (1..n: the sequence a
-    token belongs to, 0 = padding; attention becomes block diagonal, ``attention_mask`` is unused) and
+    token belongs to, 0 = padding; attention becomes block diagonal, ``input_mask`` is unused) and
     ``position_ids`` [batch, seq] restarting at 0 per sequence. ``pool_positions`` [batch, k] applies
     the pooler at those positions (each packed sequence's [CLS]): pooled_output [batch, k, hidden].
     """
@@ -347,12 +348,13 @@ class BertModel(nn.Module):
     config: BertConfig
     add_pooler: bool = True
 
+    @model_inputs
     @nn.compact
     def __call__(
         self,
         input_ids: Array,
-        token_type_ids: Array | None = None,
-        attention_mask: Array | None = None,
+        segment_ids: Array | None = None,
+        input_mask: Array | None = None,
         *,
         deterministic: bool = True,
         output_hidden_states: bool = False,
@@ -361,18 +363,18 @@ class BertModel(nn.Module):
         pool_positions: Array | None = None,
     ) -> BertOutput:
         cfg = self.config
-        if token_type_ids is None:
-            token_type_ids = jnp.zeros_like(input_ids)
-        if attention_mask is None:
-            attention_mask = jnp.ones_like(input_ids)
+        if segment_ids is None:
+            segment_ids = jnp.zeros_like(input_ids)
+        if input_mask is None:
+            input_mask = jnp.ones_like(input_ids)
         x = BertEmbeddings(cfg, name="embeddings")(
-            input_ids, token_type_ids, deterministic=deterministic, position_ids=position_ids
+            input_ids, segment_ids, deterministic=deterministic, position_ids=position_ids
         )
-        bias = attention_bias(attention_mask, jnp.float32, pack_ids)
+        bias = attention_bias(input_mask, jnp.float32, pack_ids)
         # [batch, seq] ids for the splash kernel: 0 at padding, 1 (or the pack id) at real tokens
         attention_segment_ids = None
         if resolve_impl(cfg.attention_impl) == "splash":
-            attention_segment_ids = segment_ids_from_mask(attention_mask, pack_ids)
+            attention_segment_ids = segment_ids_from_mask(input_mask, pack_ids)
         x, hidden = BertEncoder(cfg, name="encoder")(
             x,
             bias,

@@ -51,7 +51,7 @@ class Architecture:
         its ``pretraining_heads``), or of that model's encoder alone.
       get_preset: ``(preset name, **field overrides) -> config``; ``preset_names() -> [names]``.
       encoder: the Flax encoder, built as ``encoder(config, add_pooler=..., name=encoder_name)`` and
-        called as ``(input_ids, token_type_ids, attention_mask, *, deterministic,
+        called as ``(input_ids, segment_ids, input_mask, *, deterministic,
         output_hidden_states, position_ids, pack_ids, pool_positions) -> EncoderOutput``.
       masked_lm_head: ``(config)``, called as ``(hidden [..., H], word_embeddings [V, H]) ->
         logits [..., V]``, or with ``labels`` [...] as ``(..., labels) -> (nll, label logit -

@@ -52,6 +52,7 @@ from bertjax.layers.core import (
     embed_table,
     embedding_lookup,
     gather_positions,
+    model_inputs,
     normal_init,
     pool_members,
     remat,
@@ -169,11 +170,11 @@ class EuroBertLayer(nn.Module):
     config: EuroBertConfig
 
     @nn.compact
-    def __call__(self, x, bias, rope, deterministic: bool, segment_ids=None) -> Array:
+    def __call__(self, x, bias, rope, deterministic: bool, attention_segment_ids=None) -> Array:
         cfg = self.config
         h = RMSNorm(cfg, cfg.rms_norm_eps, name="input_layernorm")(x)
         attn = RopeSelfAttention(cfg, cfg.num_kv_heads, cfg.attention_bias, name="self_attn")
-        x = x + attn(h, bias, rope, deterministic, segment_ids)
+        x = x + attn(h, bias, rope, deterministic, attention_segment_ids)
         h = RMSNorm(cfg, cfg.rms_norm_eps, name="post_attention_layernorm")(x)
         x = x + GatedMLP(cfg, cfg.mlp_bias, name="mlp")(h)
         return nn.with_logical_constraint(x, BATCH_LENGTH_EMBED)
@@ -210,23 +211,24 @@ class Pooler(nn.Module):
 class EuroBertModel(nn.Module):
     """The EuroBERT encoder (token embeddings, layers, final norm) with the optional pooler.
 
-    ``attention_mask`` [batch, seq] (1 = token, 0 = padding; padded keys are masked, padded
+    ``input_mask`` [batch, seq] (1 = token, 0 = padding; padded keys are masked, padded
     queries computed and never read, as in transformers). Packed rows pass ``pack_ids`` and
     ``position_ids`` restarting at 0 per sequence. ``pool_positions`` [batch, k] pools at those
     positions (pooled_output [batch, k, hidden]); without them pooled_output is [batch, hidden].
-    ``token_type_ids`` are accepted and ignored. ``hidden_states``: the embeddings, every layer's
+    ``segment_ids`` are accepted and ignored. ``hidden_states``: the embeddings, every layer's
     output but the last, and the sequence output (after the final norm), as transformers'.
     """
 
     config: EuroBertConfig
     add_pooler: bool = True
 
+    @model_inputs
     @nn.compact
     def __call__(
         self,
         input_ids: Array,
-        token_type_ids: Array | None = None,
-        attention_mask: Array | None = None,
+        segment_ids: Array | None = None,
+        input_mask: Array | None = None,
         *,
         deterministic: bool = True,
         output_hidden_states: bool = False,
@@ -234,24 +236,26 @@ class EuroBertModel(nn.Module):
         pack_ids: Array | None = None,
         pool_positions: Array | None = None,
     ) -> EncoderOutput:
-        del token_type_ids  # EuroBERT has no segment embeddings
+        del segment_ids  # EuroBERT has no segment embeddings
         cfg = self.config
         check_length(cfg, input_ids)
-        if attention_mask is None:
-            attention_mask = jnp.ones_like(input_ids)
+        if input_mask is None:
+            input_mask = jnp.ones_like(input_ids)
         words = embed_table(cfg, cfg.vocab_size, ("vocab", "embed"), "embed_tokens")
         x = nn.with_logical_constraint(embedding_lookup(words, input_ids), BATCH_LENGTH_EMBED)
-        bias, segment_ids, rope = rope_inputs(cfg, attention_mask, position_ids, pack_ids)
-        # static_argnums counts self: (self, x, bias, rope, deterministic, segment_ids)
+        bias, attention_segment_ids, rope = rope_inputs(cfg, input_mask, position_ids, pack_ids)
+        # static_argnums counts self: (self, x, bias, rope, deterministic, attention_segment_ids)
         layer_cls = remat(EuroBertLayer, cfg.remat, static_argnums=(4,))
         hidden_states = [x]
         for i in range(cfg.num_layers):
-            x = layer_cls(cfg, name=f"layer_{i}")(x, bias, rope, deterministic, segment_ids)
+            x = layer_cls(cfg, name=f"layer_{i}")(
+                x, bias, rope, deterministic, attention_segment_ids
+            )
             hidden_states.append(x)
         x = RMSNorm(cfg, cfg.rms_norm_eps, name="norm")(x)  # [batch, seq, hidden]
         pooled = None
         if self.add_pooler:
-            positions, members = pool_members(attention_mask, pack_ids, pool_positions)
+            positions, members = pool_members(input_mask, pack_ids, pool_positions)
             pooled = Pooler(cfg, name="pooler")(x, positions, members)
             if pool_positions is None:
                 pooled = pooled[:, 0]  # [batch, hidden]

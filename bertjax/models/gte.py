@@ -61,7 +61,7 @@ class GteConfig(RopeConfig, EncoderConfig):
     attention_dropout: float = 0.0
     dropout_impl: str = "auto"
     max_position_embeddings: int = 8192  # longest sequence accepted (RoPE has no table)
-    type_vocab_size: int = 1  # 0: no token-type embeddings (token_type_ids are ignored)
+    type_vocab_size: int = 1  # 0: no token-type embeddings (segment_ids are ignored)
     initializer_range: float = 0.02
     dtype: str = "float32"  # compute dtype; softmax, RoPE and norm statistics stay fp32
     param_dtype: str = "float32"

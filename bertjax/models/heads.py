@@ -43,7 +43,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from bertjax.layers.core import gather_positions, output_dense
+from bertjax.layers.core import gather_positions, model_inputs, output_dense
 from bertjax.layers.dropout import Dropout
 from bertjax.models import architecture
 
@@ -139,14 +139,12 @@ def layer_features(hidden_states: Sequence[Array], features: str) -> Array:
     raise ValueError(f"head.features={features!r} is not one of {FEATURES[1:]}")
 
 
-def mean_tokens(
-    x: Array, attention_mask: Array | None, pack_ids: Array | None, slots: int
-) -> Array:
+def mean_tokens(x: Array, input_mask: Array | None, pack_ids: Array | None, slots: int) -> Array:
     """The mean of ``x`` [batch, seq, F] over each example's tokens: [batch, F] over the
     attention mask, or [batch, slots, F] over each packed example's tokens (``pack_ids`` 1..slots;
     an empty slot gives zeros). Padding is never counted (sentence-transformers' mean pooling)."""
     if pack_ids is None:
-        mask = jnp.ones(x.shape[:2]) if attention_mask is None else attention_mask
+        mask = jnp.ones(x.shape[:2]) if input_mask is None else input_mask
         member = mask[:, None, :] > 0  # [batch, 1, seq]
     else:  # [batch, slots, seq]
         member = pack_ids[:, None, :] == jnp.arange(1, slots + 1, dtype=pack_ids.dtype)[:, None]
@@ -173,10 +171,10 @@ class BiLSTM(nn.Module):
         return x
 
 
-def first_token_positions(attention_mask: Array) -> Array:
+def first_token_positions(input_mask: Array) -> Array:
     """[batch, 1] the first unpadded token of each row (left padding), as transformers'
-    ``attention_mask.argmax(-1)``: where an architecture with ``choice_pools_first_token`` pools."""
-    return jnp.argmax(attention_mask, axis=-1).astype(jnp.int32)[:, None]
+    ``input_mask.argmax(-1)``: where an architecture with ``choice_pools_first_token`` pools."""
+    return jnp.argmax(input_mask, axis=-1).astype(jnp.int32)[:, None]
 
 
 class PreTrainingModel(nn.Module):
@@ -186,12 +184,13 @@ class PreTrainingModel(nn.Module):
     config: Any
     nsp: bool = True
 
+    @model_inputs
     @nn.compact
     def __call__(
         self,
         input_ids: Array,  # [batch, seq]
-        token_type_ids: Array | None = None,  # [batch, seq]
-        attention_mask: Array | None = None,  # [batch, seq]
+        segment_ids: Array | None = None,  # [batch, seq]
+        input_mask: Array | None = None,  # [batch, seq]
         masked_lm_positions: Array | None = None,  # [batch, k]
         *,
         deterministic: bool = True,
@@ -211,8 +210,8 @@ class PreTrainingModel(nn.Module):
         enc = encoder(cfg, add_pooler=self.nsp or architecture(cfg).pooler_in_pretraining)
         out = enc(
             input_ids,
-            token_type_ids,
-            attention_mask,
+            segment_ids,
+            input_mask,
             deterministic=deterministic,
             position_ids=position_ids,
             pack_ids=pack_ids,
@@ -239,12 +238,13 @@ class SequenceClassifier(nn.Module):
     frozen_encoder: bool = False  # the encoder runs without dropout (a feature extractor)
     pooling: str = "cls"  # a mix (features other than last) at [CLS], or its mean over tokens
 
+    @model_inputs
     @nn.compact
     def __call__(
         self,
         input_ids: Array,  # [batch, seq]
-        token_type_ids: Array | None = None,  # [batch, seq]
-        attention_mask: Array | None = None,  # [batch, seq]
+        segment_ids: Array | None = None,  # [batch, seq]
+        input_mask: Array | None = None,  # [batch, seq]
         *,
         deterministic: bool = True,
         position_ids: Array | None = None,  # [batch, seq]
@@ -255,8 +255,8 @@ class SequenceClassifier(nn.Module):
         last = self.features == "last"
         out = encoder(self.config, add_pooler=last)(
             input_ids,
-            token_type_ids,
-            attention_mask,
+            segment_ids,
+            input_mask,
             deterministic=deterministic or self.frozen_encoder,
             position_ids=position_ids,
             pack_ids=pack_ids,
@@ -269,7 +269,7 @@ class SequenceClassifier(nn.Module):
             x = layer_features(out.hidden_states, self.features)
             if self.pooling == "mean":
                 slots = 0 if cls_positions is None else cls_positions.shape[-1]
-                pooled = mean_tokens(x, attention_mask, pack_ids, slots)
+                pooled = mean_tokens(x, input_mask, pack_ids, slots)
             elif cls_positions is None:
                 pooled = x[:, 0]
             else:
@@ -284,20 +284,21 @@ class SpanClassifier(nn.Module):
     config: Any
     frozen_encoder: bool = False  # the encoder runs without dropout (a feature extractor)
 
+    @model_inputs
     @nn.compact
     def __call__(
         self,
         input_ids: Array,
-        token_type_ids: Array | None = None,
-        attention_mask: Array | None = None,
+        segment_ids: Array | None = None,
+        input_mask: Array | None = None,
         *,
         deterministic: bool = True,
     ) -> tuple[Array, Array]:
         """Returns (start_logits, end_logits), each [batch, seq] float32."""
         out = encoder(self.config, add_pooler=False)(
             input_ids,
-            token_type_ids,
-            attention_mask,
+            segment_ids,
+            input_mask,
             deterministic=deterministic or self.frozen_encoder,
         )
         seq = token_head(self.config, out.sequence_output).astype(jnp.float32)  # [b, s, hidden]
@@ -318,12 +319,13 @@ class TokenClassifier(nn.Module):
     frozen_encoder: bool = False  # the encoder runs without dropout (a feature extractor)
     bilstm: bool = False  # a two-layer BiLSTM between the features and the classifier
 
+    @model_inputs
     @nn.compact
     def __call__(
         self,
         input_ids: Array,
-        token_type_ids: Array | None = None,
-        attention_mask: Array | None = None,
+        segment_ids: Array | None = None,
+        input_mask: Array | None = None,
         *,
         deterministic: bool = True,
         position_ids: Array | None = None,  # [batch, seq]
@@ -337,8 +339,8 @@ class TokenClassifier(nn.Module):
             )
         out = encoder(self.config, add_pooler=False)(
             input_ids,
-            token_type_ids,
-            attention_mask,
+            segment_ids,
+            input_mask,
             deterministic=deterministic or self.frozen_encoder,
             position_ids=position_ids,
             pack_ids=pack_ids,
@@ -352,10 +354,10 @@ class TokenClassifier(nn.Module):
             seq, deterministic=deterministic
         )
         if self.bilstm:  # [batch, seq, F] -> [batch, seq, 2 * hidden]
-            if attention_mask is None:
+            if input_mask is None:
                 lengths = jnp.full(input_ids.shape[:1], input_ids.shape[1], jnp.int32)
             else:
-                lengths = attention_mask.sum(-1).astype(jnp.int32)
+                lengths = input_mask.sum(-1).astype(jnp.int32)
             seq = BiLSTM(self.config.hidden_size, name="bilstm")(seq, lengths)
         return output_dense(self.config, self.num_labels, "classifier")(seq)  # [batch, seq, labels]
 
@@ -366,12 +368,13 @@ class MultipleChoice(nn.Module):
     config: Any
     frozen_encoder: bool = False  # the encoder runs without dropout (a feature extractor)
 
+    @model_inputs
     @nn.compact
     def __call__(
         self,
         input_ids: Array,  # [batch, choices, seq]
-        token_type_ids: Array | None = None,
-        attention_mask: Array | None = None,
+        segment_ids: Array | None = None,
+        input_mask: Array | None = None,
         *,
         deterministic: bool = True,
     ) -> Array:
@@ -386,12 +389,12 @@ class MultipleChoice(nn.Module):
             return None if x is None else x.reshape(b * c, s)  # [batch * choices, seq]
 
         first = None
-        if attention_mask is not None and architecture(self.config).choice_pools_first_token:
-            first = first_token_positions(flat(attention_mask))
+        if input_mask is not None and architecture(self.config).choice_pools_first_token:
+            first = first_token_positions(flat(input_mask))
         out = encoder(self.config)(
             flat(input_ids),
-            flat(token_type_ids),
-            flat(attention_mask),
+            flat(segment_ids),
+            flat(input_mask),
             deterministic=deterministic or self.frozen_encoder,
             pool_positions=first,
         )
@@ -414,12 +417,13 @@ class InferenceModel(nn.Module):
     num_labels: int = 0
     pool_first_token: bool = False
 
+    @model_inputs
     @nn.compact
     def __call__(
         self,
         input_ids: Array,  # [batch, seq]
-        token_type_ids: Array | None = None,
-        attention_mask: Array | None = None,
+        segment_ids: Array | None = None,
+        input_mask: Array | None = None,
         *,
         deterministic: bool = True,
         output_hidden_states: bool = False,
@@ -427,12 +431,12 @@ class InferenceModel(nn.Module):
         cfg = self.config
         enc = encoder(cfg, add_pooler=self.pooler)
         first = None
-        if self.pool_first_token and attention_mask is not None:
-            first = first_token_positions(attention_mask)  # [batch, 1]
+        if self.pool_first_token and input_mask is not None:
+            first = first_token_positions(input_mask)  # [batch, 1]
         out = enc(
             input_ids,
-            token_type_ids,
-            attention_mask,
+            segment_ids,
+            input_mask,
             deterministic=deterministic,
             output_hidden_states=output_hidden_states,
             pool_positions=first,

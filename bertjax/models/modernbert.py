@@ -57,6 +57,7 @@ from bertjax.layers.core import (
     embedding_lookup,
     gather_positions,
     layer_norm,
+    model_inputs,
     normal_init,
     pool_members,
     remat,
@@ -244,7 +245,9 @@ class ModernBertAttention(nn.Module):
     local: bool
 
     @nn.compact
-    def __call__(self, x, bias, rope, deterministic: bool, segment_ids=None, seen=None) -> Array:
+    def __call__(
+        self, x, bias, rope, deterministic: bool, attention_segment_ids=None, seen=None
+    ) -> Array:
         """``seen`` [batch, seq, 1, 1] (``bertjax.layers.attention.sees_a_key``) zeroes the
         context of queries that see no key, as PyTorch's SDPA does; None: every query sees one."""
         cfg = self.config
@@ -264,7 +267,7 @@ class ModernBertAttention(nn.Module):
             dropout_rate=cfg.attention_dropout,
             dropout_impl=cfg.dropout_impl,
             deterministic=deterministic,
-            segment_ids=segment_ids,
+            segment_ids=attention_segment_ids,
             local_window=cfg.local_attention if self.local else 0,
             kernel_seed=kernel_seed(self),
         )  # [batch, seq, heads, head_dim]
@@ -307,12 +310,14 @@ class ModernBertLayer(nn.Module):
     layer_id: int
 
     @nn.compact
-    def __call__(self, x, bias, rope, deterministic: bool, segment_ids=None, seen=None) -> Array:
+    def __call__(
+        self, x, bias, rope, deterministic: bool, attention_segment_ids=None, seen=None
+    ) -> Array:
         cfg = self.config
         h = x if self.layer_id == 0 else _norm(cfg, "attn_norm")(x)
         local = not cfg.is_global(self.layer_id)
         x = x + ModernBertAttention(cfg, local, name="attn")(
-            h, bias, rope, deterministic, segment_ids, seen
+            h, bias, rope, deterministic, attention_segment_ids, seen
         )
         x = x + ModernBertMLP(cfg, name="mlp")(_norm(cfg, "mlp_norm")(x), deterministic)
         return nn.with_logical_constraint(x, BATCH_LENGTH_EMBED)
@@ -382,12 +387,12 @@ class Pooler(nn.Module):
 class ModernBertModel(nn.Module):
     """The ModernBERT encoder (embeddings, layers, final norm) with the optional pooler.
 
-    ``attention_mask`` [batch, seq] (1 = token, 0 = padding). Packed rows pass ``pack_ids``
+    ``input_mask`` [batch, seq] (1 = token, 0 = padding). Packed rows pass ``pack_ids``
     [batch, seq] (1..n per sequence, 0 = padding; attention becomes block diagonal and
-    ``attention_mask`` is unused) and ``position_ids`` [batch, seq] restarting at 0 per sequence
+    ``input_mask`` is unused) and ``position_ids`` [batch, seq] restarting at 0 per sequence
     (RoPE positions; default 0..seq-1). ``pool_positions`` [batch, k] pools at those positions
     (cls), or over the sequence starting there (mean, with ``pack_ids``): pooled_output
-    [batch, k, hidden]; without them pooled_output is [batch, hidden]. ``token_type_ids`` are
+    [batch, k, hidden]; without them pooled_output is [batch, hidden]. ``segment_ids`` are
     accepted and ignored. ``hidden_states`` (when asked): the embeddings, every layer's output
     but the last, and the sequence output (the last layer's after the final norm), as HF's.
     """
@@ -395,12 +400,13 @@ class ModernBertModel(nn.Module):
     config: ModernBertConfig
     add_pooler: bool = True
 
+    @model_inputs
     @nn.compact
     def __call__(
         self,
         input_ids: Array,
-        token_type_ids: Array | None = None,
-        attention_mask: Array | None = None,
+        segment_ids: Array | None = None,
+        input_mask: Array | None = None,
         *,
         deterministic: bool = True,
         output_hidden_states: bool = False,
@@ -408,7 +414,7 @@ class ModernBertModel(nn.Module):
         pack_ids: Array | None = None,
         pool_positions: Array | None = None,
     ) -> EncoderOutput:
-        del token_type_ids  # ModernBERT has no segment embeddings
+        del segment_ids  # ModernBERT has no segment embeddings
         cfg = self.config
         batch, seq_len = input_ids.shape
         if seq_len > cfg.max_position_embeddings:
@@ -416,13 +422,15 @@ class ModernBertModel(nn.Module):
                 f"sequence length {seq_len} exceeds max_position_embeddings="
                 f"{cfg.max_position_embeddings} of the model"
             )
-        if attention_mask is None:
-            attention_mask = jnp.ones_like(input_ids)
+        if input_mask is None:
+            input_mask = jnp.ones_like(input_ids)
         x = ModernBertEmbeddings(cfg, name="embeddings")(input_ids, deterministic)
-        bias = attention_bias(attention_mask, jnp.float32, pack_ids)  # [batch, 1, 1 or q, k]
-        segment_ids = None  # the splash kernel's ids; packed rows' ids for the band blocks
+        bias = attention_bias(input_mask, jnp.float32, pack_ids)  # [batch, 1, 1 or q, k]
+        attention_segment_ids = (
+            None  # the splash kernel's ids; packed rows' ids for the band blocks
+        )
         if resolve_impl(cfg.attention_impl) == "splash" or pack_ids is not None:
-            segment_ids = segment_ids_from_mask(attention_mask, pack_ids)
+            attention_segment_ids = segment_ids_from_mask(input_mask, pack_ids)
         if position_ids is None:
             position_ids = jnp.arange(seq_len)[None, :]  # [1, seq]
         # RoPE of the global and local layers; a schedule may depend on the (padded) length, as
@@ -430,21 +438,21 @@ class ModernBertModel(nn.Module):
         ropes = {g: rope_tables(position_ids, *cfg.rope(g, seq_len)) for g in (True, False)}
         seen = {True: None, False: None}  # packed rows: padding attends to padding
         if pack_ids is None:
-            seen = {True: sees_a_key(attention_mask, None)}
-            seen[False] = sees_a_key(attention_mask, cfg.local_attention // 2)
-        # static_argnums counts self: (self, x, bias, rope, deterministic, segment_ids, seen)
+            seen = {True: sees_a_key(input_mask, None)}
+            seen[False] = sees_a_key(input_mask, cfg.local_attention // 2)
+        # static_argnums counts self: (self, x, bias, rope, deterministic, attention_segment_ids, seen)
         layer_cls = remat(ModernBertLayer, cfg.remat, static_argnums=(4,))
         hidden_states = [x]
         for i in range(cfg.num_layers):
             g = cfg.is_global(i)
             x = layer_cls(cfg, i, name=f"layer_{i}")(
-                x, bias, ropes[g], deterministic, segment_ids, seen[g]
+                x, bias, ropes[g], deterministic, attention_segment_ids, seen[g]
             )
             hidden_states.append(x)
         x = _norm(cfg, "final_norm")(x)  # [batch, seq, hidden]
         pooled = None
         if self.add_pooler:
-            positions, member = pool_members(attention_mask, pack_ids, pool_positions)
+            positions, member = pool_members(input_mask, pack_ids, pool_positions)
             pooled = Pooler(cfg, name="pooler")(x, positions, member)
             if pool_positions is None:
                 pooled = pooled[:, 0]  # [batch, hidden]

@@ -399,8 +399,8 @@ class FinetuneTask(Task):
     def model_inputs(self, batch):
         return dict(
             input_ids=batch["input_ids"],
-            token_type_ids=batch["segment_ids"],
-            attention_mask=batch["input_mask"],
+            segment_ids=batch["segment_ids"],
+            input_mask=batch["input_mask"],
             **{k: batch[k] for k in packing.PACKED_KEYS if k in batch},
         )
 

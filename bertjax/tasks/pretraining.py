@@ -333,8 +333,8 @@ class PretrainingTask(Task):
     def model_inputs(self, batch):
         return dict(
             input_ids=batch["input_ids"],
-            token_type_ids=batch["segment_ids"],
-            attention_mask=batch["input_mask"],
+            segment_ids=batch["segment_ids"],
+            input_mask=batch["input_mask"],
             masked_lm_positions=batch["masked_lm_positions"],
             **{k: batch[k] for k in self._packed_keys()},  # packed rows: positions are row-global
         )

@@ -26,7 +26,7 @@ import numpy as np
 
 from bertjax import progress
 from bertjax.convert import unflatten_params
-from bertjax.layers.core import activation
+from bertjax.layers.core import activation, model_inputs
 from bertjax.models import architecture
 from bertjax.models.heads import encoder
 from bertjax.retrieval.bi_encoder.pooling import (
@@ -164,26 +164,27 @@ class SentenceEmbedder(nn.Module):
     config: Any
     head: EmbeddingHead = EmbeddingHead()
 
+    @model_inputs
     @nn.compact
     def __call__(
         self,
         input_ids: Array,  # [batch, seq]
-        token_type_ids: Array | None = None,
-        attention_mask: Array | None = None,
+        segment_ids: Array | None = None,
+        input_mask: Array | None = None,
         prompt_length: Array | None = None,  # [batch]: [CLS] + prompt tokens, when excluded
         *,
         deterministic: bool = True,
     ) -> Array:
         """Returns embeddings [batch, dim] (float32)."""
-        if attention_mask is None:
-            attention_mask = jnp.ones_like(input_ids)
+        if input_mask is None:
+            input_mask = jnp.ones_like(input_ids)
         out = encoder(self.config, add_pooler=False)(
-            input_ids, token_type_ids, attention_mask, deterministic=deterministic
+            input_ids, segment_ids, input_mask, deterministic=deterministic
         )
         hidden = out.sequence_output.astype(jnp.float32)  # [batch, seq, hidden]
         if self.head.include_prompt:
             prompt_length = None
-        x = pool(hidden, attention_mask, self.head.pooling, prompt_length)  # [batch, k * hidden]
+        x = pool(hidden, input_mask, self.head.pooling, prompt_length)  # [batch, k * hidden]
         for i, layer in enumerate(self.head.dense):
             y = nn.Dense(layer.out_features, use_bias=layer.bias, name=f"dense_{i}")(x)
             y = activation(layer.activation)(y)

@@ -82,23 +82,23 @@ class EmbeddingHead:
         return width
 
 
-def prompt_mask(attention_mask: Array, prompt_length: Array | None) -> Array:
+def prompt_mask(input_mask: Array, prompt_length: Array | None) -> Array:
     """[batch, seq] mask with the first ``prompt_length`` [batch] positions dropped."""
     if prompt_length is None:
-        return attention_mask
-    positions = jnp.arange(attention_mask.shape[-1])[None, :]  # [1, seq]
-    return jnp.where(positions < prompt_length[:, None], 0, attention_mask)
+        return input_mask
+    positions = jnp.arange(input_mask.shape[-1])[None, :]  # [1, seq]
+    return jnp.where(positions < prompt_length[:, None], 0, input_mask)
 
 
 def pool(
     hidden: Array,  # [batch, seq, hidden] float32
-    attention_mask: Array,  # [batch, seq] 0/1, right-padded
+    input_mask: Array,  # [batch, seq] 0/1, right-padded
     modes: tuple[str, ...],
     prompt_length: Array | None = None,  # [batch] tokens to leave out ([CLS] + prompt)
 ) -> Array:
     """[batch, len(modes) * hidden]: each pooling mode of ``hidden``, concatenated."""
-    original = attention_mask
-    mask = prompt_mask(attention_mask, prompt_length)
+    original = input_mask
+    mask = prompt_mask(input_mask, prompt_length)
     weights = mask[..., None].astype(hidden.dtype)  # [batch, seq, 1]
     count = jnp.maximum(weights.sum(axis=1), 1e-9)  # [batch, 1]
     total = (hidden * weights).sum(axis=1)  # [batch, hidden]

@@ -218,10 +218,10 @@ class RetrievalTask(FinetuneTask):
         encoded = self._encode(docs, d.max_seq_length)
         self.train_features = {
             "input_ids": queries["input_ids"],  # [n, Lq]
-            "segment_ids": queries["token_type_ids"],
-            "input_mask": queries["attention_mask"],
+            "segment_ids": queries["segment_ids"],
+            "input_mask": queries["input_mask"],
             "doc_ids": encoded["input_ids"].reshape(len(rows), m, -1),  # [n, m, L]
-            "doc_mask": encoded["attention_mask"].reshape(len(rows), m, -1),
+            "doc_mask": encoded["input_mask"].reshape(len(rows), m, -1),
             "doc_valid": valid,  # [n, m]
             "positive_key": self.positive_keys(rows, m),
         }
@@ -311,8 +311,8 @@ class RetrievalTask(FinetuneTask):
     def model_inputs(self, batch):
         return dict(
             input_ids=batch["input_ids"],
-            token_type_ids=batch["segment_ids"],
-            attention_mask=batch["input_mask"],
+            segment_ids=batch["segment_ids"],
+            input_mask=batch["input_mask"],
         )
 
     def init_batch(self, phase, batch_size):
@@ -407,12 +407,7 @@ class RetrievalTask(FinetuneTask):
         length = self.config.data.max_seq_length
 
         def embed(texts, batch_size=32):
-            encoded = self._encode(list(texts), length)
-            features = {
-                "input_ids": encoded["input_ids"],
-                "segment_ids": encoded["token_type_ids"],
-                "input_mask": encoded["attention_mask"],
-            }  # ArrayData adds the padding "mask"
+            features = self._encode(list(texts), length)  # ArrayData adds the padding "mask"
             return self.predict(run, features)["embedding"]
 
         return embed

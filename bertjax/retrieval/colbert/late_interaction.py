@@ -35,7 +35,7 @@ import numpy as np
 
 from bertjax import progress
 from bertjax.convert import unflatten_params
-from bertjax.layers.core import activation
+from bertjax.layers.core import activation, model_inputs
 from bertjax.models import architecture
 from bertjax.retrieval.bi_encoder.pooling import DenseLayer, check_dense_tensors, l2_normalize
 from bertjax.text import features
@@ -252,7 +252,7 @@ def _rows(tokenizer, texts: Sequence[str], length: int, prefix: int | None, lowe
 
 
 def query_ids(layout: TokenLayout, tokenizer, texts: Sequence[str], width: int | None = None):
-    """(input_ids, attention_mask, keep) [n, width] int32/int32/bool of queries: ``width`` is
+    """(input_ids, input_mask, keep) [n, width] int32/int32/bool of queries: ``width`` is
     ``query_length`` with query expansion, else at least the longest query. ``keep``: the tokens
     whose vectors count (every token with expansion, else the attended ones)."""
     rows = _rows(tokenizer, texts, layout.query_length, layout.query_prefix_id, layout.lower)
@@ -274,7 +274,7 @@ def query_ids(layout: TokenLayout, tokenizer, texts: Sequence[str], width: int |
 
 
 def document_ids(layout: TokenLayout, tokenizer, texts: Sequence[str], width: int | None = None):
-    """(input_ids, attention_mask, keep) [n, width] of documents padded to ``width`` (default:
+    """(input_ids, input_mask, keep) [n, width] of documents padded to ``width`` (default:
     the longest); ``keep``: attended tokens outside the skiplist."""
     rows = _rows(tokenizer, texts, layout.document_length, layout.document_prefix_id, layout.lower)
     longest = max((len(r) for r in rows), default=1)
@@ -294,20 +294,21 @@ class LateInteraction(nn.Module):
     config: Any
     head: LateInteractionHead = LateInteractionHead()
 
+    @model_inputs
     @nn.compact
     def __call__(
         self,
         input_ids: Array,  # [batch, seq]
-        token_type_ids: Array | None = None,
-        attention_mask: Array | None = None,
+        segment_ids: Array | None = None,
+        input_mask: Array | None = None,
         *,
         deterministic: bool = True,
     ) -> Array:
-        if attention_mask is None:
-            attention_mask = jnp.ones_like(input_ids)
+        if input_mask is None:
+            input_mask = jnp.ones_like(input_ids)
         arch = architecture(self.config)
         out = arch.encoder(self.config, add_pooler=False, name=arch.encoder_name)(
-            input_ids, token_type_ids, attention_mask, deterministic=deterministic
+            input_ids, segment_ids, input_mask, deterministic=deterministic
         )
         x = out.sequence_output.astype(jnp.float32)  # [batch, seq, hidden]
         for i, layer in enumerate(self.head.dense):
