@@ -2,6 +2,7 @@
 
 import importlib.util
 import json
+import math
 import pathlib
 import subprocess
 import sys
@@ -160,3 +161,38 @@ def test_plot_draws_a_tasks_own_eval_metrics():
     labels = {line.get_label() for line in fig.axes[plot.METRICS_PANEL].lines}
     assert labels == {"eval ndcg@10", "eval recall@100"}
     assert plot.eval_metric_keys(records) == ("ndcg@10", "recall@100")
+
+
+def test_recipes_of_nomicbert_and_gte_as_their_sources_state_them():
+    """configs/nomicbert_2048.py: nomic-ai/contrastors' configs/train/mlm.yaml at the checkpoint's
+    2048 tokens; configs/gte_en_base.py and gte_en_base_long.py: gte-en-mlm-base's model card."""
+    nomic = _load(REPO / "configs" / "nomicbert_2048.py")
+    opt = nomic.optimizer
+    assert (opt.name, opt.schedule, opt.learning_rate, opt.b1, opt.b2) == (
+        "adamw", "linear", 5e-4, 0.9, 0.98
+    )  # fmt: skip
+    assert (opt.eps, opt.weight_decay, opt.grad_clip_norm) == (1e-6, 1e-5, 0.0)
+    assert opt.warmup_steps == round(0.06 * nomic.train.steps)
+    assert (nomic.train.global_batch_size, nomic.data.max_seq_length) == (4096, 2048)
+    assert nomic.data.masked_lm_prob == 0.3 and not nomic.data.nsp
+    assert nomic.data.max_predictions_per_seq == math.ceil(0.3 * 2048)
+    stages = []
+    for name in ("gte_en_base", "gte_en_base_long"):
+        c = _load(REPO / "configs" / f"{name}.py")
+        assert c.model.architecture == "gte" and c.data.masked_lm_prob == 0.3
+        phases = [dict(p) for p in c.data.phases] or [
+            dict(until_step=c.train.steps, max_seq_length=c.data.max_seq_length)
+        ]
+        start = 0
+        for p in phases:
+            rope = p.get("model", {}).get("rope_theta", c.model.rope_theta)
+            batch = p.get("global_batch_size", c.train.global_batch_size)
+            length = p["max_seq_length"]
+            stages.append((length, c.optimizer.learning_rate, batch, p["until_step"] - start, rope))
+            assert p.get("max_predictions_per_seq", c.data.max_predictions_per_seq) >= 0.3 * length
+            start = p["until_step"]
+    assert stages == [  # (tokens, lr, batch, steps, RoPE base) of MLM-512, MLM-2048, MLM-8192
+        (512, 2e-4, 4096, 300_000, 10_000.0),
+        (2048, 5e-5, 4096, 30_000, 10_000.0),
+        (8192, 5e-5, 1024, 30_000, 160_000.0),
+    ]

@@ -17,8 +17,11 @@ from __future__ import annotations
 
 import dataclasses
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
+
+from bertjax.layers.core import activation
 
 Array = jax.Array
 
@@ -52,6 +55,21 @@ def check_dense_tensors(
             f"{source}: the recorded {head} has {len(dense)} {layers} but the checkpoint holds "
             f"{sorted(got) or 'none'}"
         )
+
+
+def dense_layers(dense: tuple[DenseLayer, ...], x: Array) -> Array:
+    """``x`` through the ``dense`` layers in order, each a Flax ``Dense`` named ``dense_{i}`` (and
+    ``dense_{i}_residual``) of the module whose ``nn.compact`` method calls this: the bi-encoder's
+    layers after pooling, ColBERT's per-token projections."""
+    for i, layer in enumerate(dense):
+        y = nn.Dense(layer.out_features, use_bias=layer.bias, name=f"dense_{i}")(x)
+        y = activation(layer.activation)(y)
+        if layer.residual:
+            same = layer.in_features == layer.out_features
+            name = f"dense_{i}_residual"
+            y = y + (x if same else nn.Dense(layer.out_features, use_bias=False, name=name)(x))
+        x = y
+    return x
 
 
 @dataclasses.dataclass(frozen=True)

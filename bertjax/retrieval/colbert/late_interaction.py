@@ -35,9 +35,14 @@ import numpy as np
 
 from bertjax import progress
 from bertjax.convert import unflatten_params
-from bertjax.layers.core import activation, model_inputs
+from bertjax.layers.core import model_inputs
 from bertjax.models import architecture
-from bertjax.retrieval.bi_encoder.pooling import DenseLayer, check_dense_tensors, l2_normalize
+from bertjax.retrieval.bi_encoder.pooling import (
+    DenseLayer,
+    check_dense_tensors,
+    dense_layers,
+    l2_normalize,
+)
 from bertjax.text import features
 
 Array = jax.Array
@@ -311,14 +316,7 @@ class LateInteraction(nn.Module):
             input_ids, segment_ids, input_mask, deterministic=deterministic
         )
         x = out.sequence_output.astype(jnp.float32)  # [batch, seq, hidden]
-        for i, layer in enumerate(self.head.dense):
-            y = nn.Dense(layer.out_features, use_bias=layer.bias, name=f"dense_{i}")(x)
-            y = activation(layer.activation)(y)
-            if layer.residual:
-                same = layer.in_features == layer.out_features
-                name = f"dense_{i}_residual"
-                y = y + (x if same else nn.Dense(layer.out_features, use_bias=False, name=name)(x))
-            x = y
+        x = dense_layers(self.head.dense, x)
         return l2_normalize(x) if self.head.normalize else x  # [batch, seq, dim]
 
 
