@@ -1,5 +1,5 @@
-"""The trainer: smoke run, 1-device == 8-device losses, accumulation, resume after SIGKILL/SIGTERM/
-Ctrl-C."""
+"""The trainer: smoke run, 1-device == 8-device losses, accumulation, resume after SIGTERM, Ctrl-C
+and SIGKILL (one run stopped all three ways)."""
 
 import json
 import logging
@@ -190,68 +190,52 @@ def reference(tmp_path_factory):
     return root / "run"
 
 
-@pytest.mark.slow
-def test_sigkill_then_rerun_reproduces_the_uninterrupted_run(tmp_path, reference):
-    workdir = tmp_path / "killed"
-    proc = _cli(tmp_path, workdir, hold_step=8)  # killed at a step from 5 to 8
-    _wait_for(
-        lambda: (
-            (workdir / "checkpoints" / "3").exists() and max(_logged_steps(workdir), default=0) >= 5
-        ),
-        proc,
-    )
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    killed_at = max(_logged_steps(workdir))
-    assert 5 <= killed_at <= 8
-    rerun = _cli(tmp_path, workdir)
-    out, _ = rerun.communicate(timeout=600)
-    assert rerun.returncode == 0, out[-3000:]
-    assert "resumed from" in out
-    assert [r["step"] for r in read_metrics(workdir)] == list(range(1, 11))
-    np.testing.assert_allclose(_losses(workdir), _losses(reference), rtol=1e-6)
+def _checkpoints(workdir) -> list[int]:
+    return sorted(int(s) for s in os.listdir(pathlib.Path(workdir, "checkpoints")) if s.isdigit())
 
 
 @pytest.mark.slow
-def test_sigterm_saves_a_checkpoint_and_exits_then_resumes(tmp_path, reference):
-    workdir = tmp_path / "term"
-    proc = _cli(tmp_path, workdir, "--config.train.log_every=1", hold_step=8)
-    _wait_for(lambda: max(_logged_steps(workdir), default=0) >= 4, proc)
-    proc.send_signal(signal.SIGTERM)
-    out, _ = proc.communicate(timeout=600)
-    assert proc.returncode == 0, out[-3000:]
+def test_sigterm_ctrl_c_and_sigkill_each_resume_to_the_uninterrupted_run(tmp_path, reference):
+    """One 10-step run stopped three ways, each time resumed by the same command (checkpoints every
+    3 steps): SIGTERM after step 2 saves step 2 and exits 0; Ctrl-C after step 5 saves step 5 and
+    exits 130 in one line; SIGKILL after step 8 loses steps 7-8, redone from step 6's checkpoint.
+    The finished run logged each step once and has the uninterrupted run's losses."""
+    workdir = tmp_path / "run"
+    log_every = "--config.train.log_every=1"
+
+    term = _cli(tmp_path, workdir, log_every, hold_step=2)
+    _wait_for(lambda: max(_logged_steps(workdir), default=0) >= 2, term)
+    term.send_signal(signal.SIGTERM)
+    out, _ = term.communicate(timeout=600)
+    assert term.returncode == 0, out[-3000:]
     assert "saving a checkpoint" in out
-    saved = max(int(s) for s in os.listdir(workdir / "checkpoints") if s.isdigit())
-    assert 4 <= saved <= 8 and saved == max(_logged_steps(workdir))  # the step it stopped at
-    rerun = _cli(tmp_path, workdir)
-    out, _ = rerun.communicate(timeout=600)
-    assert rerun.returncode == 0, out[-3000:]
-    np.testing.assert_allclose(_losses(workdir), _losses(reference), rtol=1e-6)
+    assert _checkpoints(workdir) == [2] and max(_logged_steps(workdir)) == 2  # where it stopped
 
-
-@pytest.mark.slow
-def test_ctrl_c_saves_a_checkpoint_exits_in_one_line_then_resumes(tmp_path):
-    """The exactness of the resume is the SIGTERM test's (the same save at a step boundary)."""
-    workdir = tmp_path / "ctrl_c"
-    extra = ("--config.train.checkpoint_every=100",)
-    proc = _cli(tmp_path, workdir, *extra, stderr=subprocess.PIPE, hold_step=8)
-    _wait_for(lambda: max(_logged_steps(workdir), default=0) >= 4, proc)
-    proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=600)
-    assert proc.returncode == 130, out[-3000:] + err[-3000:]
-    reached = max(_logged_steps(workdir))
-    assert 4 <= reached <= 8
+    ctrl_c = _cli(tmp_path, workdir, log_every, stderr=subprocess.PIPE, hold_step=5)
+    _wait_for(lambda: max(_logged_steps(workdir), default=0) >= 5, ctrl_c)
+    ctrl_c.send_signal(signal.SIGINT)
+    out, err = ctrl_c.communicate(timeout=600)
+    assert ctrl_c.returncode == 130, out[-3000:] + err[-3000:]
+    assert f"resumed from {workdir / 'checkpoints'} at step 2" in out
     assert err.strip().splitlines() == [
-        f"bertjax pretrain: interrupted (Ctrl-C): stopped at step {reached} after saving a checkpoint; "
+        "bertjax pretrain: interrupted (Ctrl-C): stopped at step 5 after saving a checkpoint; "
         "the same command resumes"
     ], err[-3000:]
     assert "Ctrl-C (SIGINT) received: saving a checkpoint" in out
-    assert sorted(s for s in os.listdir(workdir / "checkpoints") if s.isdigit()) == [str(reached)]
-    rerun = _cli(tmp_path, workdir, *extra)
+    assert _checkpoints(workdir)[-1] == 5
+
+    kill = _cli(tmp_path, workdir, log_every, hold_step=8)
+    _wait_for(lambda: 6 in _checkpoints(workdir) and max(_logged_steps(workdir)) >= 8, kill)
+    kill.send_signal(signal.SIGKILL)
+    kill.wait()
+    assert max(_logged_steps(workdir)) == 8
+
+    rerun = _cli(tmp_path, workdir, log_every)
     out, _ = rerun.communicate(timeout=600)
     assert rerun.returncode == 0, out[-3000:]
-    assert f"resumed from {workdir / 'checkpoints'} at step {reached}" in out
+    assert f"resumed from {workdir / 'checkpoints'} at step 6" in out
     assert [r["step"] for r in read_metrics(workdir)] == list(range(1, 11))
+    np.testing.assert_allclose(_losses(workdir), _losses(reference), rtol=1e-6)
 
 
 def test_ctrl_c_is_handled_by_the_command_only():
