@@ -227,3 +227,20 @@ def test_vocab_from_a_bucket_into_the_bucket_and_its_tokenizers_read_there(gcs_b
         local = load_tokenizer(str(tmp_path / files[0]))
         remote = load_tokenizer(f"{gcs_bucket}/{files[0]}")
         assert [remote.tokenize(t) for t in texts[:8]] == [local.tokenize(t) for t in texts[:8]]
+
+
+def test_convert_over_a_folder_in_the_bucket_needs_overwrite_then_replaces_it(models, gcs_bucket):
+    """An existing bucket folder is refused in one line and kept; with --overwrite it is removed
+    (fs.rmtree of a gs:// folder) and the export takes its place."""
+    target = f"{gcs_bucket}/hf"
+    fs.write_bytes(f"{target}/stale/old.txt", b"old")
+    with pytest.raises(FileExistsError, match=r"/hf: output already exists \(pass --overwrite"):
+        convert_main([str(models["hf"]), "--to=hf", target])
+    assert fs.read_bytes(f"{target}/stale/old.txt") == b"old"
+    convert_main([str(models["hf"]), "--to=hf", target, "--overwrite"])
+    assert not fs.exists(f"{target}/stale/old.txt") and fs.exists(f"{target}/config.json")
+    want = load_checkpoint(str(models["hf"])).tensors
+    got = load_checkpoint(target).tensors
+    assert got.keys() == want.keys()
+    for key in want:
+        np.testing.assert_array_equal(got[key], want[key], key)
