@@ -61,7 +61,7 @@ def test_a_beir_folder_trains_evaluates_and_exports(beir_dir, tmp_path, architec
         exported = bertjax.load_pretrained(str(tmp_path / folder))
         for ours, theirs in zip(exported.embed_documents(["w1 w2 w3 w4", "w7"]), docs):
             np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-6)
-    for checkpoint in (final["pylate"], str(run)):
+    for checkpoint in (final["pylate"], str(run), str(run / "best")):
         args = score._parser().parse_args(
             ["retrieval", f"--checkpoint={checkpoint}", f"--data={beir_dir}"]
         )

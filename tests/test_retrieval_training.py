@@ -13,8 +13,13 @@ import pytest
 from helpers import tiny_run
 from train_fixtures import set_keys
 
+import bertjax
 from bertjax import train
+from bertjax.commands import embed as embed_tool
+from bertjax.commands import score
 from bertjax.retrieval import contrastive_losses
+from bertjax.retrieval.beir import document_text
+from bertjax.retrieval.embedding_store import load_embeddings
 from configs import retrieval as retrieval_config
 
 
@@ -33,6 +38,26 @@ def test_a_beir_folder_trains_and_reports_the_retrieval_measures(beir_dir, tmp_p
     assert set(dev) == {"ndcg@10", "recall@10", "recall@100", "mrr@10", "map@100"}
     assert dev["recall@100"] == 1.0  # 12 documents: every relevant one is in the top 100
     assert 0.0 < dev["ndcg@10"] <= 1.0
+    # The run's folder is the model for every consumer (issue 33, item 1): `evaluate retrieval`
+    # of the run and of its best step gives the run's final measures; `bertjax embed` of the
+    # best step gives load_pretrained's vectors of the run.
+    run = tmp_path / "run"
+    for checkpoint in (run, run / "best"):
+        args = score._parser().parse_args(
+            ["retrieval", f"--checkpoint={checkpoint}", f"--data={beir_dir}"]
+        )
+        again = score.evaluate_retrieval(args)
+        for key, value in dev.items():
+            assert again[key] == pytest.approx(value, abs=1e-6), (checkpoint, key)
+    corpus = beir_dir / "corpus.jsonl"
+    out = tmp_path / "vectors"
+    embed_tool.main([f"--checkpoint={run / 'best'}", f"--input={corpus}", f"--output={out}"])
+    ids, matrix = load_embeddings(out)
+    docs = [json.loads(line) for line in corpus.read_text().splitlines()]
+    assert ids == [d["_id"] for d in docs]
+    texts = [document_text(d.get("title"), d["text"]) for d in docs]
+    want = bertjax.load_pretrained(str(run)).embed(texts)
+    np.testing.assert_allclose(matrix, want, rtol=1e-5, atol=1e-6)
 
 
 def _one_step_params(beir_dir, tmp_path, accum, batch=8, **mesh):
