@@ -169,15 +169,29 @@ def test_sliding_window_attention_is_cudnn_on_band_blocks(rate):
     assert largest < 2 * 4 * 1024 * 1024 * 2, largest  # less than one [q, k] score matrix
 
 
+# `python -c _COMMAND_THEN_TF ARGS` is `bertjax ARGS`, then says on stderr whether TensorFlow was
+# imported.
+_COMMAND_THEN_TF = """
+import sys
+from bertjax import cli
+try:
+    cli.main()
+finally:
+    state = "imported" if "tensorflow" in sys.modules else "not imported"
+    print("tensorflow: " + state, file=sys.stderr)
+"""
+
+
 @needs_cuda_plugin
 def test_compile_topology_h100_8_from_the_command_line(tmp_path):
     """`bertjax compile --topology=h100-8 --json`: the report keys a user reads, from a tiny
-    config, with no data and no credentials (the config's vocabulary is a bucket path)."""
+    config, with no data and no credentials (the config's vocabulary is a bucket path), and
+    without importing TensorFlow (a compile for a topology reads no data through it)."""
     out = subprocess.run(
         [
             sys.executable,
-            "-m",
-            "bertjax.cli",
+            "-c",
+            _COMMAND_THEN_TF,
             "compile",
             "--config=configs/bert_base.py",
             "--topology=h100-8",
@@ -192,6 +206,7 @@ def test_compile_topology_h100_8_from_the_command_line(tmp_path):
         timeout=600,
     )
     assert out.returncode == 0, out.stderr[-2000:]
+    assert "tensorflow: not imported" in out.stderr, out.stderr[-2000:]
     report = json.loads(out.stdout)
     for key in (
         "devices",
