@@ -38,7 +38,7 @@ from bertjax import families
 from bertjax.convert import Checkpoint, load_checkpoint, unflatten_params
 from bertjax.convert.checkpoint import head_of
 from bertjax.head_init import checkpoint_kinds
-from bertjax.layers.core import refuse_renamed_inputs
+from bertjax.layers.core import model_inputs
 from bertjax.models.heads import InferenceModel
 from bertjax.text import features, load_tokenizer
 
@@ -288,6 +288,7 @@ class Pretrained:
         else Sigmoid for one label)."""
         return self.cross_encoder.predict(self, pairs, batch_size, activation, max_length)
 
+    @model_inputs
     def __call__(
         self,
         input_ids,
@@ -295,13 +296,9 @@ class Pretrained:
         input_mask=None,
         *,
         output_hidden_states: bool = False,
-        **renamed,
     ) -> PretrainedOutput:
         """Runs the model (jitted) on [batch, seq] int arrays; ``segment_ids`` default to zeros
         and ``input_mask`` to ones."""
-        refuse_renamed_inputs(renamed)
-        if renamed:
-            raise TypeError(f"unexpected keyword argument {next(iter(renamed))!r}")
         input_ids = jnp.asarray(input_ids, jnp.int32)
         if input_ids.ndim != 2:
             raise ValueError(f"input_ids must be [batch, seq], got shape {input_ids.shape}")

@@ -37,6 +37,7 @@ from bertjax import progress
 from bertjax.convert import unflatten_params
 from bertjax.layers.core import model_inputs
 from bertjax.models import architecture
+from bertjax.models.heads import encoder
 from bertjax.retrieval.bi_encoder.pooling import (
     DenseLayer,
     check_dense_tensors,
@@ -311,8 +312,7 @@ class LateInteraction(nn.Module):
     ) -> Array:
         if input_mask is None:
             input_mask = jnp.ones_like(input_ids)
-        arch = architecture(self.config)
-        out = arch.encoder(self.config, add_pooler=False, name=arch.encoder_name)(
+        out = encoder(self.config, add_pooler=False)(
             input_ids, segment_ids, input_mask, deterministic=deterministic
         )
         x = out.sequence_output.astype(jnp.float32)  # [batch, seq, hidden]
