@@ -9,7 +9,8 @@ Run as a script, this file is the emulator with what TensorStore (Orbax's checkp
 GCS and the package leaves out (``serve``): a download names its object's generation
 (``x-goog-generation``; TensorStore fails with "Malformed StorageGeneration" without it), and the
 generation preconditions (``ifGenerationMatch`` on writes, ``ifGenerationNotMatch`` on reads) are
-honoured as GCS does. Faults, armed while it runs (``Emulator.fail``, through its ``/_faults``
+honoured as GCS does; a multipart upload (gcsfs's, for small objects) keeps its content byte for
+byte (the package's parser dropped a final carriage return: 1 object in 256). Faults, armed while it runs (``Emulator.fail``, through its ``/_faults``
 endpoint): the next requests matching a method, bucket and object name answer an HTTP error (429,
 503: what GCS answers when it is overloaded; 403: a bucket this account may not write), or the
 process dies at one of them without a reply and before storing anything (a fault in the middle
@@ -253,6 +254,42 @@ class _Faults:
         return faulty
 
 
+def _multipart_exactly(read_data):
+    """The package's request-body reader, with ``multipart/related`` uploads split at their
+    boundary on bytes. A part is a line break, headers, an empty line, the content and the line
+    break of the next boundary line, each break as the client frames them: CRLF (RFC 2046) or LF
+    (gcsfs). The package's e-mail parser takes any CR before gcsfs's LF for part of the break."""
+    from email.message import Message
+
+    from gcp_storage_emulator import server
+
+    def content(part: bytes) -> tuple[bytes, bytes]:
+        eol = b"\r\n" if part.startswith(b"\r\n") else b"\n"
+        headers, _, body = part[len(eol) :].partition(eol + eol)
+        if not body.endswith(eol):
+            raise ValueError("a multipart part does not end with a line break")
+        return headers, body[: -len(eol)]
+
+    def read(request_handler, query):
+        content_type = request_handler.headers.get("Content-Type") or ""
+        if not content_type.startswith("multipart/related"):
+            return read_data(request_handler, query)
+        raw = server._decode_raw_data(server._read_raw_data(request_handler), request_handler)
+        header = Message()
+        header["Content-Type"] = content_type
+        boundary = b"--" + header.get_param("boundary").encode()
+        _, meta, rest = raw.split(boundary, 2)  # the content may hold the boundary: cut at the last
+        (_, meta), (headers, data) = content(meta), content(rest[: rest.rindex(boundary)])
+        types = re.search(rb"(?im)^content-type:[ \t]*([^;\r\n]+)", headers)
+        return {
+            "meta": json.loads(meta),
+            "content": data,
+            "content-type": types[1].decode().strip() if types else "application/octet-stream",
+        }
+
+    return read
+
+
 def serve(port: int) -> None:
     """The emulator on 127.0.0.1:PORT (objects under $STORAGE_BASE/$STORAGE_DIR), patched as the
     module docstring says."""
@@ -306,6 +343,7 @@ def serve(port: int) -> None:
     objects.insert = faults.wrap(insert_if_generation_matches)  # the router's upload fallback
     control = {m: faults.control for m in ("GET", "POST", "DELETE")}
     server.HANDLERS = ((r"^/_faults$", control), *server.HANDLERS)
+    server._read_data = _multipart_exactly(server._read_data)
     server.create_server("127.0.0.1", port).run()
 
 
