@@ -83,6 +83,13 @@ def test_argument_and_state_errors(static_dir, tmp_path):
         data.restore({"batches_consumed": 3, "seed": 0})
 
 
+def test_no_autotuning_thread_to_wait_for_when_an_iterator_is_deleted(static_dir):
+    # With tf.data's autotuning, deleting an iterator waited for its optimisation thread's sleep
+    # (up to 60 s): the end of every training phase stood still that long.
+    ds = pipeline.pretraining_dataset(static_dir, "train", 5, seed=0)
+    assert ds.options().autotune.enabled is False and ds.options().deterministic
+
+
 def test_dtypes_and_shapes(static_dir):
     (batch,) = take(pipeline.pretraining_dataset(static_dir, "train", 5, seed=0), 1)
     expect = {

@@ -399,6 +399,12 @@ def pretraining_dataset(
     ds = ds.map(parse, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
     options = tf.data.Options()
     options.deterministic = True
+    # No model-based autotuning: its optimisation thread sleeps for up to a minute between rounds
+    # and the iterator's deletion waits for it, so every phase ended with up to 60 s of nothing
+    # (a 6-step tiny run: 35 s between its last evaluation and its end, 0.5 s without). AUTOTUNE
+    # parallelism is then min(16, the runner's threads), and the prefetch buffer still grows on
+    # demand; a 2-core host reads as many batches per second either way.
+    options.autotune.enabled = False
     return ds.with_options(options).prefetch(tf.data.AUTOTUNE)
 
 
