@@ -51,6 +51,32 @@ def test_binary_objects_come_back_byte_for_byte(gcs_bucket):
     assert fs.read_bytes(f"{gcs_bucket}/bin/large") == large
 
 
+def test_records_in_a_bucket_are_read_in_blocks_not_per_record(gcs_bucket, tmp_path, monkeypatch):
+    """The client's file is read a block at a time: each of its reads is a trip through its event
+    loop (2000 records of 400 B took 14 s from the emulator read 12, n and 4 bytes at a time)."""
+    rng = np.random.default_rng(0)
+    payloads = [rng.integers(0, 256, 400, dtype=np.uint8).tobytes() for _ in range(2000)]
+    local = tmp_path / "r.tfrecord"
+    writer = records.RecordWriter(str(local))
+    for payload in payloads:
+        writer.write(payload)
+    writer.close()
+    fs.write_bytes(f"{gcs_bucket}/r.tfrecord", local.read_bytes())
+    calls = []
+    opened = fs.open_file
+
+    def counting(path, mode="rb"):
+        f = opened(path, mode)
+        for name in ("read", "readinto"):
+            method = getattr(f, name)
+            setattr(f, name, lambda *a, m=method, n=name: calls.append(n) or m(*a))
+        return f
+
+    monkeypatch.setattr(fs, "open_file", counting)
+    assert list(records.read_records(f"{gcs_bucket}/r.tfrecord")) == payloads
+    assert 0 < len(calls) <= 8, len(calls)  # 6001 when read per record: 3 each, and the end
+
+
 def _bucket_metrics(workdir, split="train"):
     with fs.open_file(f"{workdir}/metrics.jsonl", "r") as f:
         return [r for r in map(json.loads, f.read().splitlines()) if r["split"] == split]

@@ -11,6 +11,7 @@ which TensorFlow's own GCS client cannot reach behind an emulator).
 
 from __future__ import annotations
 
+import io
 import struct
 from collections.abc import Mapping, Sequence
 
@@ -25,6 +26,7 @@ HAS_CRC32C = _crc32c is not None  # else records are framed by TensorFlow's writ
 _VARINT_TABLE_SIZE = 1 << 16
 _UINT64 = struct.Struct("<Q")
 _UINT32 = struct.Struct("<I")
+_READ_BLOCK = 8 << 20  # bytes per read of a record file in a bucket
 
 
 def _varint(value: int) -> bytes:
@@ -94,7 +96,11 @@ def read_records(path: str | bytes):
     """Yields the records of a TFRecord file (uncompressed), local or remote, checking each CRC:
     a file cut short or corrupted is a one-line ValueError naming it."""
     path = path.decode() if isinstance(path, bytes) else str(path)
-    with fs.open_file(path, "rb") as f:
+    with fs.open_file(path, "rb") as opened:
+        # Records are read 12, n and 4 bytes at a time: from a bucket, each small read of the
+        # client is a trip through its event loop (2000 records of 400 B: 14 s from the test
+        # emulator). Whole blocks are read instead and the records cut from memory.
+        f = io.BufferedReader(opened, _READ_BLOCK) if fs.is_gcs(path) else opened
         index = 0
         while header := f.read(12):
             if len(header) < 12 or _masked_crc(header[:8]) != header[8:]:
