@@ -5,17 +5,17 @@ bucket). ``environment()`` is what points every client bertjax uses at it: the o
 Cloud clients share, ``STORAGE_EMULATOR_HOST``, and what ``bertjax.fs.cloud_environment`` derives
 from it.
 
-Run as a script, this file is the emulator with what TensorStore (Orbax's checkpoints) needs of
-GCS and the package leaves out (``serve``): a download names its object's generation
+Run as a script, this file is the emulator with what TensorStore (Orbax's checkpoints) needs of GCS
+and the package leaves out (``serve``): a download names its object's generation
 (``x-goog-generation``; TensorStore fails with "Malformed StorageGeneration" without it), and the
 generation preconditions (``ifGenerationMatch`` on writes, ``ifGenerationNotMatch`` on reads) are
 honoured as GCS does; a multipart upload (gcsfs's, for small objects) keeps its content byte for
-byte (the package's parser dropped a final carriage return: 1 object in 256). Faults, armed while it runs (``Emulator.fail``, through its ``/_faults``
-endpoint): the next requests matching a method, bucket and object name answer an HTTP error (429,
-503: what GCS answers when it is overloaded; 403: a bucket this account may not write), or the
-process dies at one of them without a reply and before storing anything (a fault in the middle
-of a write). Every object deleted is appended to ``deletions.log`` beside the data (the order in
-which a client removed things)."""
+byte (the package's parser dropped a final carriage return: 1 object in 256). Faults, armed while
+it runs (``Emulator.fail``, through its ``/_faults`` endpoint): the next requests matching a
+method, bucket and object name answer an HTTP error (429, 503: what GCS answers when it is
+overloaded; 403: a bucket this account may not write), or the process dies at one of them without a
+reply and before storing anything (a fault in the middle of a write). Every object deleted is
+appended to ``deletions.log`` beside the data (the order in which a client removed things)."""
 
 from __future__ import annotations
 
@@ -278,8 +278,9 @@ def _multipart_exactly(read_data):
         header = Message()
         header["Content-Type"] = content_type
         boundary = b"--" + header.get_param("boundary").encode()
-        _, meta, rest = raw.split(boundary, 2)  # the content may hold the boundary: cut at the last
-        (_, meta), (headers, data) = content(meta), content(rest[: rest.rindex(boundary)])
+        # The content may hold the boundary string: it ends at the last one.
+        _, first, rest = raw.split(boundary, 2)
+        (_, meta), (headers, data) = content(first), content(rest[: rest.rindex(boundary)])
         types = re.search(rb"(?im)^content-type:[ \t]*([^;\r\n]+)", headers)
         return {
             "meta": json.loads(meta),
