@@ -356,6 +356,20 @@ def write_word_beir(root, words, rng) -> None:
         (root / "qrels" / f"{split}.tsv").write_text("\n".join(lines) + "\n")
 
 
+def write_ranked_beir(root) -> pathlib.Path:
+    """``write_word_beir`` over tiny_hf's WORDS (12 documents of 6 of them; query i is 3 words of
+    document i; train: 0-7, test: 8-11), and two TREC runs of random scores over every document:
+    ``negatives.trec`` (the train queries) and ``first_stage.trec`` (the test queries)."""
+    root = pathlib.Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    write_word_beir(root, WORDS, rng)  # the runs' random scores continue the same stream
+    for name, queries in (("negatives.trec", range(8)), ("first_stage.trec", range(8, 12))):
+        lines = [f"q{q} Q0 d{d} 0 {rng.random():.6f} bm25" for q in queries for d in range(12)]
+        (root / name).write_text("\n".join(lines) + "\n")
+    return root
+
+
 def tiny_run(c, beir_dir):
     """``c`` (a retrieval-family config) as a 2-step run of a 1-layer model on the fixture."""
     c.data_dir = str(beir_dir)
@@ -600,6 +614,46 @@ def small_config(c, files, data_dir, **overrides):
     c.mesh.num_devices = 1
     c.tensorboard = False
     return set_keys(c, overrides)
+
+
+def random_bert_hf_dir(files, path, num_layers=4):
+    """A random BERT encoder (H32, bertjax's initialisers) over ``files``' vocab.txt, written as a
+    transformers directory at ``path``; returns its flat bertjax tensors."""
+    import flax.linen as nn
+    import jax
+
+    from bertjax.convert import Checkpoint, save_checkpoint
+    from bertjax.convert.checkpoint import flatten_params
+    from bertjax.models.bert import BertConfig, BertModel
+
+    config = BertConfig(
+        vocab_size=len((files / "vocab.txt").read_text().split()),
+        hidden_size=32,
+        num_layers=num_layers,
+        num_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=64,
+    )
+    ids = np.zeros((1, 8), np.int32)
+    init = jax.jit(lambda key: BertModel(config).init(key, ids)["params"])  # eager: 10 s
+    params = nn.meta.unbox(init(jax.random.key(7)))
+    tensors = {k: np.asarray(v) for k, v in flatten_params({"bert": params}).items()}
+    save_checkpoint(
+        Checkpoint(config, tensors, str(files / "vocab.txt"), True, "test"), str(path), "hf"
+    )
+    return tensors
+
+
+def opt_state_paths(opt_state) -> set[tuple[str, ...]]:
+    """The parameter paths the optimizer state holds (its param-shaped trees' dict keys)."""
+    import jax
+
+    paths = set()
+    for path, _ in jax.tree_util.tree_flatten_with_path(opt_state)[0]:
+        keys = tuple(k.key for k in path if isinstance(k, jax.tree_util.DictKey))
+        if keys:
+            paths.add(keys)
+    return paths
 
 
 # ---------------------------------------------------------------------------------------------

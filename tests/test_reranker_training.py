@@ -7,16 +7,13 @@
   dropout off); the dev binary cross-entropy the task reports equals torch's on the final model.
 * Export: the trained checkpoint converted with ``bertjax convert --to=hf`` loads in
   ``CrossEncoder`` with the scores bertjax gives.
-* Evaluation: a BEIR folder's qrels plus mined negatives train it, a first-stage run is reranked
-  every epoch, and ``bertjax evaluate retrieval --rerank`` gives the same measures from a run file,
-  or after searching with a bi-encoder.
+* ``bertjax evaluate retrieval --rerank`` refuses what it cannot do in one line. A run trained on a
+  BEIR folder (mined negatives, a first-stage run reranked every epoch) through ``evaluate --rerank``
+  and the exports: test_retrieval_round_trips.py.
 """
 
-import io
 import json
 import pathlib
-import re
-from contextlib import redirect_stdout
 
 import jax
 import numpy as np
@@ -27,9 +24,8 @@ from helpers import (
     WORDS,
     cross_encoder_dir,
     param_groups,
-    st_dir,
     torch_run,
-    write_word_beir,
+    write_ranked_beir,
 )
 from train_fixtures import read_metrics, set_keys
 
@@ -37,7 +33,6 @@ import bertjax
 from bertjax import optim, train
 from bertjax.commands import score
 from bertjax.convert import main as convert_main
-from bertjax.retrieval import ranking_metrics
 from configs import reranker as reranker_config
 
 transformers = pytest.importorskip("transformers")
@@ -169,72 +164,11 @@ def test_reranker_steps_equal_torch_and_export_to_cross_encoder(hf_dirs, tmp_pat
     assert reported["accuracy"] == pytest.approx(accuracy)
 
 
-# ---- a BEIR folder: mined negatives, reranking a run every epoch, evaluate retrieval --rerank ----
+# ---- evaluate retrieval --rerank: its refusals ----
 @pytest.fixture(scope="module")
 def beir_dir(tmp_path_factory) -> pathlib.Path:
-    """12 documents of 6 words; query i is 3 words of document i (train: 0-7, test: 8-11); a
-    negatives run (train queries) and a first-stage run (test queries) of random scores."""
-    root = tmp_path_factory.mktemp("beir")
-    rng = np.random.default_rng(0)
-    write_word_beir(root, WORDS, rng)  # the runs' random scores continue the same stream
-    for name, queries in (("negatives.trec", range(8)), ("first_stage.trec", range(8, 12))):
-        lines = [f"q{q} Q0 d{d} 0 {rng.random():.6f} bm25" for q in queries for d in range(12)]
-        (root / name).write_text("\n".join(lines) + "\n")
-    return root
-
-
-def _evaluate(*argv) -> dict:
-    out = io.StringIO()
-    with redirect_stdout(out):
-        assert score.main(["retrieval", *argv]) == 0
-    return json.loads(out.getvalue())
-
-
-def test_a_beir_folder_trains_reranks_and_evaluate_rerank_agrees(
-    hf_dirs, beir_dir, tmp_path, capsys, monkeypatch
-):
-    source = cross_encoder_dir(tmp_path / "ce", hf_dirs["modernbert"])
-    c = _config(
-        **{
-            "init_checkpoint": str(source),
-            "data_dir": str(beir_dir),
-            "data.negatives_file": str(beir_dir / "negatives.trec"),
-            "data.num_negatives": 3,
-            "data.eval_run": str(beir_dir / "first_stage.trec"),
-            "train.steps": 2,
-            "train.eval_every": 1,
-        }
-    )
-    workdir = tmp_path / "run"
-    train.train_and_evaluate(c, str(workdir))
-    task = train.prepared_task(c, str(workdir))
-    assert len(task.train_features["label"]) == 8 * 4  # a positive and 3 mined negatives each
-    assert task.train_features["label"].sum() == 8
-    results = json.loads((workdir / "eval_results.json").read_text())
-    assert results["best_metric"] == "ndcg@10"
-    assert set(results["dev"]) == set(ranking_metrics.MEASURES)
-
-    base = ["--rerank", str(workdir / "best"), "--data", str(beir_dir), "--split", "test"]
-    capsys.readouterr()
-    monkeypatch.setenv("BERTJAX_PROGRESS_SECONDS", "0")  # a progress line for every batch
-    from_run = _evaluate(*base, "--run", str(beir_dir / "first_stage.trec"))
-    assert re.search(r"bertjax: reranking: (\d+)/\1 pairs \(100%\)", capsys.readouterr().err)
-    for key, value in results["dev"].items():
-        assert from_run[key] == pytest.approx(value, abs=1e-9), key
-    first = _evaluate(*base, "--run", str(beir_dir / "first_stage.trec"), "--top_k", "3")
-    assert first["recall@100"] <= from_run["recall@100"]
-
-    # a bi-encoder searched first, then reranked: the same as reranking its written run
-    bi_encoder = st_dir(tmp_path / "bi", hf_dirs["bert"], "mean")
-    run_file = tmp_path / "bi.trec"
-    _evaluate(
-        "--checkpoint", str(bi_encoder), "--data", str(beir_dir), "--output_run", str(run_file)
-    )
-    searched = _evaluate(
-        *base, "--checkpoint", str(bi_encoder), "--output_run", str(tmp_path / "reranked.trec")
-    )
-    assert searched == pytest.approx(_evaluate(*base, "--run", str(run_file)), abs=1e-9)
-    assert len((tmp_path / "reranked.trec").read_text().splitlines()) == 4 * 12
+    """helpers.write_ranked_beir: a BEIR folder with a negatives run and a first-stage run."""
+    return write_ranked_beir(tmp_path_factory.mktemp("beir"))
 
 
 def test_evaluate_rerank_refuses_bad_combinations(hf_dirs, beir_dir, tmp_path, capsys):

@@ -204,6 +204,11 @@ def embed_corpus(
     folder ``output`` (see the module docstring); ``devices``: this process's (default: its
     local devices); ``process_index`` / ``process_count`` default to JAX's."""
     options.check()
+    if model.late_interaction:  # its settings are PyLate's, not an EmbeddingSettings
+        raise ValueError(
+            f"{model.source}: a late-interaction (ColBERT) model gives a vector per token, not one "
+            "per text: embed its documents with load_pretrained(...).embed_documents"
+        )
     if model.tokenizer is None:
         raise ValueError(f"{model.source}: no vocabulary file found beside the checkpoint")
     settings = model.embedding or EmbeddingSettings()
