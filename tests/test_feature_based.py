@@ -4,20 +4,20 @@
 stay bitwise as loaded, the optimizer state holds none of them and the encoder runs without
 dropout. ``head.features`` reads a combination of layers (``sum_last4``, ``concat_last4``,
 ``scalar_mix``) and ``head.bilstm`` puts a two-layer BiLSTM under the NER classifier. A frozen run
-with ``features=last`` exports to transformers as any fine-tuning run; a feature-based head loads
-as its encoder alone and refuses a transformers export in one line. Tiny models (H32), 2-3 steps.
+with ``features=last`` is a run as any other (test_round_trips.py's ``frozen_glue`` run takes it
+through every consumer); a feature-based head loads as its encoder alone (RUN and RUN/best) and
+refuses a transformers export in one line. Tiny models (H32), 2-3 steps.
 """
 
 from __future__ import annotations
 
-import json
 import pathlib
 
 import flax.linen as nn
 import jax
 import numpy as np
 import pytest
-from helpers import small_config
+from helpers import opt_state_paths, random_bert_hf_dir, small_config
 
 import bertjax
 from bertjax import convert, flops, sharding, train
@@ -30,43 +30,10 @@ from configs import retrieval as retrieval_config
 from configs import squad as squad_config
 
 
-def _hf_checkpoint(files, path, num_layers=4):
-    """A random BERT encoder (H32) written as a transformers directory; its flat tensors."""
-    from bertjax.convert import Checkpoint, save_checkpoint
-    from bertjax.models.bert import BertConfig, BertModel
-
-    config = BertConfig(
-        vocab_size=len((files / "vocab.txt").read_text().split()),
-        hidden_size=32,
-        num_layers=num_layers,
-        num_heads=2,
-        intermediate_size=64,
-        max_position_embeddings=64,
-    )
-    ids = np.zeros((1, 8), np.int32)
-    init = jax.jit(lambda key: BertModel(config).init(key, ids)["params"])  # eager: 10 s
-    params = nn.meta.unbox(init(jax.random.key(7)))
-    tensors = {k: np.asarray(v) for k, v in flatten_params({"bert": params}).items()}
-    save_checkpoint(
-        Checkpoint(config, tensors, str(files / "vocab.txt"), True, "test"), str(path), "hf"
-    )
-    return tensors
-
-
 def _frozen(config, files, data_dir, **overrides):
     return small_config(
         config.get_config(), files, data_dir, **{"train.freeze_encoder": True, **overrides}
     )
-
-
-def _opt_state_paths(opt_state) -> set[tuple[str, ...]]:
-    """The parameter paths the optimizer state holds (its param-shaped trees' dict keys)."""
-    paths = set()
-    for path, _ in jax.tree_util.tree_flatten_with_path(opt_state)[0]:
-        keys = tuple(k.key for k in path if isinstance(k, jax.tree_util.DictKey))
-        if keys:
-            paths.add(keys)
-    return paths
 
 
 def _steps(c, workdir, steps: int):
@@ -91,40 +58,6 @@ def _changed(a, b) -> set[str]:
     fa, fb = flatten_params(a), flatten_params(b)
     assert fa.keys() == fb.keys()
     return {k for k in fa if not np.array_equal(fa[k], fb[k])}
-
-
-def test_a_frozen_run_keeps_its_encoder_bitwise_and_exports_as_any_run(files, tmp_path):
-    """GLUE from a transformers checkpoint, encoder frozen, the fine-tuning head (features=last):
-    after training the run's encoder is the checkpoint's bit for bit (its pooler, the head's first
-    layer, trained), the optimizer state holds the head alone, and ``load_pretrained(RUN)`` and
-    ``bertjax convert RUN --to=hf`` give the run's model."""
-    init = _hf_checkpoint(files, tmp_path / "init", num_layers=1)
-    c = _frozen(glue_config, files, "glue", init_checkpoint=str(tmp_path / "init"))
-    run = tmp_path / "run"
-    train.train_and_evaluate(c, str(run))
-    setup = train.build(c, str(run))
-    assert _opt_state_paths(setup.abstract_state.opt_state) == {
-        ("bert", "pooler", "kernel"),
-        ("bert", "pooler", "bias"),
-        ("classifier", "kernel"),
-        ("classifier", "bias"),
-    }
-    assert setup.partition is not None and len(setup.partition.frozen) == len(init) - 2
-    loaded = bertjax.load_pretrained(str(run))
-    got = flatten_params(jax.device_get(loaded.params))
-    assert {k for k in init if not np.array_equal(got[k], init[k])} == {
-        "bert/pooler/kernel",
-        "bert/pooler/bias",
-    }
-    assert loaded.module.num_labels == 2
-    convert.main([str(run), "--to=hf", str(tmp_path / "hf")])
-    exported = bertjax.load_pretrained(str(tmp_path / "hf"))
-    texts = ["the movie was good", "a dull plot"]
-    np.testing.assert_allclose(
-        exported.rerank_scores(texts), loaded.rerank_scores(texts), rtol=1e-6, atol=1e-6
-    )
-    results = json.loads((run / "eval_results.json").read_text())
-    assert 0.0 <= results["dev"]["accuracy"] <= 1.0
 
 
 def _bert(**fields):
@@ -230,7 +163,7 @@ def test_a_scalar_mix_head_learns_its_layer_weights_on_a_frozen_encoder(files, t
     head = {"classifier/kernel", "classifier/bias", "scalar_mix/weights", "scalar_mix/gamma"}
     np.testing.assert_array_equal(before["scalar_mix"]["weights"], np.zeros(5))  # 4 layers + 1
     assert _changed(before, after.params) == head
-    assert _opt_state_paths(after.opt_state) == {tuple(k.split("/")) for k in head}
+    assert opt_state_paths(after.opt_state) == {tuple(k.split("/")) for k in head}
     phase, config = setup.phases[0], setup.model.config  # the encoder's forward pass alone
     full = flops.train_flops_per_step(config, phase.global_batch_size, 32, 0)
     assert task.flops_per_step(config, phase) == pytest.approx(full / 3)
@@ -242,7 +175,7 @@ def test_the_paper_ner_setup_bilstm_on_concat_last4_trains_and_loads_as_its_enco
     """CoNLL NER as Table 7: a two-layer BiLSTM on the concatenated last four layers of a frozen
     encoder. It trains (rows unpacked), evaluates, and its checkpoint loads as the encoder alone
     (embeddings work) while an export to transformers is refused in one line."""
-    init = _hf_checkpoint(files, tmp_path / "init")
+    init = random_bert_hf_dir(files, tmp_path / "init")
     c = _frozen(
         ner_config,
         files,
@@ -265,12 +198,16 @@ def test_the_paper_ner_setup_bilstm_on_concat_last4_trains_and_loads_as_its_enco
     assert got.keys() == {k for k in init if "/pooler/" not in k}  # NER has no pooler
     assert all(np.array_equal(got[k], init[k]) for k in got)
     assert loaded.embed(["john smith"]).shape == (1, 32)
-    with pytest.raises(ValueError) as err:
-        convert.main([str(run), "--to=hf", str(tmp_path / "hf")])
-    assert "its task head is feature-based (head.features=concat_last4), which no hf" in str(
-        err.value
-    )
-    assert "\n" not in str(err.value) and not (tmp_path / "hf").exists()
+    best = bertjax.load_pretrained(str(run / "best"))  # the kept step's encoder, as RUN's
+    assert flatten_params(jax.device_get(best.params)).keys() == got.keys()
+    np.testing.assert_allclose(best.embed(["john smith"]), loaded.embed(["john smith"]))
+    for folder in (run, run / "best"):
+        with pytest.raises(ValueError) as err:
+            convert.main([str(folder), "--to=hf", str(tmp_path / "hf")])
+        assert "its task head is feature-based (head.features=concat_last4), which no hf" in str(
+            err.value
+        )
+        assert "\n" not in str(err.value) and not (tmp_path / "hf").exists()
     convert.main([str(run), "--to=sentence-transformers", str(tmp_path / "st")])  # the encoder
     exported = bertjax.load_pretrained(str(tmp_path / "st"))
     np.testing.assert_allclose(exported.embed(["john smith"]), loaded.embed(["john smith"]))

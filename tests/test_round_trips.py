@@ -2,14 +2,18 @@
 
 Each run kind is a tiny real run of the trainer (``train.train_and_evaluate``, 2 steps, hidden 32,
 1-2 layers): BERT and ModernBERT pretraining from scratch, continued pretraining from the BERT run,
-the four fine-tuning kinds (GLUE, NER, SQuAD, SWAG) and the end of phase 0 of a two-phase
-ModernBERT recipe whose phase 1 raises the global RoPE base. For each run:
+the four fine-tuning kinds (GLUE, NER, SQuAD, SWAG), GLUE on a frozen encoder (``frozen_glue``, from
+a transformers checkpoint) and the end of phase 0 of a two-phase ModernBERT recipe whose phase 1
+raises the global RoPE base. For each run:
 
 * ``load_pretrained(workdir)`` computes what the trainer's model (``train.build`` on the run's
   config, the phase's model, the params restored from the checkpoint) computes;
 * ``bertjax convert --to=hf`` (``bertjax.convert.main``, in process) writes a directory that
   transformers' ``AutoModelFor...`` of the run's kind loads and that gives the same sequence output
   and head logits (MLM, NSP, classification, token, QA start/end, multiple choice) within 1e-4;
+* ``load_pretrained(workdir/best)`` and its transformers export are the model of the step it
+  keeps, and ``bertjax evaluate`` scores that step's predictions (GLUE: load_pretrained's; SQuAD:
+  the run's predictions.json) to the metrics the run logged for it;
 * a GLUE fine-tuning task with ``init_checkpoint=<workdir>`` starts from the checkpoint's encoder
   params, bit for bit, and with the checkpoint's model (the phase-0 checkpoint: phase 0's RoPE base).
 
@@ -18,7 +22,9 @@ The runs are shared by the tests through one module-scoped cache (each trains on
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
 import json
 import os
 import pathlib
@@ -27,12 +33,13 @@ from typing import Any
 import jax
 import numpy as np
 import pytest
-from helpers import hf_inputs, small_config
-from train_fixtures import tiny_config, write_prepared
+from helpers import hf_inputs, opt_state_paths, random_bert_hf_dir, small_config
+from train_fixtures import read_metrics, tiny_config, write_prepared
 
 import bertjax
 import bertjax.models as models
 from bertjax import checkpointing, convert, train
+from bertjax.commands import score
 from bertjax.convert.checkpoint import flatten_params, unstack_layers
 from bertjax.models.heads import encoder as build_encoder
 from configs import glue as glue_config
@@ -84,7 +91,17 @@ FINE_TUNING = {  # run kind -> (task, config module, data folder, overrides, tra
         "AutoModelForQuestionAnswering",
     ),
     "swag": ("swag", swag_config, "swag", {}, "AutoModelForMultipleChoice"),
+    # GLUE with the encoder frozen (the feature-based approach's run with features=last), from a
+    # transformers checkpoint: the head alone trains
+    "frozen_glue": (
+        "glue/sst2",
+        glue_config,
+        "glue",
+        {"train.freeze_encoder": True},
+        "AutoModelForSequenceClassification",
+    ),
 }
+CLASSIFIERS = ("glue", "frozen_glue", "swag")  # load_pretrained runs their heads
 RUNS = [
     "bert_pretraining",
     "modernbert_pretraining",
@@ -116,6 +133,9 @@ def _train(name: str, root: pathlib.Path, files: pathlib.Path, bert_run) -> Run:
         task, module, data_dir, extra, hf_class = FINE_TUNING[name]
         c = small_config(module.get_config(), files, data_dir, task=task, **extra)
         c.train.steps = 2
+        if name == "frozen_glue":
+            random_bert_hf_dir(files, root / "frozen_init", num_layers=1)
+            c.init_checkpoint = str(root / "frozen_init")
         vocab = files / "vocab.txt"
     else:
         tmp = root / ("phased" if name == "modernbert_phase0" else "pretraining")
@@ -270,7 +290,7 @@ def test_load_pretrained_is_the_model_the_run_trained(outputs, name):
         _close(got.mlm_logits, want["mlm_logits"], real, SAME, f"{name}: MLM logits")
     if "nsp_logits" in want:
         _close(got.nsp_logits, want["nsp_logits"], None, SAME, f"{name}: NSP logits")
-    if name in ("glue", "swag"):  # the sequence classifier (SWAG: one score per choice)
+    if name in CLASSIFIERS:  # the sequence classifier (SWAG: one score per choice)
         logits = np.asarray(got.logits).reshape(want["logits"].shape)
         _close(logits, want["logits"], None, SAME, f"{name}: classifier logits")
 
@@ -282,18 +302,13 @@ def test_the_best_folder_is_the_model_of_its_step(outputs, tmp_path, name):
     transformers export (``bertjax convert RUN/best --to=hf``)."""
     run, _, pretrained, _ = outputs(name)
     best = bertjax.load_pretrained(os.path.join(run.workdir, "best"))
-    kept = checkpointing.Checkpointer(os.path.join(run.workdir, "best"), async_save=False)
-    try:
-        step = kept.latest_step()
-    finally:
-        kept.close()
-    assert step in (1, 2), step  # evaluated once per epoch of a 2-step run
+    step = _kept_step(run)
     want = _trainer_outputs(run, "best", step)
     assert _function_of(best.config) == _function_of(pretrained.config)
     again = best(**_flat(_probe(run)))
     real = _real(_probe(run))
     _close(again.sequence_output, want["sequence_output"], real, SAME, f"{name}: best, sequence")
-    if name in ("glue", "swag"):
+    if name in CLASSIFIERS:
         logits = np.asarray(again.logits).reshape(want["logits"].shape)
         _close(logits, want["logits"], None, SAME, f"{name}: best, classifier logits")
     convert.main([os.path.join(run.workdir, "best"), "--to=hf", str(tmp_path / "hf")])
@@ -308,6 +323,82 @@ def test_the_best_folder_is_the_model_of_its_step(outputs, tmp_path, name):
     else:
         logits = out.logits.numpy()
     _close(logits, want["logits"], real if logits.ndim > 2 else None, TOL, f"{name}: best, HF")
+
+
+def _kept_step(run: Run) -> int:
+    """The step whose params ``RUN/best`` keeps."""
+    kept = checkpointing.Checkpointer(os.path.join(run.workdir, "best"), async_save=False)
+    try:
+        step = kept.latest_step()
+    finally:
+        kept.close()
+    assert step in (1, 2), step  # evaluated once per epoch of a 2-step run
+    return step
+
+
+def _evaluate(*argv: str) -> dict:
+    """``bertjax evaluate ARGV`` in process: the JSON it prints."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert score.main(list(argv)) == 0
+    return json.loads(out.getvalue())
+
+
+@pytest.mark.parametrize("name", ["glue", "frozen_glue", "squad"])
+def test_the_best_folder_evaluates_to_the_metrics_of_its_step(trained, files, tmp_path, name):
+    """``bertjax evaluate`` scores the kept step's predictions to what the run logged for that
+    step and wrote in eval_results.json. GLUE: ``load_pretrained(RUN/best).predict`` on the dev
+    sentences gives the run's own dev predictions, line for line, and ``bertjax evaluate glue`` of
+    them its accuracy; SQuAD: ``bertjax evaluate squad`` of the run's predictions.json (the best
+    params' answers) its exact match and F1 (the official script's percentages)."""
+    run = trained(name)
+    results = json.loads(pathlib.Path(run.workdir, "eval_results.json").read_text())
+    assert results["params"] == "best"
+    (logged,) = [r for r in read_metrics(run.workdir, "eval") if r["step"] == _kept_step(run)]
+    if name == "squad":
+        got = _evaluate(
+            "squad",
+            f"--dataset={files / 'squad' / 'dev-v1.1.json'}",
+            f"--predictions={results['predictions']['predictions']}",
+        )
+        got = {key: value / 100 for key, value in got.items()}  # percentages -> fractions
+    else:
+        labels = files / "glue" / "SST-2"
+        rows = [line.split("\t") for line in (labels / "dev.tsv").read_text().splitlines()[1:]]
+        best = bertjax.load_pretrained(os.path.join(run.workdir, "best"))
+        logits = best.predict([sentence for sentence, _ in rows], activation="Identity")
+        lines = ["index\tprediction"] + [f"{i}\t{p}" for i, p in enumerate(logits.argmax(-1))]
+        predictions = tmp_path / "SST-2.tsv"
+        predictions.write_text("\n".join(lines) + "\n")
+        own = pathlib.Path(results["dev_predictions"]["dev"]).read_text()
+        assert predictions.read_text() == own
+        got = _evaluate(
+            "glue", "--task=SST-2", f"--labels={labels}", f"--predictions={predictions}"
+        )
+    assert set(got) == set(results["dev"]), (got, results["dev"])
+    for key, value in got.items():
+        assert value == pytest.approx(results["dev"][key], abs=1e-9), key
+        assert value == pytest.approx(logged[key], abs=1e-9), key
+
+
+def test_a_frozen_run_trained_its_head_alone(trained):
+    """The frozen GLUE run's encoder is its transformers init bit for bit, its pooler and the
+    classifier excepted (the head that reads the pooler trains it), and its optimizer state holds
+    those alone."""
+    run = trained("frozen_glue")
+    init = convert.load_checkpoint(run.config.init_checkpoint).tensors
+    setup = train.build(run.config, run.workdir)
+    assert opt_state_paths(setup.abstract_state.opt_state) == {
+        ("bert", "pooler", "kernel"),
+        ("bert", "pooler", "bias"),
+        ("classifier", "kernel"),
+        ("classifier", "bias"),
+    }
+    assert setup.partition is not None and len(setup.partition.frozen) == len(init) - 2
+    saved, _, _ = checkpointing.restore_params(os.path.join(run.workdir, "checkpoints"))
+    got = {k: np.asarray(v) for k, v in unstack_layers(flatten_params(saved)).items()}
+    moved = {k for k in init if not np.array_equal(got[k], init[k])}
+    assert moved == {"bert/pooler/kernel", "bert/pooler/bias"}
 
 
 def _torch_inputs(run: Run, batch) -> dict:
@@ -374,7 +465,7 @@ def _pipeline_agrees(run: Run, export, pretrained) -> None:
         top = fill(text)
         assert [t["token"] for t in top] == np.argsort(-probs)[:3].tolist(), (top, probs)
         np.testing.assert_allclose([t["score"] for t in top], np.sort(probs)[::-1][:3], atol=TOL)
-    elif run.name == "glue":
+    elif run.name in ("glue", "frozen_glue"):
         classify = transformers.pipeline("text-classification", model=str(export), top_k=None)
         text = f"{words[0]} {words[1]} {words[2]}"
         logits = np.asarray(pretrained.predict([text], activation="Identity"), np.float64)[0]
@@ -390,7 +481,7 @@ def _encoder_tensors(params, arch) -> dict[str, np.ndarray]:
     return {k: np.asarray(v) for k, v in flat.items()}
 
 
-@pytest.mark.parametrize("name", RUNS)
+@pytest.mark.parametrize("name", [name for name in RUNS if name != "frozen_glue"])
 def test_fine_tuning_starts_from_the_runs_checkpoint(trained, files, tmp_path, name):
     run = trained(name)
     c = small_config(glue_config.get_config(), files, "glue", init_checkpoint=run.workdir)
