@@ -36,6 +36,7 @@ applied in torch, which is what PyLate's ``ColBERT.encode`` computes.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import io
 import json
 import pathlib
@@ -97,6 +98,13 @@ class Run:
         evals = read_metrics(self.workdir, "eval")
         best = max(r["ndcg@10"] for r in evals)
         return next(r["step"] for r in evals if r["ndcg@10"] == best)
+
+    @functools.cached_property
+    def trainer(self):
+        """(task, setup) as train_and_evaluate builds them from the run's config (once a run)."""
+        again = str(self.workdir.parent / f"{self.kind}-again")  # the task reads; writes nothing
+        task = train.prepared_task(self.config, again)
+        return task, train.build(self.config, again, task)
 
     def recorded(self, step: int) -> dict[str, float]:
         """The measures the run logged for its evaluation at ``step``."""
@@ -190,9 +198,7 @@ def _outputs(run: Run, model=None, which: str = "RUN") -> dict[str, Any]:
         if run.kind == "colbert":
             return {"queries": model.embed_queries(queries), "docs": model.embed_documents(docs)}
         return {"scores": model.rerank_scores(PAIRS, max_length=PAIR_MAX_LEN)}
-    again = run.workdir.parent / f"{run.kind}-again"  # the task reads its data; writes nothing
-    task = train.prepared_task(run.config, str(again))
-    setup = train.build(run.config, str(again), task)
+    task, setup = run.trainer
     params, step = run.params(which)
     own = train._runner(setup, params)  # what the run's evaluations call
     if run.kind == "bi_encoder":
@@ -257,7 +263,7 @@ def test_a_bi_encoder_run_records_its_head(runs):
     configured, the init's Dense layer trained), not the init's mean pooling."""
     run = runs("bi_encoder")
     loaded = bertjax.load_pretrained(str(run.workdir), quiet=True)
-    task = train.prepared_task(run.config, str(run.workdir.parent / "bi_encoder-again"))
+    task, _ = run.trainer
     assert loaded.embedding.head == task.embedding_head()
     assert loaded.embedding.head.pooling == ("cls",) and loaded.embedding.head.normalize
     assert len(loaded.embedding.head.dense) == 1
@@ -302,7 +308,7 @@ def test_evaluate_gives_the_runs_own_evaluation(runs, kind, which, capsys, monke
 
 def test_a_reranker_run_trains_on_the_qrels_and_mined_negatives(runs):
     run = runs("reranker")
-    task = train.prepared_task(run.config, str(run.workdir.parent / "reranker-again"))
+    task, _ = run.trainer
     labels = task.train_features["label"]
     assert len(labels) == 8 * 4 and labels.sum() == 8  # a positive and 3 mined negatives each
 
