@@ -230,6 +230,7 @@ HEAVY_FIRST = (
     "test_finetune_heads.py",
     "test_packing.py",
     "test_packing_finetune.py",
+    "test_retrieval_round_trips.py",
 )
 
 
