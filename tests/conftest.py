@@ -2,6 +2,7 @@
 fixtures several test files use (tiny transformers models, a BEIR folder, fine-tuning files in the
 official formats, a module's XLA cache); plain helpers shared by test files are in helpers.py."""
 
+import gc
 import json
 import logging
 import os
@@ -237,6 +238,18 @@ HEAVY_FIRST = (
 def pytest_collection_modifyitems(items):
     rank = {name: i for i, name in enumerate(HEAVY_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: files stay whole
+
+
+# Python's cyclic garbage collector: each full collection walks every live object, and a test
+# process holds millions (TensorFlow, PyTorch, JAX and every test module are imported), while JAX's
+# tracing allocates fast enough to start a collection every few milliseconds. Measured on
+# tests/test_round_trips.py: 4,933 collections, 6.4 of its 83 CPU-s; with the objects alive after
+# collection frozen out of the walk and a first generation of 10,000 objects, 230 and 2.2 s, and
+# the same peak memory (2.05 GB). Nothing a test checks depends on when garbage is collected.
+def pytest_collection_finish(session):
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(10_000, 10, 10)
 
 
 # -------------------------------------------------------------------------------------------------
