@@ -244,6 +244,18 @@ def test_prepare_compared_with_the_original_script(tmp_path):
     )
 
 
+_SMALL_GLUE_CONFIG = """
+from configs import glue
+
+
+def get_config():
+    c = glue.get_config()
+    c.model.num_layers, c.model.hidden_size, c.model.num_heads = 1, 32, 2
+    c.model.intermediate_size = 64
+    return c
+"""
+
+
 def test_finetune_bench_times_the_task_packed_and_its_pytorch_peer(tmp_path):
     """`bertjax bench --finetune=glue/sst2 --peers`: the real fine-tuning step and dev evaluation,
     unpacked and packed, beside transformers' BertForSequenceClassification on the same shapes."""
@@ -259,7 +271,11 @@ def test_finetune_bench_times_the_task_packed_and_its_pytorch_peer(tmp_path):
     for split, n in (("train", 40), ("dev", 12)):
         rows = [f"{' '.join(rng.choice(words, rng.integers(2, 9)))}\t{i % 2}" for i in range(n)]
         (sst / f"{split}.tsv").write_text("sentence\tlabel\n" + "\n".join(rows) + "\n")
+    # configs/glue.py at one layer of 32 (the tiny preset has two of 128): what is asserted below
+    # holds for any model, and each of the three modes compiles its own init, steps and evaluation.
+    (tmp_path / "glue_small.py").write_text(_SMALL_GLUE_CONFIG)
     args = ["--finetune=glue/sst2", "--preset=tiny", "--seq=32", "--batch=4", "--steps=2"]
+    args += [f"--finetune_config={tmp_path / 'glue_small.py'}"]
     args += ["--warmup=1", "--devices=1", f"--glue_dir={sst}", f"--vocab={tmp_path / 'vocab.txt'}"]
     args += ["--json", "--peers", f"--peers_python={sys.executable}", "--peer_steps=1"]
     printed = io.StringIO()

@@ -140,8 +140,10 @@ def _setup(files, tmp_path, kind: str, ckpt):
 
 
 def _step0_logits(task, setup, state, batch):
-    """The fine-tuning model's eval logits from the initial state (what step 0 evaluates)."""
-    out = setup.model.apply({"params": state.params}, **task.model_inputs(batch))
+    """The fine-tuning model's eval logits from the initial state (what step 0 evaluates), jitted
+    as the trainer's evaluation is (one compile, not one per eager op and shape)."""
+    apply = jax.jit(lambda params, inputs: setup.model.apply({"params": params}, **inputs))
+    out = apply(state.params, task.model_inputs(batch))
     return np.stack(out, -1) if isinstance(out, tuple) else np.asarray(out)
 
 

@@ -88,16 +88,22 @@ def _tasks(files, tmp_path, make, data_dir, **overrides):
     plain, packed = tasks
     model = plain.build_model(plain.model_config())
     batch = plain.init_batch(plain.phases()[0], 1)
-    params = nn.meta.unbox(plain.fresh_params(model, jax.random.key(1), batch))
+    init = jax.jit(lambda rng: plain.fresh_params(model, rng, batch))  # one compile, not eager
+    params = nn.meta.unbox(init(jax.random.key(1)))
     return plain, packed, model, params
 
 
 def _train_loss(task, model, params):
-    """(loss, metrics) over every training example (rows when packed) as one batch."""
+    """(loss, metrics) over every training example (rows when packed) as one batch, jitted as the
+    trainer's step is (one compile, not one per eager op and shape)."""
     feats = task.train_features
     batch = {**feats, "mask": np.ones(len(feats["input_ids"]), np.float32)}
-    norms = task.normalizers(batch)
-    return task.loss(model, params, batch, jax.random.key(0), norms, deterministic=True)
+
+    def loss(params, batch):
+        norms = task.normalizers(batch)
+        return task.loss(model, params, batch, jax.random.key(0), norms, deterministic=True)
+
+    return jax.jit(loss)(params, batch)
 
 
 def _runner(task, model, params):

@@ -214,27 +214,56 @@ def _real(batch):
     return _flat(batch)["input_mask"].astype(bool)
 
 
-def _trainer_outputs(run: Run, folder: str = "checkpoints", at: int = 2) -> dict[str, np.ndarray]:
-    """What the trainer's model (built as train_and_evaluate builds it, the checkpoint's phase)
-    computes with the params restored from the run's checkpoint (``folder`` of the workdir, its
-    step ``at``): its heads' logits, and the encoder's sequence output."""
-    task = train.prepared_task(run.config, run.workdir)
-    setup = train.build(run.config, run.workdir, task)
-    setup = train.phase_setup(setup, setup.phases[run.phase])
+@dataclasses.dataclass
+class TrainerModel:
+    """The trainer's model of a run (built as train_and_evaluate builds it, the checkpoint's
+    phase), its apply and its encoder's jitted: built and compiled once per run, then given the
+    params of each checkpoint folder."""
+
+    model: Any
+    apply: Any
+    encoders: dict[bool, Any]  # add_pooler -> the encoder's jitted apply
+
+
+@pytest.fixture(scope="module")
+def trainer_model():
+    """``trainer_model(run)``: the run's TrainerModel (built on first use, then shared)."""
+    cache: dict[str, TrainerModel] = {}
+
+    def get(run: Run) -> TrainerModel:
+        if run.workdir not in cache:
+            task = train.prepared_task(run.config, run.workdir)
+            setup = train.build(run.config, run.workdir, task)
+            model = train.phase_setup(setup, setup.phases[run.phase]).model
+            cache[run.workdir] = TrainerModel(model, jax.jit(model.apply), {})
+        return cache[run.workdir]
+
+    return get
+
+
+def _trainer_outputs(
+    trainer: TrainerModel, run: Run, folder: str = "checkpoints", at: int = 2
+) -> dict[str, np.ndarray]:
+    """What the trainer's model (``trainer``: the run's) computes with the params restored from
+    the run's checkpoint (``folder`` of the workdir, its step ``at``): its heads' logits, and the
+    encoder's sequence output."""
     params, _, step = checkpointing.restore_params(os.path.join(run.workdir, folder))
     assert step == at
     batch = _probe(run)
-    model = setup.model
-    out = jax.jit(model.apply)({"params": params}, **batch)
+    model = trainer.model
+    out = trainer.apply({"params": params}, **batch)
     if isinstance(out, dict):  # pretraining: sequence_output, mlm_logits, nsp_logits (BERT)
         keys = ("sequence_output", "mlm_logits", "nsp_logits")
         return {k: np.asarray(out[k]) for k in keys if k in out} | {"model_config": model.config}
     # a fine-tuning model returns its logits: the sequence output is its encoder's
     arch = models.architecture(model.config)
     enc_params = params[arch.encoder_name]
-    encoder = build_encoder(model.config, add_pooler="pooler" in enc_params)
+    add_pooler = "pooler" in enc_params
+    if add_pooler not in trainer.encoders:
+        encoder = build_encoder(model.config, add_pooler=add_pooler)
+        trainer.encoders[add_pooler] = jax.jit(encoder.apply)
     flat = _flat(batch)
-    enc_out = jax.jit(encoder.apply)(
+    enc_out = trainer.encoders[add_pooler](
         {"params": enc_params}, flat["input_ids"], flat["segment_ids"], flat["input_mask"]
     )
     result = {"sequence_output": np.asarray(enc_out.sequence_output)}
@@ -247,7 +276,7 @@ def _trainer_outputs(run: Run, folder: str = "checkpoints", at: int = 2) -> dict
 
 
 @pytest.fixture(scope="module")
-def outputs(trained):
+def outputs(trained, trainer_model):
     """``outputs(name)``: (trainer's outputs, load_pretrained's model and outputs), computed once."""
     cache = {}
 
@@ -256,7 +285,7 @@ def outputs(trained):
             run = trained(name)
             pretrained = bertjax.load_pretrained(run.workdir)
             got = pretrained(**_flat(_probe(run)))
-            cache[name] = (run, _trainer_outputs(run), pretrained, got)
+            cache[name] = (run, _trainer_outputs(trainer_model(run), run), pretrained, got)
         return cache[name]
 
     return get
@@ -296,14 +325,14 @@ def test_load_pretrained_is_the_model_the_run_trained(outputs, name):
 
 
 @pytest.mark.parametrize("name", list(FINE_TUNING))
-def test_the_best_folder_is_the_model_of_its_step(outputs, tmp_path, name):
+def test_the_best_folder_is_the_model_of_its_step(outputs, trainer_model, tmp_path, name):
     """``load_pretrained(RUN/best)`` (the params of the best evaluation, what ``finalize`` and
     the exports use) is the trainer's model with the params of the step it keeps, and so is its
     transformers export (``bertjax convert RUN/best --to=hf``)."""
     run, _, pretrained, _ = outputs(name)
     best = bertjax.load_pretrained(os.path.join(run.workdir, "best"))
     step = _kept_step(run)
-    want = _trainer_outputs(run, "best", step)
+    want = _trainer_outputs(trainer_model(run), run, "best", step)
     assert _function_of(best.config) == _function_of(pretrained.config)
     again = best(**_flat(_probe(run)))
     real = _real(_probe(run))
