@@ -50,7 +50,7 @@ finetune: install
 
 test: install-test
 	$(BIN)/ruff check bertjax tests configs
-	$(BIN)/python -m pytest -q -rs --durations=10 -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS) tests
+	$(BIN)/python -m pytest -q -rs --durations=10 -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS) tests
 	$(MAKE) test-beam
 
 # The Beam DirectRunner writes the local path's shards byte for byte (skipped in .venv: no Beam there).

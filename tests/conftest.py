@@ -212,26 +212,35 @@ def files(tmp_path_factory):
 
 
 # The heaviest files first (about the order of their times on the 2-core machine): `--dist
-# loadfile` hands each worker the next file in collection order, so a heavy file collected last
-# would run alone at the end while the other worker sits idle.
+# loadfile --no-loadscope-reorder` (make test) hands each worker the next file in collection order,
+# so a heavy file collected last would run alone at the end while the other worker sits idle.
+# Without --no-loadscope-reorder, xdist orders the files by their number of tests instead: the
+# 3 tests of test_multihost_train.py (106 s) ran last.
 HEAVY_FIRST = (
-    "test_train.py",
     "test_readme_commands.py",
-    "test_multihost_train.py",
-    "test_round_trips.py",
-    "test_finetune.py",
-    "test_training_parity.py",
-    "test_topology.py",
     "test_bench.py",
+    "test_train.py",
+    "test_multihost_train.py",
+    "test_topology.py",
+    "test_round_trips.py",
     "test_crash_recovery.py",
-    "test_continued_pretraining_bert.py",
+    "test_finetune.py",
+    "test_reranker_training.py",
     "test_gpu_program.py",
+    "test_retrieval_evaluate.py",
     "test_accelerator.py",
+    "test_feature_based.py",
+    "test_family_fine_tuning.py",
+    "test_retrieval_reference.py",
+    "test_training_parity.py",
+    "test_retrieval_round_trips.py",
     "test_modernbert_interop.py",
+    "test_gcs.py",
+    "test_gte.py",
+    "test_packing_finetune.py",
     "test_finetune_heads.py",
     "test_packing.py",
-    "test_packing_finetune.py",
-    "test_retrieval_round_trips.py",
+    "test_continued_pretraining_bert.py",
 )
 
 
