@@ -381,6 +381,12 @@ def tiny_run(c, beir_dir):
     c.model.num_heads = 2
     c.model.intermediate_size = 64
     c.model.max_position_embeddings = 32
+    return two_steps(c)
+
+
+def two_steps(c):
+    """``c`` as 2 steps of batch 4 without dropout, warmup, TensorBoard or async checkpoints, on
+    one device, logging every step (the retrieval family's tiny runs)."""
     c.model.hidden_dropout = 0.0
     c.model.attention_dropout = 0.0
     c.train.global_batch_size = 4

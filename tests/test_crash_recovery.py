@@ -57,20 +57,21 @@ def _losses(workdir):
 
 # The pretraining runs' model: the tiny preset with one of its two layers (what is checked is where
 # a run stops and resumes, and its losses against the uninterrupted run's; half the compile).
-ONE_LAYER = "--config.model.num_layers=1"
+ONE_LAYER = {"model.num_layers": 1}
+ONE_LAYER_FLAGS = [f"--config.{k}={v}" for k, v in ONE_LAYER.items()]  # the same, for bertjax
 
 
 @pytest.mark.slow
 def test_kill_mid_checkpoint_corrupt_newest_then_disk_full_then_resume_exactly(tmp_path, caplog):
     rng = np.random.default_rng(SEED)
-    config = tiny_config(tmp_path, steps=10, **{"model.num_layers": 1})
+    config = tiny_config(tmp_path, steps=10, **ONE_LAYER)
     train.train_and_evaluate(config, str(tmp_path / "reference"))
     workdir = tmp_path / "run"
     checkpoints = workdir / "checkpoints"
     # 1. kill -9 while checkpoint step 4 or 6 (seeded) is half-written.
     killed_at = int(rng.choice([4, 6]))
     env = {"BERTJAX_FAULT_SLOW_SAVE_STEP": str(killed_at)}
-    proc = _bertjax(tmp_path, workdir, ONE_LAYER, env=env)
+    proc = _bertjax(tmp_path, workdir, *ONE_LAYER_FLAGS, env=env)
     _wait_for(lambda: (checkpoints / f"{killed_at}.orbax-checkpoint-tmp").exists(), proc)
     time.sleep(float(rng.uniform(0.0, 0.5)))
     proc.send_signal(signal.SIGKILL)
@@ -80,7 +81,7 @@ def test_kill_mid_checkpoint_corrupt_newest_then_disk_full_then_resume_exactly(t
     data_file = max((newest / "state").rglob("d/*"), key=lambda p: p.stat().st_size)
     data_file.write_bytes(data_file.read_bytes()[: data_file.stat().st_size // 2])
     # 3. the disk fills while writing checkpoint step 8: one line naming the path, nothing lost.
-    proc = _bertjax(tmp_path, workdir, ONE_LAYER, env={"BERTJAX_FAULT_DISK_FULL_STEP": "8"})
+    proc = _bertjax(tmp_path, workdir, *ONE_LAYER_FLAGS, env={"BERTJAX_FAULT_DISK_FULL_STEP": "8"})
     out, err = proc.communicate(timeout=600)
     errors = [line for line in err.splitlines() if line.strip()]
     assert proc.returncode == 1, out[-2000:] + err[-3000:]

@@ -46,7 +46,15 @@ from typing import Any
 
 import numpy as np
 import pytest
-from helpers import PAIR_MAX_LEN, PAIRS, cross_encoder_dir, st_dir, tiny_hf, write_ranked_beir
+from helpers import (
+    PAIR_MAX_LEN,
+    PAIRS,
+    cross_encoder_dir,
+    st_dir,
+    tiny_hf,
+    two_steps,
+    write_ranked_beir,
+)
 from train_fixtures import read_metrics
 
 import bertjax
@@ -115,20 +123,8 @@ class Run:
 def _common(c, beir: pathlib.Path, init: pathlib.Path):
     c.init_checkpoint = str(init)
     c.data_dir = str(beir)
-    c.model.hidden_dropout = 0.0
-    c.model.attention_dropout = 0.0
-    c.train.global_batch_size = 4
-    c.train.steps = 2
     c.train.eval_every = 1  # two evaluations: best/ keeps the better one
-    c.train.log_every = 1
-    c.train.checkpoint_every = 100
-    c.train.async_checkpoints = False
-    c.optimizer.warmup_proportion = 0.0
-    c.optimizer.warmup_steps = 0
-    c.optimizer.learning_rate = 1e-3
-    c.tensorboard = False
-    c.mesh.num_devices = 1
-    return c
+    return two_steps(c)
 
 
 def _config(kind: str, root: pathlib.Path, beir: pathlib.Path):

@@ -137,6 +137,11 @@ def test_vocab_size_disagreeing_with_model_config_is_an_error(tmp_path):
         train.train_and_evaluate(config, str(tmp_path / "bad"))
 
 
+# The resume test's run: the 10-step tiny config with these keys, as `bertjax pretrain` flags in
+# _cli and as the in-process rerun's overrides.
+RESUMED_RUN = {"train.checkpoint_every": 3, "train.async_checkpoints": True, **ONE_LAYER}
+
+
 def _cli(tmp_path, workdir, *extra, stderr=subprocess.STDOUT, hold_step=None):
     """`bertjax pretrain` of the 10-step tiny config in the background; with ``hold_step``, the run
     waits after that step for a stop request (tests/fault_inject.py), so that a signal sent after an
@@ -150,9 +155,7 @@ def _cli(tmp_path, workdir, *extra, stderr=subprocess.STDOUT, hold_step=None):
         "pretrain",
         f"--config={REPO}/tests/tiny_pretrain_config.py:{tmp_path}",
         f"--workdir={workdir}",
-        "--config.train.checkpoint_every=3",
-        "--config.train.async_checkpoints=true",
-        *(f"--config.{k}={v}" for k, v in ONE_LAYER.items()),
+        *(f"--config.{k}={v}" for k, v in RESUMED_RUN.items()),
         *extra,
     ]
     return subprocess.Popen(
@@ -238,9 +241,8 @@ def test_sigterm_ctrl_c_and_sigkill_each_resume_to_the_uninterrupted_run(
     assert max(_logged_steps(workdir)) == 8
 
     # The rerun in process (what it resumes from is on disk; the command's config, as _cli's).
-    rerun = {"train.checkpoint_every": 3, "train.async_checkpoints": True, **ONE_LAYER}
     with caplog.at_level(logging.INFO, logger="bertjax"):
-        train.train_and_evaluate(tiny_config(tmp_path, steps=10, **rerun), str(workdir))
+        train.train_and_evaluate(tiny_config(tmp_path, steps=10, **RESUMED_RUN), str(workdir))
     assert f"resumed from {workdir / 'checkpoints'} at step 6" in caplog.text
     assert [r["step"] for r in read_metrics(workdir)] == list(range(1, 11))
     np.testing.assert_allclose(_losses(workdir), _losses(reference), rtol=1e-6)
