@@ -27,8 +27,8 @@ from bertjax.layers.core import (
     embed_table,
     embedding_lookup,
     layer_norm,
+    layer_stack,
     model_inputs,
-    remat,
     tanh_pooler,
 )
 from bertjax.layers.dropout import Dropout
@@ -221,18 +221,23 @@ class PostNormEncoder(nn.Module):
             input_mask = jnp.ones_like(input_ids)
         x = PostNormEmbeddings(cfg, name="embeddings")(input_ids, segment_ids, deterministic)
         bias, attention_segment_ids, rope = rope_inputs(cfg, input_mask, position_ids, pack_ids)
-        # static_argnums counts self: (self, x, bias, rope, deterministic, attention_segment_ids)
-        layer_cls = remat(PostNormLayer, cfg.remat, static_argnums=(4,))
         options = dict(
             attention_bias=self.attention_bias,
             down_bias=self.down_bias,
             mlp_dropout=self.mlp_dropout,
         )
-        hidden_states = [x]
-        for i in range(cfg.num_layers):
-            layer = layer_cls(cfg, **options, name=f"layer_{i}")
-            x = layer(x, bias, rope, deterministic, attention_segment_ids)
-            hidden_states.append(x)
+        # static_argnums counts self: (self, x, bias, rope, deterministic, attention_segment_ids)
+        x, hidden = layer_stack(
+            PostNormLayer,
+            cfg,
+            x,
+            bias,
+            rope,
+            deterministic,
+            attention_segment_ids,
+            static_argnums=(4,),
+            options=options,
+            output_hidden_states=output_hidden_states,
+        )
         pooled = tanh_pooler(cfg, x, pool_positions, "pooler") if self.add_pooler else None
-        hidden = tuple(hidden_states) if output_hidden_states else ()
         return EncoderOutput(sequence_output=x, pooled_output=pooled, hidden_states=hidden)

@@ -334,6 +334,59 @@ def remat(cls, policy: str, static_argnums: tuple[int, ...]):
     return nn.remat(cls, policy=saveable, static_argnums=static_argnums)
 
 
+@functools.cache
+def _carried(layer_cls):
+    """``layer_cls`` with the ``(carry, *xs) -> (carry, ys)`` signature nn.scan needs."""
+
+    class Carried(layer_cls):
+        @nn.compact
+        def __call__(self, x, *args):  # type: ignore[override]
+            return super().__call__(x, *args), None
+
+    Carried.__name__ = Carried.__qualname__ = f"Scanned{layer_cls.__name__}"
+    return Carried
+
+
+def layer_stack(
+    layer_cls,
+    config,
+    x: Array,
+    *args,
+    static_argnums: tuple[int, ...],
+    options: dict[str, Any] | None = None,
+    output_hidden_states: bool = False,
+) -> tuple[Array, tuple[Array, ...]]:
+    """``config.num_layers`` identical layers ``layer_cls(config, **options)``, each called as
+    ``layer(x, *args) -> x`` and rematerialised as ``config.remat`` says (``static_argnums``
+    counts self: the position of ``deterministic``). Returns the last output and, with
+    ``output_hidden_states``, the input followed by every layer's output.
+
+    Unrolled, layer ``i`` is the submodule ``layer_{i}``. With ``config.scan_layers`` one nn.scan
+    named ``layers`` runs them: every parameter gets a leading axis (logical name ``layers``), each
+    layer its own params and dropout keys, ``args`` are shared by all (broadcast); it keeps no
+    hidden states (``output_hidden_states`` is then a ValueError)."""
+    options = options or {}
+    if config.scan_layers:
+        if output_hidden_states:
+            raise ValueError("output_hidden_states needs scan_layers=False")
+        scanned = nn.scan(
+            remat(_carried(layer_cls), config.remat, static_argnums),
+            variable_axes={"params": 0},
+            split_rngs={"params": True, "dropout": True},
+            in_axes=(nn.broadcast,) * len(args),
+            length=config.num_layers,
+            metadata_params={nn.PARTITION_NAME: "layers"},
+        )
+        x, _ = scanned(config, **options, name="layers")(x, *args)
+        return x, ()
+    layer_cls = remat(layer_cls, config.remat, static_argnums)
+    hidden_states = [x]
+    for i in range(config.num_layers):
+        x = layer_cls(config, **options, name=f"layer_{i}")(x, *args)
+        hidden_states.append(x)
+    return x, tuple(hidden_states) if output_hidden_states else ()
+
+
 def config_error(config, key: str, why: str) -> ValueError:
     """The one-line error for a bad model config field: ``model config: KEY=VALUE WHY``."""
     return ValueError(f"model config: {key}={getattr(config, key)!r} {why}")

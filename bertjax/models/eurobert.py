@@ -52,10 +52,10 @@ from bertjax.layers.core import (
     embed_table,
     embedding_lookup,
     gather_positions,
+    layer_stack,
     model_inputs,
     normal_init,
     pool_members,
-    remat,
     zeros_init,
 )
 from bertjax.layers.rope import RopeConfig
@@ -86,7 +86,7 @@ class EuroBertConfig(RopeConfig, EncoderConfig):
     param_dtype: str = "float32"
     attention_impl: str = "xla"  # auto | xla | dot_product | cudnn | splash (layers.attention)
     remat: str = "none"  # rematerialisation per layer: none | dots | full
-    scan_layers: bool = False  # not supported yet (see __post_init__)
+    scan_layers: bool = False  # nn.scan over layers: params stacked on a leading "layers" axis
     rms_norm_eps: float = 1e-5
     attention_bias: bool = False
     mlp_bias: bool = False  # also the MLM decoder's bias (HF lm_head)
@@ -110,8 +110,6 @@ class EuroBertConfig(RopeConfig, EncoderConfig):
         def bad(key, why):
             raise config_error(self, key, why)
 
-        if self.scan_layers:
-            bad("scan_layers", "is not supported by EuroBERT yet; use False")
         if self.num_kv_heads < 0 or self.num_heads % self.kv_heads:
             bad("num_kv_heads", f"does not divide num_heads={self.num_heads}")
         if self.classifier_pooling not in POOLINGS:
@@ -245,13 +243,17 @@ class EuroBertModel(nn.Module):
         x = nn.with_logical_constraint(embedding_lookup(words, input_ids), BATCH_LENGTH_EMBED)
         bias, attention_segment_ids, rope = rope_inputs(cfg, input_mask, position_ids, pack_ids)
         # static_argnums counts self: (self, x, bias, rope, deterministic, attention_segment_ids)
-        layer_cls = remat(EuroBertLayer, cfg.remat, static_argnums=(4,))
-        hidden_states = [x]
-        for i in range(cfg.num_layers):
-            x = layer_cls(cfg, name=f"layer_{i}")(
-                x, bias, rope, deterministic, attention_segment_ids
-            )
-            hidden_states.append(x)
+        x, hidden_states = layer_stack(
+            EuroBertLayer,
+            cfg,
+            x,
+            bias,
+            rope,
+            deterministic,
+            attention_segment_ids,
+            static_argnums=(4,),
+            output_hidden_states=output_hidden_states,
+        )
         x = RMSNorm(cfg, cfg.rms_norm_eps, name="norm")(x)  # [batch, seq, hidden]
         pooled = None
         if self.add_pooler:
@@ -314,5 +316,5 @@ ARCHITECTURE = Architecture(
     choice_pools_first_token=False,
     forward_flops_per_sequence=forward_flops_per_sequence,
     hf_reference="EuroBertForMaskedLM",
-    scanned_layers=None,
+    scanned_layers=("layers", "layer_{i}"),
 )

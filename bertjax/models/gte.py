@@ -67,7 +67,7 @@ class GteConfig(RopeConfig, EncoderConfig):
     param_dtype: str = "float32"
     attention_impl: str = "xla"  # auto | xla | dot_product | cudnn | splash (layers.attention)
     remat: str = "none"  # rematerialisation per layer: none | dots | full
-    scan_layers: bool = False  # not supported yet (see __post_init__)
+    scan_layers: bool = False  # nn.scan over layers: params stacked on a leading "layers" axis
     layer_norm_eps: float = 1e-12
     rope_theta: float = 160_000.0
     # transformers' rope_parameters other than rope_theta, as JSON ("" = default RoPE); the
@@ -87,8 +87,6 @@ class GteConfig(RopeConfig, EncoderConfig):
         def bad(key, why):
             raise config_error(self, key, why)
 
-        if self.scan_layers:
-            bad("scan_layers", "is not supported by GTE yet; use False")
         if self.type_vocab_size < 0:
             bad("type_vocab_size", "must be >= 0")
 
@@ -189,5 +187,5 @@ ARCHITECTURE = Architecture(
     # the same matmuls as NomicBERT's (biases are not counted)
     forward_flops_per_sequence=forward_flops_per_sequence,
     hf_reference="GteForMaskedLM",
-    scanned_layers=None,
+    scanned_layers=("layers", "layer_{i}"),
 )

@@ -69,7 +69,7 @@ class NomicBertConfig(RopeConfig, EncoderConfig):
     param_dtype: str = "float32"
     attention_impl: str = "xla"  # auto | xla | dot_product | cudnn | splash (layers.attention)
     remat: str = "none"  # rematerialisation per layer: none | dots | full
-    scan_layers: bool = False  # not supported yet (see __post_init__)
+    scan_layers: bool = False  # nn.scan over layers: params stacked on a leading "layers" axis
     layer_norm_eps: float = 1e-12
     rope_theta: float = 1000.0
     # transformers' rope_parameters other than rope_theta, as JSON ("" = default RoPE), e.g.
@@ -89,8 +89,6 @@ class NomicBertConfig(RopeConfig, EncoderConfig):
         def bad(key, why):
             raise config_error(self, key, why)
 
-        if self.scan_layers:
-            bad("scan_layers", "is not supported by NomicBERT yet; use False")
         if self.type_vocab_size < 1:
             bad("type_vocab_size", "must be >= 1")
 
@@ -181,5 +179,5 @@ ARCHITECTURE = Architecture(
     choice_pools_first_token=False,
     forward_flops_per_sequence=forward_flops_per_sequence,
     hf_reference="NomicBertForMaskedLM",
-    scanned_layers=None,
+    scanned_layers=("layers", "layer_{i}"),
 )
