@@ -111,7 +111,10 @@ def test_scanned_layers_compute_what_the_unrolled_layers_do(name):
 
     def loss(c, p, rng=None):
         out = pretraining(c).apply(
-            {"params": p}, *inputs, deterministic=rng is None, rngs={} if rng is None else {"dropout": rng}
+            {"params": p},
+            *inputs,
+            deterministic=rng is None,
+            rngs={} if rng is None else {"dropout": rng},
         )
         nll = optax.softmax_cross_entropy_with_integer_labels(out["mlm_logits"], labels).mean()
         return nll, out
@@ -198,7 +201,10 @@ def test_scanned_checkpoint_to_and_from_transformers(name, tmp_path):
     source = traverse_util.unflatten_dict(
         {tuple(k.split("/")[1:]): v for k, v in back.items() if k.startswith(arch.encoder_name)}
     )
-    restacked = {**params, arch.encoder_name: merge_encoder(params[arch.encoder_name], source, "hf", arch)}
+    restacked = {
+        **params,
+        arch.encoder_name: merge_encoder(params[arch.encoder_name], source, "hf", arch),
+    }
     want_flat = flatten_params(params)
     got_flat = {k: v for k, v in flatten_params(restacked).items() if k in back or "/layers/" in k}
     assert sorted(got_flat) == sorted(want_flat)

@@ -227,14 +227,12 @@ class PostNormEncoder(nn.Module):
             mlp_dropout=self.mlp_dropout,
         )
         # static_argnums counts self: (self, x, bias, rope, deterministic, attention_segment_ids)
+        args = (bias, rope, deterministic, attention_segment_ids)
         x, hidden = layer_stack(
             PostNormLayer,
             cfg,
             x,
-            bias,
-            rope,
-            deterministic,
-            attention_segment_ids,
+            *args,
             static_argnums=(4,),
             options=options,
             output_hidden_states=output_hidden_states,

@@ -48,8 +48,8 @@ from bertjax.layers.core import (
     embed_table,
     embedding_lookup,
     layer_norm,
+    layer_stack,
     model_inputs,
-    remat,
     tanh_pooler,
     zeros_init,
 )
@@ -285,18 +285,9 @@ class BertLayer(nn.Module):
         return nn.with_logical_constraint(x, BATCH_LENGTH_EMBED)
 
 
-class _ScanLayer(BertLayer):
-    """BertLayer with the (carry, xs) -> (carry, ys) signature nn.scan needs."""
-
-    @nn.compact
-    def __call__(  # type: ignore[override]
-        self, x: Array, bias: Array, deterministic: bool, attention_segment_ids: Array | None = None
-    ):
-        return super().__call__(x, bias, deterministic, attention_segment_ids), None
-
-
 class BertEncoder(nn.Module):
-    """A stack of BertLayer, unrolled (``layer_{i}``) or scanned (``layers`` with a leading axis)."""
+    """A stack of BertLayer, unrolled (``layer_{i}``) or scanned (``layers`` with a leading axis;
+    ``bertjax.layers.core.layer_stack``)."""
 
     config: BertConfig
 
@@ -310,27 +301,16 @@ class BertEncoder(nn.Module):
         output_hidden_states: bool = False,
         attention_segment_ids: Array | None = None,
     ):
-        cfg = self.config
-        if cfg.scan_layers:
-            if output_hidden_states:
-                raise ValueError("output_hidden_states needs scan_layers=False")
-            scanned = nn.scan(
-                remat(_ScanLayer, cfg.remat, static_argnums=(3,)),
-                variable_axes={"params": 0},
-                split_rngs={"params": True, "dropout": True},
-                in_axes=(nn.broadcast, nn.broadcast, nn.broadcast),
-                length=cfg.num_layers,
-                metadata_params={nn.PARTITION_NAME: "layers"},
-            )
-            x, _ = scanned(cfg, name="layers")(x, bias, deterministic, attention_segment_ids)
-            return x, ()
         # static_argnums counts self: (self, x, bias, deterministic, attention_segment_ids)
-        layer_cls = remat(BertLayer, cfg.remat, static_argnums=(3,))
-        hidden_states = [x]
-        for i in range(cfg.num_layers):
-            x = layer_cls(cfg, name=f"layer_{i}")(x, bias, deterministic, attention_segment_ids)
-            hidden_states.append(x)
-        return x, tuple(hidden_states) if output_hidden_states else ()
+        args = (bias, deterministic, attention_segment_ids)
+        return layer_stack(
+            BertLayer,
+            self.config,
+            x,
+            *args,
+            static_argnums=(3,),
+            output_hidden_states=output_hidden_states,
+        )
 
 
 BertOutput = EncoderOutput  # the public name of BERT's outputs

@@ -243,14 +243,12 @@ class EuroBertModel(nn.Module):
         x = nn.with_logical_constraint(embedding_lookup(words, input_ids), BATCH_LENGTH_EMBED)
         bias, attention_segment_ids, rope = rope_inputs(cfg, input_mask, position_ids, pack_ids)
         # static_argnums counts self: (self, x, bias, rope, deterministic, attention_segment_ids)
+        args = (bias, rope, deterministic, attention_segment_ids)
         x, hidden_states = layer_stack(
             EuroBertLayer,
             cfg,
             x,
-            bias,
-            rope,
-            deterministic,
-            attention_segment_ids,
+            *args,
             static_argnums=(4,),
             output_hidden_states=output_hidden_states,
         )
