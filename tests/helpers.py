@@ -734,16 +734,17 @@ def exports_load_in_transformers(family, converted, ref, inputs, prefix: str, tm
     assert enc_heads == () and sorted(family.to_hf_tensors(cfg, enc_flat, ())) == sorted(bare)
 
 
-def pretrains_from_hf_dir(tmp_path, encoder_name: str):
+def pretrains_from_hf_dir(tmp_path, encoder_name: str, scan_layers: bool = False):
     """``tmp_path / "hf"``, a transformers masked LM with an untied decoder over
     ``tmp_path / "vocab.txt"``: hf -> bertjax -> hf is exact, and a 2-step pretraining run from it
-    evaluates at step 0 and starts from its encoder (``encoder_name``) and decoder, bitwise.
-    Returns the run's model config."""
+    (its layers in one nn.scan with ``scan_layers``) evaluates at step 0 and starts from its
+    encoder (``encoder_name``) and decoder, bitwise. Returns the run's model config."""
     import jax
     from train_fixtures import read_metrics, tiny_config
 
     from bertjax import train
     from bertjax.convert import load_checkpoint, save_checkpoint
+    from bertjax.convert.checkpoint import flatten_params, unstack_layers
 
     hf_dir = str(tmp_path / "hf")
     save_checkpoint(load_checkpoint(hf_dir), str(tmp_path / "bj"), "bertjax")
@@ -754,6 +755,7 @@ def pretrains_from_hf_dir(tmp_path, encoder_name: str):
 
     c = tiny_config(tmp_path, steps=2)
     c.init_checkpoint = hf_dir
+    c.model.scan_layers = scan_layers
     c.data.nsp = False
     c.train.eval_every = 1
     c.train.eval_steps = 1
@@ -764,10 +766,14 @@ def pretrains_from_hf_dir(tmp_path, encoder_name: str):
     setup = train.build(c, str(tmp_path / "run"), task)
     state = setup.init_state(jax.random.key_data(jax.random.key(0)))
     assert "decoder" in state.params["predictions"]
-    want_params = task.source.pretrained.params
+    assert ("layers" in state.params[encoder_name]) == scan_layers
+    want_params = task.source.pretrained.params  # layers unrolled
     for head in (encoder_name, "predictions"):
-        for a, b in zip(jax.tree.leaves(want_params[head]), jax.tree.leaves(state.params[head])):
-            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        want = flatten_params(want_params[head], f"{head}/")
+        got = unstack_layers(flatten_params(state.params[head], f"{head}/"))
+        assert sorted(got) == sorted(want)
+        for name, value in want.items():
+            np.testing.assert_array_equal(got[name], value, err_msg=name)
     return setup.model.config
 
 

@@ -229,7 +229,8 @@ def _hf_dir(path, vocab_size: int, variant: str = "gqa"):
 
 def test_load_pretrained_and_continued_pretraining(tmp_path):
     """load_pretrained gives transformers' logits; hf -> bertjax -> hf is exact; pretraining from
-    the directory starts from its weights (encoder and untied decoder) and trains."""
+    the directory starts from its weights (encoder and untied decoder, its layers scanned) and
+    trains."""
     vocab = write_vocab(tmp_path / "vocab.txt")
     size = len(vocab.read_text().split())
     model = _hf_dir(tmp_path / "hf", size)
@@ -245,5 +246,5 @@ def test_load_pretrained_and_continued_pretraining(tmp_path):
         want.numpy()[real],
         1e-4,
     )
-    cfg = pretrains_from_hf_dir(tmp_path, "model")
-    assert cfg.architecture == "eurobert" and cfg.kv_heads == 2
+    cfg = pretrains_from_hf_dir(tmp_path, "model", scan_layers=True)
+    assert cfg.architecture == "eurobert" and cfg.kv_heads == 2 and cfg.scan_layers

@@ -401,7 +401,8 @@ def test_presets_are_the_released_configs_and_counts():
 # ---------------------------------------------------------------------------------------------
 def test_load_pretrained_and_continued_pretraining(tmp_path):
     """load_pretrained gives transformers' logits; hf -> bertjax -> hf is exact; pretraining from
-    the directory starts from its weights (encoder and untied decoder) and trains."""
+    the directory starts from its weights (encoder and untied decoder, its layers scanned) and
+    trains."""
     vocab = write_vocab(tmp_path / "vocab.txt")
     size = len(vocab.read_text().split())
     torch.manual_seed(0)
@@ -421,5 +422,5 @@ def test_load_pretrained_and_continued_pretraining(tmp_path):
         want.numpy()[real],
         1e-4,
     )
-    cfg = pretrains_from_hf_dir(tmp_path, "gte")
+    cfg = pretrains_from_hf_dir(tmp_path, "gte", scan_layers=True)
     assert cfg.architecture == "gte" and not cfg.tie_word_embeddings

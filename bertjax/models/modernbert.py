@@ -90,7 +90,7 @@ class ModernBertConfig(EncoderConfig):
     param_dtype: str = "float32"
     attention_impl: str = "xla"  # auto | xla | dot_product | cudnn | splash (layers.attention)
     remat: str = "none"  # rematerialisation per layer: none | dots | full
-    scan_layers: bool = False  # not supported: the layers differ (see __post_init__)
+    scan_layers: bool = False  # refused: the layers differ (see __post_init__)
     norm_eps: float = 1e-5
     norm_bias: bool = False
     attention_bias: bool = False
@@ -127,7 +127,11 @@ class ModernBertConfig(EncoderConfig):
             raise config_error(self, key, why)
 
         if self.scan_layers:  # the layers differ: global/local, no attention norm in layer 0
-            bad("scan_layers", "is not supported by ModernBERT (its layers differ); use False")
+            bad(
+                "scan_layers",
+                "is not supported by ModernBERT: its layers differ (layer 0 has no attention "
+                "norm, global and sliding-window layers alternate); use False",
+            )
         if self.head_dim % 2:
             bad("hidden_size", f"gives an odd head_dim={self.head_dim} (RoPE needs it even)")
         if self.classifier_activation not in ACTIVATIONS:
