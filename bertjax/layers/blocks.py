@@ -130,6 +130,32 @@ def rope_inputs(
     return bias, attention_segment_ids, rope_tables(position_ids, *cfg.rope(seq_len))
 
 
+def rope_layers(
+    layer_cls,
+    cfg: Any,
+    x: Array,
+    inputs: tuple[Array, Array | None, Array | None],
+    deterministic: bool,
+    output_hidden_states: bool,
+    options: dict[str, Any] | None = None,
+) -> tuple[Array, tuple[Array, ...]]:
+    """A rotary encoder's ``cfg.num_layers`` layers ``layer_cls(cfg, **options)``, called as
+    ``(x, bias, rope, deterministic, attention_segment_ids)``, on the embeddings ``x`` with the
+    mask bias, splash segment ids and RoPE tables of ``inputs`` (input_mask, position_ids,
+    pack_ids; :func:`rope_inputs`): unrolled or scanned (``bertjax.layers.core.layer_stack``).
+    Returns the last output and the hidden states (with ``output_hidden_states``)."""
+    bias, attention_segment_ids, rope = rope_inputs(cfg, *inputs)
+    return layer_stack(
+        layer_cls,
+        cfg,
+        x,
+        *(bias, rope, deterministic, attention_segment_ids),
+        static_argnums=(4,),  # counts self: (self, x, bias, rope, deterministic, segment ids)
+        options=options,
+        output_hidden_states=output_hidden_states,
+    )
+
+
 # ---------------------------------------------------------------------------------------------
 # BERT's post-LayerNorm layout with rotary positions (NomicBERT, GTE)
 # ---------------------------------------------------------------------------------------------
@@ -220,22 +246,14 @@ class PostNormEncoder(nn.Module):
         if input_mask is None:
             input_mask = jnp.ones_like(input_ids)
         x = PostNormEmbeddings(cfg, name="embeddings")(input_ids, segment_ids, deterministic)
-        bias, attention_segment_ids, rope = rope_inputs(cfg, input_mask, position_ids, pack_ids)
         options = dict(
             attention_bias=self.attention_bias,
             down_bias=self.down_bias,
             mlp_dropout=self.mlp_dropout,
         )
-        # static_argnums counts self: (self, x, bias, rope, deterministic, attention_segment_ids)
-        args = (bias, rope, deterministic, attention_segment_ids)
-        x, hidden = layer_stack(
-            PostNormLayer,
-            cfg,
-            x,
-            *args,
-            static_argnums=(4,),
-            options=options,
-            output_hidden_states=output_hidden_states,
+        inputs = (input_mask, position_ids, pack_ids)
+        x, hidden = rope_layers(
+            PostNormLayer, cfg, x, inputs, deterministic, output_hidden_states, options
         )
         pooled = tanh_pooler(cfg, x, pool_positions, "pooler") if self.add_pooler else None
         return EncoderOutput(sequence_output=x, pooled_output=pooled, hidden_states=hidden)

@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 
 from bertjax.layers import fast_ops
-from bertjax.layers.blocks import GatedMLP, RopeSelfAttention, check_length, rope_inputs
+from bertjax.layers.blocks import GatedMLP, RopeSelfAttention, check_length, rope_layers
 from bertjax.layers.core import (
     BATCH_LENGTH_EMBED,
     EncoderConfig,
@@ -52,7 +52,6 @@ from bertjax.layers.core import (
     embed_table,
     embedding_lookup,
     gather_positions,
-    layer_stack,
     model_inputs,
     normal_init,
     pool_members,
@@ -241,16 +240,9 @@ class EuroBertModel(nn.Module):
             input_mask = jnp.ones_like(input_ids)
         words = embed_table(cfg, cfg.vocab_size, ("vocab", "embed"), "embed_tokens")
         x = nn.with_logical_constraint(embedding_lookup(words, input_ids), BATCH_LENGTH_EMBED)
-        bias, attention_segment_ids, rope = rope_inputs(cfg, input_mask, position_ids, pack_ids)
-        # static_argnums counts self: (self, x, bias, rope, deterministic, attention_segment_ids)
-        args = (bias, rope, deterministic, attention_segment_ids)
-        x, hidden_states = layer_stack(
-            EuroBertLayer,
-            cfg,
-            x,
-            *args,
-            static_argnums=(4,),
-            output_hidden_states=output_hidden_states,
+        inputs = (input_mask, position_ids, pack_ids)
+        x, hidden_states = rope_layers(
+            EuroBertLayer, cfg, x, inputs, deterministic, output_hidden_states
         )
         x = RMSNorm(cfg, cfg.rms_norm_eps, name="norm")(x)  # [batch, seq, hidden]
         pooled = None
