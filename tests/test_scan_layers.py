@@ -2,7 +2,7 @@
 ``layers`` axis) for every architecture whose contract declares it (``scanned_layers``): on the
 unrolled model's weights, stacked where the contract says (``pretrained.merge_encoder``), the
 scanned model gives the same hidden states, MLM and classifier logits and training gradients; it
-refuses ``output_hidden_states`` and draws its own dropout masks per layer; a scanned run's
+refuses ``output_hidden_states`` and applies dropout reproducibly from its key; a scanned run's
 checkpoint exports to transformers (same logits) and transformers' weights load back into it."""
 
 from __future__ import annotations
@@ -146,8 +146,8 @@ def test_scanned_layers_compute_what_the_unrolled_layers_do(name):
     # float32 rounding: TOL relative to the largest value compared
     assert all(v <= TOL * s for v, s in zip(diffs.values(), scales.values())), (diffs, scales)
 
-    # Training mode: the layers' dropout keys are split (each layer its own masks), the run is
-    # reproducible from its key, and the outputs are not the deterministic ones.
+    # Training mode: dropout is applied (the scan splits the dropout key per layer) and the
+    # outputs are reproducible from the key.
     train = jax.jit(lambda p, rng: loss(scan, p, rng)[1]["sequence_output"])
     first = train(stacked, jax.random.key(5))
     np.testing.assert_array_equal(first, train(stacked, jax.random.key(5)))
