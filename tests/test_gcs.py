@@ -13,7 +13,7 @@ from bertjax import atomic, fs, gcs, train
 from bertjax.data import corpus, records
 
 
-def test_fs_round_trip_in_bucket(gcs_bucket):
+def test_fs_round_trip_in_bucket(gcs_bucket, tmp_path):
     """Every bertjax.fs call on gs:// reaches the emulator through gcsfs."""
     folder = f"{gcs_bucket}/a/b"
     fs.makedirs(folder)
@@ -26,6 +26,12 @@ def test_fs_round_trip_in_bucket(gcs_bucket):
     assert fs.read_bytes(f"{folder}/y.json").startswith(b"{")
     assert fs.glob(f"{folder}/*.json") == [f"{folder}/y.json"]
     assert fs.size(f"{folder}/x.txt") == len("héllo\nworld\n".encode())
+    assert fs.isfile(f"{folder}/x.txt") and not fs.isfile(folder) and not fs.isfile(f"{folder}/z")
+    assert fs.list_files(f"{gcs_bucket}/a") == ["b/x.txt", "b/y.json"]
+    fs.download(f"{folder}/y.json", str(tmp_path / "y.json"))
+    fs.upload(str(tmp_path / "y.json"), f"{folder}/c/y.json")
+    assert fs.read_bytes(f"{folder}/c/y.json") == (tmp_path / "y.json").read_bytes()
+    fs.remove(f"{folder}/c/y.json")
     fs.rename(f"{folder}/x.txt", f"{folder}/x2.txt")
     assert sorted(fs.glob(f"{folder}/*")) == [f"{folder}/x2.txt", f"{folder}/y.json"]
     with pytest.raises(fs.not_found_errors(folder)):
