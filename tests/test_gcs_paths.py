@@ -1,4 +1,4 @@
-"""Every gs:// code path in bertjax/ is named by a test against the local GCS emulator, and stays so.
+"""Every gs:// code path in bertjax/ is named by a test against the GCS emulator, and stays so.
 
 A function of bertjax/ holds a gs:// code path when its own body (not a nested function's) calls
 ``is_remote``, ``is_gcs`` or ``bucket`` (bertjax.fs's, or bertjax.data.formats's ``is_remote``),
@@ -30,6 +30,9 @@ RUN_BY = {
     ),
     "test_gcs_faults.py::test_a_bucket_that_stays_down_is_one_line_naming_the_object": (
         "fs.register_gcs checkpointing.Checkpointer.__init__ checkpointing.Checkpointer._save_failed"
+    ),
+    "test_gcs_faults.py::test_tensorstore_retries_a_checkpoints_arrays_by_the_same_policy": (
+        "checkpointing._handler_registry gcs_arrays.ArrayWriter.serialize"
     ),
     "test_gcs.py::test_a_run_in_a_bucket_resumes_to_the_local_runs_losses": """
         checkpointing.Checkpointer._remove_retired data.pipeline.pretraining_dataset
