@@ -16,8 +16,11 @@ environment sets the policy of every process of a job alike: ``BERTJAX_GCS_RETRY
 A request refused (HTTP 403: this account may not read or write there) is not retried; it fails
 with a ``PermissionError`` naming the object too.
 
-TensorStore (the arrays of Orbax's checkpoints) has its own policy, which bertjax leaves as it is:
-the same codes retried 32 times, waits from 1 s doubling up to 32 s (about a quarter of an hour).
+TensorStore (the arrays of Orbax's checkpoints) counts retries instead of seconds: its
+``gcs_request_retries`` context resource (by default 32 retries, waits from 1 s doubling up to
+32 s: about a quarter of an hour). :meth:`RetryPolicy.tensorstore_retries` is this policy in those
+terms, the retries whose waits fit in ``seconds``; bertjax's checkpoints write their arrays with it
+(``bertjax.checkpointing``).
 """
 
 from __future__ import annotations
@@ -58,6 +61,18 @@ class RetryPolicy:
     def wait(self, retry: int, rng=random) -> float:
         """Seconds to wait before retry ``retry`` (0 for the first retry)."""
         return min(self.backoff_s * 2**retry, MAX_WAIT_S) + rng.uniform(0, self.backoff_s)
+
+    def tensorstore_retries(self) -> dict:
+        """This policy as TensorStore's ``gcs_request_retries`` context resource: the same waits
+        (jitter aside) for as many retries as fit in ``seconds``, at most TensorStore's 32."""
+        retries, waited = 0, 0.0
+        while retries < 32:
+            waited += min(self.backoff_s * 2**retries, MAX_WAIT_S)
+            if waited > self.seconds:
+                break
+            retries += 1
+        first, most = (f"{round(s * 1e9)}ns" for s in (self.backoff_s, MAX_WAIT_S))
+        return {"max_retries": retries, "initial_delay": first, "max_delay": most}
 
     @classmethod
     def from_environment(cls, environ: Mapping[str, str] = os.environ) -> RetryPolicy:

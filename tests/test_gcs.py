@@ -13,7 +13,7 @@ from bertjax import atomic, fs, gcs, train
 from bertjax.data import corpus, records
 
 
-def test_fs_round_trip_in_bucket(gcs_bucket):
+def test_fs_round_trip_in_bucket(gcs_bucket, tmp_path):
     """Every bertjax.fs call on gs:// reaches the emulator through gcsfs."""
     folder = f"{gcs_bucket}/a/b"
     fs.makedirs(folder)
@@ -26,6 +26,12 @@ def test_fs_round_trip_in_bucket(gcs_bucket):
     assert fs.read_bytes(f"{folder}/y.json").startswith(b"{")
     assert fs.glob(f"{folder}/*.json") == [f"{folder}/y.json"]
     assert fs.size(f"{folder}/x.txt") == len("héllo\nworld\n".encode())
+    assert fs.isfile(f"{folder}/x.txt") and not fs.isfile(folder) and not fs.isfile(f"{folder}/z")
+    assert fs.list_files(f"{gcs_bucket}/a") == ["b/x.txt", "b/y.json"]
+    fs.download(f"{folder}/y.json", str(tmp_path / "y.json"))
+    fs.upload(str(tmp_path / "y.json"), f"{folder}/c/y.json")
+    assert fs.read_bytes(f"{folder}/c/y.json") == (tmp_path / "y.json").read_bytes()
+    fs.remove(f"{folder}/c/y.json")
     fs.rename(f"{folder}/x.txt", f"{folder}/x2.txt")
     assert sorted(fs.glob(f"{folder}/*")) == [f"{folder}/x2.txt", f"{folder}/y.json"]
     with pytest.raises(fs.not_found_errors(folder)):
@@ -95,6 +101,51 @@ def test_a_workdir_in_a_bucket_that_does_not_exist_is_one_line_before_any_work(
         "gs://no-such-bucket/run: WORKDIR's bucket gs://no-such-bucket does not exist (or this "
         "account cannot see it): create it or use another WORKDIR"
     )
+
+
+def test_compiling_with_a_vocabulary_in_a_bucket_asks_the_bucket_nothing(
+    gcs_emulator, gcs_bucket, tmp_path
+):
+    """`bertjax compile --topology` takes its shapes from the config alone (compiling needs no
+    credentials): a local data.vocab gives its size; one in a bucket, data.vocab_size, and not
+    one request reaches the bucket."""
+    from bertjax import compile as aot
+
+    config = tiny_config(tmp_path)
+    local = aot.shapes_only_task(config, None).fixed_vocab_size
+    assert local == len(pathlib.Path(config.data.vocab).read_text().splitlines())
+    fs.write_bytes(f"{gcs_bucket}/vocab.txt", pathlib.Path(config.data.vocab).read_bytes())
+    config.data.vocab, config.data.vocab_size = f"{gcs_bucket}/vocab.txt", local + 8
+    gcs_emulator.fail(403, None, bucket=gcs_bucket)
+    assert aot.shapes_only_task(config, None).fixed_vocab_size == local + 8
+    assert gcs_emulator.faults()[0]["seen"] == 0
+
+
+def test_other_schemes_go_through_tensorflows_file_system(tmp_path):
+    """A remote path that is not gs:// (s3://, hdfs://, ...; here TensorFlow's in-memory ram://)
+    goes through tf.io.gfile, each bertjax.fs call doing what it does on a bucket."""
+    import tensorflow as tf
+
+    root = f"ram://{tmp_path.name}/a"
+    fs.makedirs(f"{root}/b")
+    with fs.open_file(f"{root}/b/x.txt", "w") as f:
+        f.write("héllo\n")
+    fs.write_bytes(f"{root}/y.bin", b"\r\n")
+    assert fs.isfile(f"{root}/b/x.txt") and not fs.isfile(f"{root}/b") and fs.isdir(f"{root}/b")
+    assert fs.list_files(root) == ["b/x.txt", "y.bin"] and fs.size(f"{root}/b/x.txt") == 7
+    fs.rename(f"{root}/y.bin", f"{root}/z.bin")
+    fs.download(f"{root}/z.bin", str(tmp_path / "z.bin"))
+    fs.upload(str(tmp_path / "z.bin"), f"{root}/b/z.bin")
+    assert fs.read_bytes(f"{root}/b/z.bin") == b"\r\n" and not fs.exists(f"{root}/y.bin")
+    with pytest.raises(fs.not_found_errors(root)):
+        fs.read_bytes(f"{root}/y.bin")
+    refused = tf.errors.PermissionDeniedError(None, None, "no")
+    assert fs.write_refusal(root, refused) == "permission denied" and fs.missing_folders(root) == []
+    assert tf.errors.OpError in fs.io_errors(root)
+    fs.remove(f"{root}/z.bin")
+    assert fs.list_files(root) == ["b/x.txt", "b/z.bin"]
+    fs.rmtree(root)
+    assert not fs.exists(root) and fs.list_files(root) == []
 
 
 def _upload(folder: pathlib.Path, target: str) -> str:

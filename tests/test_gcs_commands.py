@@ -113,6 +113,28 @@ def test_embed_into_a_bucket_resumes_to_the_bytes_of_a_local_run(
         assert got == want, name
 
 
+def test_embed_reads_a_parquet_corpus_in_a_bucket_as_the_local_files(gcs_bucket, tmp_path):
+    """`embed --input=gs://.../*.parquet` (``read_corpus``, what `embed` reads its texts with):
+    the ids, texts and fingerprint of the local files, with their own ids and numbered ones."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from bertjax.retrieval.corpus_input import Fields, read_corpus
+
+    for part in range(2):
+        rows = {"_id": [f"d{part}{i}" for i in range(5)], "title": [f"t{i}" for i in range(5)]}
+        rows["text"] = [TEXTS[(part + i) % len(TEXTS)] for i in range(5)]
+        local = tmp_path / f"part-{part}.parquet"
+        pq.write_table(pa.table(rows), local, row_group_size=2)
+        fs.write_bytes(f"{gcs_bucket}/corpus/part-{part}.parquet", local.read_bytes())
+    for fields in (Fields(), Fields(id="", title="")):
+        local = read_corpus(str(tmp_path / "*.parquet"), fields)
+        remote = read_corpus(f"{gcs_bucket}/corpus/*.parquet", fields)
+        assert remote.files == [f"{gcs_bucket}/corpus/part-{p}.parquet" for p in range(2)]
+        assert (remote.ids, remote.texts) == (local.ids, local.texts) and len(local.ids) == 10
+        assert remote.fingerprint == local.fingerprint
+
+
 def test_evaluate_retrieval_reads_a_beir_folder_in_a_bucket(
     models, beir_dir, gcs_bucket, tmp_path, capsys
 ):
@@ -227,6 +249,28 @@ def test_vocab_from_a_bucket_into_the_bucket_and_its_tokenizers_read_there(gcs_b
         local = load_tokenizer(str(tmp_path / files[0]))
         remote = load_tokenizer(f"{gcs_bucket}/{files[0]}")
         assert [remote.tokenize(t) for t in texts[:8]] == [local.tokenize(t) for t in texts[:8]]
+
+
+def test_a_tokenizer_json_in_a_bucket_reads_as_the_local_one(models, gcs_bucket):
+    """A Hugging Face tokenizer.json with its sidecar config in a bucket, as `convert --to=bertjax`
+    writes it beside a checkpoint there: `load_tokenizer` of the file and of its folder reads it
+    in the bucket, and `load_checkpoint` copies it to a local file beside copies of its sidecars
+    (``remote.stage_vocab``); each tokenizes as the local file."""
+    from bertjax.convert.checkpoint import TOKENIZER_SIDECARS
+
+    hf, bj = models["hf"], f"{gcs_bucket}/bj"
+    convert_main([str(hf), "--to=bertjax", bj])
+    staged = pathlib.Path(load_checkpoint(bj).vocab_file)
+    copied = ["tokenizer.json", *(n for n in TOKENIZER_SIDECARS if (hf / n).exists())]
+    assert staged.name == "tokenizer.json" and len(copied) > 1, copied
+    for name in copied:
+        assert fs.read_bytes(f"{bj}/{name}") == (hf / name).read_bytes(), name
+        assert (staged.parent / name).read_bytes() == (hf / name).read_bytes(), name
+    want = load_tokenizer(str(hf / "tokenizer.json"))
+    for source in (f"{bj}/tokenizer.json", bj, str(staged)):
+        tok = load_tokenizer(source)
+        assert (tok.vocab_size, tok.special_ids) == (want.vocab_size, want.special_ids), source
+        assert [tok.encode(t) for t in TEXTS] == [want.encode(t) for t in TEXTS], source
 
 
 def test_convert_over_a_folder_in_the_bucket_needs_overwrite_then_replaces_it(models, gcs_bucket):

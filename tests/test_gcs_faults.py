@@ -6,6 +6,7 @@ not write (HTTP 403) is one line before any work. The backoff is 10 ms here
 (BERTJAX_GCS_BACKOFF_SECONDS); TensorStore's own starts at 1 s."""
 
 import random
+import time
 
 import jax
 import pytest
@@ -107,6 +108,37 @@ def test_a_bucket_that_stays_down_is_one_line_naming_the_object(
         assert "\n" not in printed
     finally:
         gcs_emulator.start()
+    ckpt = checkpointing.Checkpointer(f"{gcs_bucket}/ckpt", read_only=True)
+    assert _restored(ckpt) == (1.0, {"at": 1}, 1)
+    ckpt.close()
+
+
+def test_tensorstore_retries_a_checkpoints_arrays_by_the_same_policy(gcs_emulator, gcs_bucket):
+    """A bucket that stays down for TensorStore alone while a checkpoint's arrays are written
+    (bertjax.fs's requests still served): the save fails in one line within the policy's
+    seconds, as bertjax.fs's requests do, not after TensorStore's own quarter of an hour; the
+    last complete step is restored once the bucket answers."""
+    policy = gcs.RetryPolicy(seconds=0.3, backoff_s=0.01)
+    assert policy.tensorstore_retries() == {
+        "max_retries": 4, "initial_delay": "10000000ns", "max_delay": "32000000000ns"
+    }  # fmt: skip
+    assert gcs.RetryPolicy().tensorstore_retries()["max_retries"] == 7  # waits of 1+2+...+32+32 s
+    ckpt = checkpointing.Checkpointer(f"{gcs_bucket}/ckpt", async_save=False)
+    ckpt.save(1, _state(1.0), {"at": 1}, "{}")
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv(gcs.RETRY_SECONDS, f"{policy.seconds}")
+        env.setenv(gcs.BACKOFF_SECONDS, f"{policy.backoff_s}")
+        gcs_emulator.fail(503, None, bucket=gcs_bucket, agent="tensorstore")
+        start = time.monotonic()
+        with pytest.raises(checkpointing.CheckpointSaveError) as failed:
+            ckpt.save(2, _state(2.0), {"at": 2}, "{}")
+        elapsed = time.monotonic() - start
+    message = str(failed.value)
+    assert message.startswith(f"{gcs_bucket}/ckpt/2"), message
+    assert "All 4 retry attempts failed" in message and "\n" not in message, message
+    assert elapsed < 10, elapsed
+    ckpt.close()
+    gcs_emulator.clear_faults()
     ckpt = checkpointing.Checkpointer(f"{gcs_bucket}/ckpt", read_only=True)
     assert _restored(ckpt) == (1.0, {"at": 1}, 1)
     ckpt.close()
