@@ -89,13 +89,11 @@ def setup_logging(stream=None) -> None:
     logger.propagate = False
 
 
-def _tf_off_the_accelerators() -> None:
-    """A command that imported TensorFlow runs its tf.data on the CPU: TF sees no GPU or TPU, whose
-    memory is JAX's (process-wide and for good, so the command's to set, not the library's)."""
-    if "tensorflow" in sys.modules:
-        from bertjax.data import pipeline
-
-        pipeline.hide_accelerators_from_tf()
+def _tf_errors() -> tuple[type[Exception], ...]:
+    """TensorFlow's errors, one line each like bertjax's own, where the command imported it (the
+    input of a pretraining run, a TFDS download, a TF checkpoint); () where it did not."""
+    tf = sys.modules.get("tensorflow")
+    return (tf.errors.OpError,) if tf is not None and hasattr(tf, "errors") else ()
 
 
 def _config_file(argv: list[str]) -> str | None:
@@ -377,14 +375,6 @@ def train_command(argv: list[str], command: str) -> None:
             distributed.initialize_from_flags()
         except distributed.DistributedStartupError as err:
             sys.exit(error_prefix(command) + str(err))
-        # A compile for a topology reads no data through TensorFlow: it starts without its import
-        # (6.5 s of CPU). Every other command imports it here, to keep it off the accelerators.
-        tf_errors: tuple[type[Exception], ...] = ()
-        if not (command in _AOT and getattr(flags.FLAGS, "topology", None)):
-            import tensorflow as tf
-
-            _tf_off_the_accelerators()
-            tf_errors = (tf.errors.OpError,)
         from bertjax import metrics_logging, train
         from bertjax.preemption import PreemptionRequested
         from bertjax.workdir_lock import WorkdirLockedError
@@ -416,7 +406,7 @@ def train_command(argv: list[str], command: str) -> None:
             OSError,
             FloatingPointError,
             WorkdirLockedError,
-            *tf_errors,
+            *_tf_errors(),
         ) as err:
             _fail(err, flags.FLAGS.verbose, command)
         logging.getLogger("bertjax").info("%s", metrics_logging.summary(result))
@@ -453,11 +443,13 @@ def main(argv: list[str] | None = None) -> None:
     # The command's process, not a library caller's: one-line errors stay one line (see
     # process_hooks). Installed for good; the interpreter's exit may still run abandoned work.
     process_hooks.install()
+    # TensorFlow, once some work imports it (pretraining's tf.data; fine-tuning reads none and
+    # starts about 7 CPU-seconds sooner without it), sees no GPU or TPU: their memory is JAX's.
+    process_hooks.after_import("tensorflow", process_hooks.tensorflow_on_the_cpu)
     if target == "bertjax.cli:train_command":
         train_command(rest, command)
     else:
         setup_logging()
-        _tf_off_the_accelerators()
         verbose = "--verbose" in rest
         try:
             func([a for a in rest if a != "--verbose"])

@@ -6,8 +6,8 @@ get every metric. ``metrics.jsonl`` holds one JSON object per record (``"split"`
 or ``eval``); on resume, records after the restored step are dropped so that the file reads as one
 uninterrupted run. Files go through ``bertjax.fs``, so WORKDIR may be ``gs://...``: a local file is
 appended to, a remote one (no append on object stores) is rewritten whole, atomically, at each record.
-TensorBoard's writer (TensorFlow, whose GCS client reads no emulator setting) writes a ``gs://``
-WORKDIR's event files in a local folder, each copied whole into WORKDIR/tensorboard at each record.
+TensorBoard's event files (``tensorboard_events``, no TensorFlow) of a ``gs://`` WORKDIR are written
+in a local folder, each copied whole into WORKDIR/tensorboard at each record.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from typing import Any
 import jax
 
 from bertjax import atomic, fs
+from bertjax.tensorboard_events import EventFileWriter
 
 log = logging.getLogger("bertjax")
 
@@ -52,18 +53,6 @@ def _eta(seconds: float) -> str:
     return f"{h}h{m:02d}m{s:02d}s" if h else f"{m}m{s:02d}s"
 
 
-def _tensorboard_writer(directory: str):
-    """(writer, tf.summary) for TensorBoard event files, or None (one warning) without TensorFlow."""
-    try:
-        import tensorflow as tf
-    except ImportError:
-        log.warning(
-            "TensorBoard logging is off: TensorFlow is not installed (metrics.jsonl has it all)"
-        )
-        return None
-    return tf.summary.create_file_writer(directory), tf.summary
-
-
 class MetricsWriter:
     """Writes metric records; a no-op on processes other than 0."""
 
@@ -74,16 +63,16 @@ class MetricsWriter:
         self._lines: list[str] = []
         self._tb = None
         self._tb_folder = os.path.join(workdir, "tensorboard")
-        self._tb_staging = None  # the local folder of a gs:// WORKDIR's event files
+        self._tb_staging = None  # the local folder of a remote WORKDIR's event files
         if self.enabled:
             fs.makedirs(workdir)
             if self.remote and fs.exists(self.path):
                 with fs.open_file(self.path, "r") as f:
                     self._lines = f.read().splitlines(keepends=True)
             if tensorboard:
-                if fs.is_gcs(workdir):
+                if self.remote:  # event files are written locally, then copied whole
                     self._tb_staging = tempfile.mkdtemp(prefix="bertjax-tensorboard-")
-                self._tb = _tensorboard_writer(self._tb_staging or self._tb_folder)
+                self._tb = EventFileWriter(self._tb_staging or self._tb_folder)
 
     def truncate_after(self, step: int) -> None:
         """Drops records with a step beyond ``step`` (resume after a crash), atomically."""
@@ -126,12 +115,8 @@ class MetricsWriter:
             with open(self.path, "a") as f:
                 f.write(line)
         if self._tb is not None:
-            writer, summary = self._tb
-            with writer.as_default(step=int(step)):
-                for k, v in record.items():
-                    if isinstance(v, float):
-                        summary.scalar(f"{split}/{k}", v)
-            writer.flush()
+            scalars = {f"{split}/{k}": v for k, v in record.items() if isinstance(v, float)}
+            self._tb.scalars(int(step), scalars)
             self._upload_events()
         values = {k: v for k, v in record.items() if k not in ("step", "split")}
         log.info("%s", console_line(split, step, values, total_steps, eta))
@@ -146,7 +131,7 @@ class MetricsWriter:
 
     def close(self) -> None:
         if self._tb is not None:
-            self._tb[0].close()
+            self._tb.close()
             self._tb = None
             self._upload_events()
         if self._tb_staging is not None:

@@ -19,17 +19,24 @@ Everything else reaches the hooks and handlers that were in place before. Checkp
 step directories a restore failed on (:func:`mark_unrestorable`) and quiets its own clean-up after a
 failure for just that long (:func:`quieted`), so that a library caller sees the one reported error
 too. This module imports only the standard library: ``bertjax --help`` stays instant.
+
+The command also keeps TensorFlow off the accelerators (:func:`tensorflow_on_the_cpu`), whenever
+its work first imports TensorFlow: a pretraining run when it builds its tf.data input, a fine-tuning
+run never unless a task downloads through TFDS or reads a TF checkpoint (:func:`after_import`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import importlib.abc
+import importlib.util
 import logging
 import os
 import sys
 import warnings
 from collections.abc import Callable, Iterator
+from types import ModuleType
 
 _UNRESTORABLE_DIRS: set[str] = set()  # step directories a restore failed on, in this process
 _LOOP_INTERNALS = (f"{os.sep}asyncio{os.sep}", f"{os.sep}concurrent{os.sep}futures{os.sep}")
@@ -154,3 +161,48 @@ def quieted() -> Iterator[None]:
         yield
     finally:
         uninstall()
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Finds nothing itself: on the first import of ``name`` it lets the other finders find the
+    module, and has its loader call ``callback(module)`` once the module has run."""
+
+    def __init__(self, name: str, callback: Callable[[ModuleType], None]):
+        self.name, self.callback = name, callback
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != self.name:
+            return None
+        sys.meta_path.remove(self)  # once; and the search below does not come back here
+        spec = importlib.util.find_spec(fullname)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        run, callback = spec.loader.exec_module, self.callback
+
+        def exec_module(module: ModuleType) -> None:
+            run(module)
+            callback(module)
+
+        spec.loader.exec_module = exec_module  # this module's loader object only
+        return spec
+
+
+def after_import(name: str, callback: Callable[[ModuleType], None]) -> None:
+    """Calls ``callback(module)`` right after top-level module ``name`` is first imported in this
+    process (at once if it is imported already)."""
+    if name in sys.modules:
+        callback(sys.modules[name])
+    else:
+        sys.meta_path.insert(0, _AfterImport(name, callback))
+
+
+def tensorflow_on_the_cpu(tf: ModuleType) -> None:
+    """Makes TensorFlow (the module ``tf``) see only the CPU, so that tf.data never takes GPU/TPU
+    memory meant for JAX. Process-wide and for good (TF's devices are set once): call it before
+    TF's first op, as :func:`after_import` of ``tensorflow`` does."""
+    for kind in ("GPU", "TPU"):
+        try:
+            tf.config.set_visible_devices([], kind)
+        except RuntimeError as err:  # TF already initialised its devices: too late to hide them.
+            if tf.config.get_visible_devices(kind):
+                logging.warning("TF already sees %s devices and may use them: %s", kind, err)

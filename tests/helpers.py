@@ -795,3 +795,19 @@ def apply_flat(module, flat, *args, **kwargs):
 
     params = unflatten_params(flat)
     return jax.jit(lambda p: module.apply({"params": p}, *args, **kwargs))(params)
+
+
+def tensorboard_scalars(folder) -> dict[str, list[tuple[int, float]]]:
+    """{tag: [(step, value)]} of the event files in ``folder``, as TensorBoard's own loader reads
+    them (legacy ``simple_value`` scalars and tf.summary's tensors alike)."""
+    from tensorboard.backend.event_processing.plugin_event_accumulator import EventAccumulator
+    from tensorboard.util import tensor_util
+
+    events = EventAccumulator(str(folder))
+    events.Reload()
+    return {
+        tag: [
+            (e.step, float(tensor_util.make_ndarray(e.tensor_proto))) for e in events.Tensors(tag)
+        ]
+        for tag in events.Tags()["tensors"]
+    }

@@ -256,9 +256,12 @@ def test_kill9_of_finetuning_mid_write_and_mid_training_then_resume_exactly(
     proc.communicate()
     _nothing_half_written_looks_complete(workdir)
     assert not (workdir / "eval_results.json").exists()
-    # 2. kill -9 at a seeded random training step of seed 1 (after the resumed seed 0 finishes).
+    # 2. kill -9 at a seeded random training step of seed 1 (after the resumed seed 0 finishes),
+    # in a Python without TensorFlow (as the GPU machine is): fine-tuning imports none.
     killed_at = int(rng.integers(1, 7))
-    proc = _finetune(root, workdir, {})
+    proc = _finetune(
+        root, workdir, {"PYTHONPATH": f"{REPO / 'tests' / 'no_tensorflow'}{os.pathsep}{REPO}"}
+    )
     _wait_for(lambda: killed_at in [s for s, _ in _rows(workdir / "seed_1", "train")], proc)
     time.sleep(float(rng.uniform(0.0, 0.3)))
     proc.send_signal(signal.SIGKILL)

@@ -7,6 +7,7 @@ import pathlib
 
 import numpy as np
 import pytest
+from helpers import tensorboard_scalars
 from train_fixtures import set_keys, tiny_config
 
 from bertjax import atomic, fs, gcs, train
@@ -218,7 +219,11 @@ def test_a_run_in_a_bucket_resumes_to_the_local_runs_losses(
         d for d in gcs_emulator.deletions() if d.startswith(f"{bucket_name}/run/checkpoints/2/")
     ]
     assert retired[0].endswith("/2/commit_success.txt") and len(retired) == len(names) + 1, retired
-    assert fs.glob(f"{run}/tensorboard/events.out.tfevents.*")
+    events = tmp_path / "events"  # one file per start of the run, each uploaded whole
+    for path in fs.glob(f"{run}/tensorboard/events.out.tfevents.*"):
+        fs.download(path, str(events / path.rsplit("/", 1)[1]))
+    last_loss = tensorboard_scalars(events)["train/loss"][-1]
+    assert last_loss == (4, pytest.approx(result["train"]["loss"], rel=1e-6))
     assert not fs.exists(f"{run}/run.lock")
     shard = fs.glob(f"{prepared}/train-00001-*")[0]
     fs.write_bytes(shard, fs.read_bytes(shard)[:-3])

@@ -202,14 +202,37 @@ def test_the_commands_hooks_are_installed_by_main_and_removable(monkeypatch):
     assert differences(before, snapshot()) == []
     calls = []
     monkeypatch.setattr(process_hooks, "install", lambda: calls.append("hooks"))
-    import tensorflow  # noqa: F401  (evaluate's module imports it: the command hides TF's GPUs)
+    import tensorflow  # noqa: F401  (imported already: the command hides TF's GPUs at once)
 
-    from bertjax.data import pipeline
-
-    monkeypatch.setattr(pipeline, "hide_accelerators_from_tf", lambda: calls.append("tf on cpu"))
+    monkeypatch.setattr(process_hooks, "tensorflow_on_the_cpu", lambda tf: calls.append(tf))
     with pytest.raises(SystemExit):
         cli.main(["bertjax", "evaluate", "--help"])
-    assert calls == ["hooks", "tf on cpu"]
+    assert calls == ["hooks", tensorflow]
+
+
+def test_after_import_runs_once_right_after_the_modules_first_import(tmp_path, monkeypatch):
+    """The command's hook on TensorFlow (which fine-tuning never imports): the callback gets the
+    package once it has run, before the importer's next line; the finder then leaves."""
+    from bertjax import process_hooks
+
+    package = tmp_path / "late_pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("from late_pkg import inner\nDONE = True\n")
+    (package / "inner.py").write_text("X = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    calls = []
+    finders = list(sys.meta_path)
+    process_hooks.after_import("late_pkg", lambda m: calls.append((m.__name__, m.DONE, m.inner.X)))
+    assert calls == [] and len(sys.meta_path) == len(finders) + 1
+    import late_pkg  # noqa: F401
+
+    assert calls == [("late_pkg", True, 1)] and sys.meta_path == finders
+    import late_pkg.inner  # noqa: F401
+
+    process_hooks.after_import("late_pkg", lambda m: calls.append(m.__name__))  # imported: now
+    assert calls == [("late_pkg", True, 1), "late_pkg"]
+    for name in ("late_pkg", "late_pkg.inner"):
+        monkeypatch.delitem(sys.modules, name)
 
 
 def test_a_runs_sigterm_handler_goes_and_a_handler_set_during_the_run_stays():

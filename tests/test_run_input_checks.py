@@ -68,6 +68,7 @@ def _errors(stderr: str) -> list[str]:
 
 
 def test_config_errors_are_one_line_naming_the_key(tmp_path):
+    tiny_config(tmp_path)  # its data written here: the commands below import no TensorFlow
     proc = _cli(tmp_path, "--config.train.stepz=5")
     assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert _errors(proc.stderr) == [

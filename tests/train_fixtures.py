@@ -4,7 +4,6 @@ import json
 import pathlib
 
 import numpy as np
-import tensorflow as tf
 
 from configs import base
 
@@ -22,6 +21,8 @@ def write_vocab(path: pathlib.Path) -> pathlib.Path:
 
 
 def _feature(values, kind=int):
+    import tensorflow as tf  # only to write data: a config over written data imports none
+
     if kind is float:
         return tf.train.Feature(float_list=tf.train.FloatList(value=[float(v) for v in values]))
     return tf.train.Feature(int64_list=tf.train.Int64List(value=[int(v) for v in values]))
@@ -36,6 +37,7 @@ def write_prepared(
         return root
     root.mkdir(parents=True, exist_ok=True)
     counts = {}
+    import tensorflow as tf
 
     def write(name, n):
         counts[name] = n

@@ -26,7 +26,7 @@ import numpy as np
 import tensorflow as tf
 from absl import logging
 
-from bertjax import fs
+from bertjax import fs, process_hooks
 from bertjax.data import masking, shard_faults
 from bertjax.data import records as records_lib
 from bertjax.data.array_data import ArrayData, check_state  # noqa: F401  (ArrayData re-exported)
@@ -49,15 +49,11 @@ _warned_tf_accelerators = False
 def hide_accelerators_from_tf() -> None:
     """Makes TF see only the CPU, so that tf.data never takes GPU/TPU memory meant for JAX.
 
-    Process-wide and for good (TF's devices are set once): the ``bertjax`` command calls it; a
-    program that feeds JAX on an accelerator from these pipelines calls it before TF's first op.
+    Process-wide and for good (TF's devices are set once): the ``bertjax`` command does it when TF
+    is imported; a program that feeds JAX on an accelerator from these pipelines calls it before
+    TF's first op.
     """
-    for kind in ("GPU", "TPU"):
-        try:
-            tf.config.set_visible_devices([], kind)
-        except RuntimeError as err:  # TF already initialised its devices: too late to hide them.
-            if tf.config.get_visible_devices(kind):
-                logging.warning("TF already sees %s devices and may use them: %s", kind, err)
+    process_hooks.tensorflow_on_the_cpu(tf)
 
 
 def _warn_if_tf_sees_accelerators() -> None:

@@ -29,7 +29,7 @@ _UINT32 = struct.Struct("<I")
 _READ_BLOCK = 8 << 20  # bytes per read of a record file in a bucket
 
 
-def _varint(value: int) -> bytes:
+def varint(value: int) -> bytes:
     """Protobuf base-128 varint of an int64 (negative values as 10-byte two's complement)."""
     value &= (1 << 64) - 1
     out = bytearray()
@@ -44,7 +44,7 @@ class _VarintTable(dict):
     """Varints of 0 .. _VARINT_TABLE_SIZE - 1, each made on first use (imports stay cheap)."""
 
     def __missing__(self, value: int) -> bytes:
-        out = self[value] = _varint(value)
+        out = self[value] = varint(value)
         return out
 
 
@@ -52,10 +52,10 @@ _VARINTS = _VarintTable()
 _KEYS: dict[str, bytes] = {}  # feature name -> its serialized map-entry key field
 
 
-def _field(tag: bytes, payload: bytes) -> bytes:
+def field(tag: bytes, payload: bytes) -> bytes:
     """A length-delimited field: tag byte(s) (field number << 3 | 2), varint length, payload."""
     n = len(payload)
-    return tag + (_VARINTS[n] if n < _VARINT_TABLE_SIZE else _varint(n)) + payload
+    return tag + (_VARINTS[n] if n < _VARINT_TABLE_SIZE else varint(n)) + payload
 
 
 def int64_feature(values: Sequence[int]) -> bytes:
@@ -63,17 +63,17 @@ def int64_feature(values: Sequence[int]) -> bytes:
     if not len(values):
         return b"\x1a\x00"
     if min(values) < 0 or max(values) >= _VARINT_TABLE_SIZE:
-        packed = b"".join(map(_varint, map(int, values)))
+        packed = b"".join(map(varint, map(int, values)))
     else:
         packed = b"".join([_VARINTS[v] for v in values])
-    return _field(b"\x1a", _field(b"\x0a", packed))
+    return field(b"\x1a", field(b"\x0a", packed))
 
 
 def float_feature(values: Sequence[float]) -> bytes:
     """Serialized `tf.train.Feature(float_list=...)` (float32 values)."""
     if not len(values):
         return b"\x12\x00"
-    return _field(b"\x12", _field(b"\x0a", struct.pack(f"<{len(values)}f", *values)))
+    return field(b"\x12", field(b"\x0a", struct.pack(f"<{len(values)}f", *values)))
 
 
 def example_bytes(features: Mapping[str, bytes]) -> bytes:
@@ -82,14 +82,20 @@ def example_bytes(features: Mapping[str, bytes]) -> bytes:
     for key in sorted(features):
         head = _KEYS.get(key)
         if head is None:
-            head = _KEYS[key] = _field(b"\x0a", key.encode("utf-8"))
-        entries.append(_field(b"\x0a", head + _field(b"\x12", features[key])))
-    return _field(b"\x0a", b"".join(entries))
+            head = _KEYS[key] = field(b"\x0a", key.encode("utf-8"))
+        entries.append(field(b"\x0a", head + field(b"\x12", features[key])))
+    return field(b"\x0a", b"".join(entries))
 
 
 def _masked_crc(data: bytes) -> bytes:
     crc = _crc32c.crc32c(data)
     return _UINT32.pack((((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF)
+
+
+def frame(record: bytes) -> bytes:
+    """One TFRecord: length, masked CRC-32C of the length, the record, masked CRC-32C of it."""
+    length = _UINT64.pack(len(record))
+    return b"".join((length, _masked_crc(length), record, _masked_crc(record)))
 
 
 def read_records(path: str | bytes):
@@ -128,8 +134,7 @@ class RecordWriter:
         if self._tf_writer is not None:  # pragma: no cover
             self._tf_writer.write(record)
             return
-        length = _UINT64.pack(len(record))
-        self._file.write(b"".join((length, _masked_crc(length), record, _masked_crc(record))))
+        self._file.write(frame(record))
 
     def write_framed(self, data: bytes) -> None:
         """Records already framed (`example_codec.frame_records`); needs the crc32c package."""
