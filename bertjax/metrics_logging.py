@@ -59,7 +59,7 @@ class MetricsWriter:
     def __init__(self, workdir: str, *, tensorboard: bool = True):
         self.enabled = jax.process_index() == 0
         self.path = os.path.join(workdir, "metrics.jsonl")
-        self.remote = "://" in workdir
+        self.remote = fs.is_remote(workdir)
         self._lines: list[str] = []
         self._tb = None
         self._tb_folder = os.path.join(workdir, "tensorboard")
