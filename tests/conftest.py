@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import pathlib
+import shutil
 import tempfile
 
 # Eight simulated CPU devices for every test process (a test that wants one device uses a
@@ -29,10 +30,8 @@ import pytest  # noqa: E402
 # program compile it once. A program read from the cache is the executable a fresh compile gives, so
 # every number is the same. The first process to read this (pytest's own, under xdist) names the
 # folder; its workers and their subprocesses inherit it.
-os.environ.setdefault(
-    "JAX_COMPILATION_CACHE_DIR",
-    os.path.join(tempfile.gettempdir(), f"bertjax-test-xla-cache-pid{os.getpid()}"),
-)
+_OWN_XLA_CACHE = os.path.join(tempfile.gettempdir(), f"bertjax-test-xla-cache-pid{os.getpid()}")
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _OWN_XLA_CACHE)
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.1")
 jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
 jax.config.update(
@@ -259,6 +258,12 @@ def pytest_collection_finish(session):
     gc.collect()
     gc.freeze()
     gc.set_threshold(10_000, 10, 10)
+
+
+def pytest_unconfigure(config):
+    """The session's XLA cache (about 90 MB) goes with the process that named it."""
+    if os.environ["JAX_COMPILATION_CACHE_DIR"] == _OWN_XLA_CACHE:
+        shutil.rmtree(_OWN_XLA_CACHE, ignore_errors=True)
 
 
 # -------------------------------------------------------------------------------------------------
