@@ -11,10 +11,12 @@ import shutil
 import tempfile
 
 # Eight simulated CPU devices for every test process (a test that wants one device uses a
-# sub-mesh), and XLA's CPU compiler without its slow optimisations (helpers.FAST_COMPILE_XLA_FLAGS).
+# sub-mesh), XLA's CPU compiler without its slow optimisations (helpers.FAST_COMPILE_XLA_FLAGS) and
+# one thread for its kernels.
 from helpers import tiny_hf, write_word_beir, xla_flags  # noqa: E402
 
 os.environ.setdefault("XLA_FLAGS", xla_flags(8))
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # torch's, as XLA's (helpers.ONE_THREAD_XLA_FLAGS)
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Orbax's gs:// paths through gcsfs (the emulator tests' route, as the `bertjax` command sets it):
