@@ -110,7 +110,8 @@ def test_readme_local_sh_example_runs_with_logs_under_the_workdir(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "LOG_DIR"}
     env["XLA_FLAGS"] = xla_flags()  # no device count: local.sh sets it
     proc = subprocess.run(
-        ["bash", *words, *TINY_PRETRAIN.split()],  # 2 steps, 1 eval batch
+        # 2 steps, 1 eval batch, 1 layer (nothing reads this run's hidden states)
+        ["bash", *words, *TINY_STEPS.split(), "--config.model.num_layers=1"],
         cwd=tmp_path,  # no ./workdir/logs here afterwards
         env=env,
         capture_output=True,
@@ -153,10 +154,8 @@ KNOWN_BROKEN: dict[str, str] = {}
 # the two kinds it has, and the 4 hidden states extract-features reads by default (embeddings and
 # 3 layers); the compiles of every command on its checkpoint shrink with it.
 TINY_LAYERS = "--config.model.num_layers=3"
-TINY_PRETRAIN = (
-    "--config.train.steps=2 --config.optimizer.warmup_steps=1 --config.train.eval_steps=1 "
-    + TINY_LAYERS
-)
+TINY_STEPS = "--config.train.steps=2 --config.optimizer.warmup_steps=1 --config.train.eval_steps=1"
+TINY_PRETRAIN = f"{TINY_STEPS} {TINY_LAYERS}"
 TINY_FT = (
     "--config.train.steps=2 --config.train.global_batch_size=8 --config.data.max_seq_length=32"
     " --config.data.eval_batch_size=8"
