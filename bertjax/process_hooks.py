@@ -205,4 +205,6 @@ def tensorflow_on_the_cpu(tf: ModuleType) -> None:
             tf.config.set_visible_devices([], kind)
         except RuntimeError as err:  # TF already initialised its devices: too late to hide them.
             if tf.config.get_visible_devices(kind):
-                logging.warning("TF already sees %s devices and may use them: %s", kind, err)
+                logging.getLogger("bertjax").warning(
+                    "TF already sees %s devices and may use them: %s", kind, err
+                )
