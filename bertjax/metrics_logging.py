@@ -6,8 +6,9 @@ get every metric. ``metrics.jsonl`` holds one JSON object per record (``"split"`
 or ``eval``); on resume, records after the restored step are dropped so that the file reads as one
 uninterrupted run. Files go through ``bertjax.fs``, so WORKDIR may be ``gs://...``: a local file is
 appended to, a remote one (no append on object stores) is rewritten whole, atomically, at each record.
-TensorBoard's event files (``tensorboard_events``, no TensorFlow) of a ``gs://`` WORKDIR are written
-in a local folder, each copied whole into WORKDIR/tensorboard at each record.
+TensorBoard's event files (``tensorboard_events``, no TensorFlow) of a remote WORKDIR (``gs://`` or
+another scheme) are written in a local folder, each copied whole into WORKDIR/tensorboard at each
+record.
 """
 
 from __future__ import annotations

@@ -149,7 +149,10 @@ def rope_layers(
         layer_cls,
         cfg,
         x,
-        *(bias, rope, deterministic, attention_segment_ids),
+        bias,
+        rope,
+        deterministic,
+        attention_segment_ids,
         static_argnums=(4,),  # counts self: (self, x, bias, rope, deterministic, segment ids)
         options=options,
         output_hidden_states=output_hidden_states,
