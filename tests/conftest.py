@@ -15,10 +15,15 @@ import tempfile
 # one thread for its kernels.
 from helpers import tiny_hf, write_word_beir, xla_flags  # noqa: E402
 
+from bertjax import process_hooks  # noqa: E402  (the standard library only)
+
 os.environ.setdefault("XLA_FLAGS", xla_flags(8))
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # torch's, as XLA's (helpers.ONE_THREAD_XLA_FLAGS)
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# TensorFlow, when a test first imports it, without the Keras it would load (2.3 CPU-s), as the
+# `bertjax` command imports it; no test uses Keras.
+process_hooks.after_import("tensorflow", lambda tf: None, process_hooks.keras_left_out)
 # Orbax's gs:// paths through gcsfs (the emulator tests' route, as the `bertjax` command sets it):
 # etils caches its choice of backend at the first path of any test, so it is set before them all.
 os.environ.setdefault("EPATH_USE_TF", "false")

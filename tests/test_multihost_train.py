@@ -16,16 +16,18 @@ from train_fixtures import read_metrics, tiny_config
 from bertjax import compile as aot
 from bertjax import fs, train
 from bertjax.tasks.registry import get_task
+from configs import base
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
 
-# The default data.streams (8) and dropout: 2 processes x 2 devices read the same examples in the
-# same global rows as 1 process x 4 devices, so even the dropout masks, and the losses, agree.
+# The default data.streams (8; the other tests' tiny runs read 2) and dropout: 2 processes x 2
+# devices read the same examples in the same global rows as 1 process x 4 devices, so even the
+# dropout masks, and the losses, agree.
 DROPOUT = {"model.hidden_dropout": 0.1, "model.attention_dropout": 0.1}
 # Every run here, in process and by _local; the tiny preset with one of its two layers (what is
 # compared is the losses of process counts and meshes: they agree at any depth; half the compile).
-RUN = {"train.checkpoint_every": 3, "model.num_layers": 1, **DROPOUT}
+RUN = {"train.checkpoint_every": 3, "model.num_layers": 1, "data.streams": 8, **DROPOUT}
 
 
 def _losses(workdir):
@@ -71,7 +73,7 @@ def reference(tmp_path_factory):
     other process counts with it (the same data in any folder)."""
     root = tmp_path_factory.mktemp("reference")
     config = tiny_config(root, steps=6, **{"mesh.num_devices": 4, **RUN})
-    assert config.data.streams == 8
+    assert config.data.streams == base.get_config().data.streams
     train.train_and_evaluate(config, str(root / "one"))
     return _losses(root / "one")
 

@@ -235,6 +235,32 @@ def test_after_import_runs_once_right_after_the_modules_first_import(tmp_path, m
         monkeypatch.delitem(sys.modules, name)
 
 
+def test_a_module_left_out_of_an_import_imports_after_it(tmp_path, monkeypatch):
+    """As the command imports TensorFlow without the Keras TF would load with it: inside the
+    import, the left-out package does not import (TF skips it); after, it imports as usual."""
+    from bertjax import process_hooks
+
+    for name, code in (
+        ("host_pkg", "try:\n    import extra_pkg\nexcept ImportError:\n    extra_pkg = None\n"),
+        ("extra_pkg", "X = 1\n"),
+    ):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "__init__.py").write_text(code)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    seen = []
+    process_hooks.after_import(
+        "host_pkg", lambda m: seen.append(m.extra_pkg), lambda: process_hooks.left_out("extra_pkg")
+    )
+    import host_pkg  # noqa: F401
+
+    assert seen == [None] and "extra_pkg" not in sys.modules
+    import extra_pkg
+
+    assert extra_pkg.X == 1
+    for name in ("host_pkg", "extra_pkg"):
+        monkeypatch.delitem(sys.modules, name)
+
+
 def test_a_runs_sigterm_handler_goes_and_a_handler_set_during_the_run_stays():
     from bertjax.preemption import StopFlag
 

@@ -99,7 +99,7 @@ def test_batch_not_divisible_by_the_batch_devices_is_one_line(tmp_path):
 
 
 def test_streams_that_do_not_split_the_batch_are_one_line_before_any_data_work(tmp_path):
-    config = tiny_config(tmp_path, steps=1, **{"train.global_batch_size": 12})  # streams 8
+    config = tiny_config(tmp_path, steps=1, **{"train.global_batch_size": 12, "data.streams": 8})
     config.data.prepared_dir = str(tmp_path / "never")  # nothing is prepared or read first
     with pytest.raises(ValueError) as err:
         get_task("pretrain", config, str(tmp_path / "run"))

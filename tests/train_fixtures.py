@@ -95,6 +95,7 @@ def tiny_config(tmp: pathlib.Path, steps=4, **overrides):
     c.data.max_predictions_per_seq = 3
     c.train.steps = steps
     c.train.global_batch_size = 8
+    c.data.streams = 2  # each stream is a tf.data pipeline to build; 8 (the default) in multihost
     # One simulated device: a tiny step on 8 takes over twice as long. Tests of layouts and of
     # several devices name theirs (mesh.num_devices=0: all 8).
     c.mesh.num_devices = 1

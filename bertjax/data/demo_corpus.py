@@ -12,6 +12,8 @@ blank line between documents) so `prepare` can use several workers. Same Python 
 from __future__ import annotations
 
 import ast
+import collections
+import functools
 import hashlib
 import inspect
 import os
@@ -30,6 +32,7 @@ _FIELD = re.compile(
 )
 _MARKUP_ONLY = re.compile(r"^[\s\-=~*#^`'\"|+_.:]*$")
 _WORD = re.compile(r"[A-Za-z][a-z]+")
+_STATEMENT_FIELDS = frozenset({"body", "orelse", "handlers", "finalbody", "cases"})
 
 
 def stdlib_sources(stdlib_dir: str | None = None) -> Iterator[str]:
@@ -85,10 +88,28 @@ def _docstring_groups(path: str) -> list[list[str]]:
     nodes = (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
     docs = [
         ast.get_docstring(n, clean=False)
-        for n in [tree, *ast.walk(tree)]
+        for n in [tree, *_statements(tree)]
         if n is tree or isinstance(n, nodes)
     ]
     return [[d for d in docs if d]]
+
+
+def _statements(tree: ast.Module) -> Iterator[ast.AST]:
+    """The statement-level nodes of tree in `ast.walk`'s breadth-first order, without descending
+    into expressions (no definition is inside one): the same definitions in the same order, at a
+    fraction of the walk."""
+    queue = collections.deque([tree])
+    while queue:
+        node = queue.popleft()
+        for field in _statement_fields(type(node)):
+            queue.extend(getattr(node, field))
+        yield node
+
+
+@functools.cache
+def _statement_fields(node_type: type) -> tuple[str, ...]:
+    """The fields of a node type that hold statements (or handlers, cases), in `_fields` order."""
+    return tuple(f for f in node_type._fields if f in _STATEMENT_FIELDS)
 
 
 def source_documents(path: str, seen: set[bytes]) -> list[list[str]]:
