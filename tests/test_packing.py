@@ -396,9 +396,11 @@ def test_evaluate_mlm_runs_packed_rows_as_their_sequences():
     local = [np.array([1, 3]), np.array([2, 5, 8]), np.array([1])]  # masked positions per sequence
     targets = [rng.integers(5, VOCAB, len(p)) for p in local]
     model = PreTrainingModel(cfg, nsp=False)
-    params = model.init(
+    params = jax.jit(model.init)(
         jax.random.key(0), jnp.asarray(ids), masked_lm_positions=jnp.zeros((1, 6), jnp.int32)
     )["params"]
+    # Jitted as `bertjax evaluate-mlm` runs it (eagerly: 266 compiles, one per op and shape).
+    sums = jax.jit(lambda batch: masked_lm_sums(model, params, batch))
     packed = {
         "input_ids": ids,
         "segment_ids": types,
@@ -409,7 +411,7 @@ def test_evaluate_mlm_runs_packed_rows_as_their_sequences():
         "masked_lm_ids": np.concatenate(targets)[None].astype(np.int32),
         "masked_lm_weights": np.ones((1, 6), np.float32),
     }
-    got = np.asarray(masked_lm_sums(model, params, packed))
+    got = np.asarray(sums(packed))
     want = np.zeros(3)
     for (s, t), p, y in zip(seqs, local, targets):
         alone = {
@@ -420,5 +422,5 @@ def test_evaluate_mlm_runs_packed_rows_as_their_sequences():
             "masked_lm_ids": y[None].astype(np.int32),
             "masked_lm_weights": np.ones((1, len(p)), np.float32),
         }
-        want += np.asarray(masked_lm_sums(model, params, alone))
+        want += np.asarray(sums(alone))
     np.testing.assert_allclose(got, want, rtol=1e-5)
