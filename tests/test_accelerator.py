@@ -12,6 +12,7 @@ Tolerances (stated once, used below):
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import subprocess
@@ -88,6 +89,24 @@ def _encode(cfg, params, batch):
         )
 
 
+@functools.cache
+def _params(arch: str, dtype: str):
+    """The encoder's parameters, one set per architecture (they depend on the shapes only: the
+    padded and packed batches share them). ``init`` jitted: one compile, not one per op."""
+    module = encoder(_config(arch, "xla", dtype), add_pooler=False)
+    ids = jnp.zeros((4, SEQ), jnp.int32)
+    return jax.jit(functools.partial(module.init, deterministic=True))(
+        jax.random.key(0), ids, ids, ids + 1
+    )
+
+
+@functools.cache
+def _reference(arch: str, layout: str, dtype: str) -> np.ndarray:
+    """``xla``'s hidden states, computed once for every attention path compared with them."""
+    cfg = _config(arch, "xla", dtype)
+    return _encode(cfg, _params(arch, dtype), _batch(layout, cfg.vocab_size))
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("layout", ["padded", "packed"])
 @pytest.mark.parametrize("arch", ["bert", "modernbert"])
@@ -100,18 +119,9 @@ def test_attention_impl_equals_xla(arch, layout, impl):
     if resolved == "splash" and PLATFORM != "tpu":
         pytest.skip("the splash kernel runs on TPU (its interpreter test is test_splash_attention)")
     dtype = "bfloat16" if resolved in BF16_ONLY else "float32"
-    reference_cfg = _config(arch, "xla", dtype)
-    batch = _batch(layout, reference_cfg.vocab_size)
-    module = encoder(reference_cfg, add_pooler=False)
-    params = module.init(
-        jax.random.key(0),
-        jnp.asarray(batch["input_ids"]),
-        jnp.zeros((4, SEQ), jnp.int32),
-        jnp.asarray(batch["input_mask"]),
-        deterministic=True,
-    )
-    want = _encode(reference_cfg, params, batch)
-    got = _encode(_config(arch, impl, dtype), params, batch)
+    batch = _batch(layout, _config(arch, "xla", dtype).vocab_size)
+    want = _reference(arch, layout, dtype)
+    got = _encode(_config(arch, impl, dtype), _params(arch, dtype), batch)
     real = batch["input_mask"] > 0
     assert np.isfinite(got[real]).all()
     diff = np.abs(got[real] - want[real])
@@ -128,7 +138,8 @@ def test_bf16_loss_within_tolerance_of_fp32(arch):
     batch = _batch("padded", fp32.vocab_size)
     model = PreTrainingModel(fp32, nsp=False)
     ids, mask = jnp.asarray(batch["input_ids"]), jnp.asarray(batch["input_mask"])
-    params = model.init(jax.random.key(1), ids, None, mask, deterministic=True)
+    init = functools.partial(model.init, deterministic=True)
+    params = jax.jit(init)(jax.random.key(1), ids, None, mask)  # one compile, not one per op
     labels = jnp.asarray(np.random.default_rng(1).integers(5, fp32.vocab_size, ids.shape))
 
     def loss(cfg):
@@ -171,6 +182,8 @@ def _one_step(num_devices: int, arch: str):
         ]
     )
     config = bench.bench_config(args)
+    # the fewest layers of each kind: BERT's one, ModernBERT's global layer 0 and a sliding one
+    config.model.num_layers = 1 if arch == "bert" else 2
     with tempfile.TemporaryDirectory() as workdir:
         task = PretrainingTask(config, workdir, vocab_size=args.vocab_size)
         setup = train.build(config, workdir, task)

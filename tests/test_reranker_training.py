@@ -94,20 +94,41 @@ def _bce(model, batch, modern):
     return torch.nn.functional.binary_cross_entropy_with_logits(logits, labels)
 
 
-@pytest.mark.parametrize("kind", ["bert", "modernbert", "eurobert", "nomicbert", "gte"])
-def test_reranker_steps_equal_torch_and_export_to_cross_encoder(hf_dirs, tmp_path, kind):
-    source = cross_encoder_dir(tmp_path / "ce", hf_dirs[kind])
-    dev = _pairs(1, 10)
-    c = _config(
+def _run_config(root: pathlib.Path, source, **overrides):
+    return _config(
         **{
             "init_checkpoint": str(source),
-            "data.train_file": _write_jsonl(tmp_path / "train.jsonl", _pairs(0, 12)),
-            "data.dev_file": _write_jsonl(tmp_path / "dev.jsonl", dev),
+            "data.train_file": _write_jsonl(root / "train.jsonl", _pairs(0, 12)),
+            "data.dev_file": _write_jsonl(root / "dev.jsonl", _pairs(1, 10)),
             "train.eval_every": STEPS,  # one evaluation, of the final weights
+            **overrides,
         }
     )
-    workdir = str(tmp_path / "run")
-    train.train_and_evaluate(c, workdir)
+
+
+@pytest.fixture(scope="module")
+def runs(hf_dirs, tmp_path_factory):
+    """``runs(kind)``: (CrossEncoder folder, config, workdir) of the unpacked run from that kind's
+    CrossEncoder, trained on first use; the packing test compares its packed run with BERT's."""
+    cache = {}
+
+    def get(kind):
+        if kind not in cache:
+            root = tmp_path_factory.mktemp(f"reranker_{kind}")
+            source = cross_encoder_dir(root / "ce", hf_dirs[kind])
+            c = _run_config(root, source)
+            train.train_and_evaluate(c, str(root / "run"))
+            cache[kind] = source, c, root / "run"
+        return cache[kind]
+
+    return get
+
+
+@pytest.mark.parametrize("kind", ["bert", "modernbert", "eurobert", "nomicbert", "gte"])
+def test_reranker_steps_equal_torch_and_export_to_cross_encoder(runs, tmp_path, kind):
+    source, c, run = runs(kind)
+    dev = _pairs(1, 10)
+    workdir = str(run)
     ours = [r["loss"] for r in read_metrics(workdir)]
     task = train.prepared_task(c, workdir)
     setup = train.build(c, workdir, task)
@@ -158,7 +179,7 @@ def test_reranker_steps_equal_torch_and_export_to_cross_encoder(hf_dirs, tmp_pat
     logits = torch.tensor(reference.predict(dev_pairs, activation_fn=torch.nn.Identity()))
     labels = torch.tensor([r["label"] for r in dev])
     bce = float(torch.nn.functional.binary_cross_entropy_with_logits(logits, labels.float()))
-    reported = json.loads((tmp_path / "run" / "eval_results.json").read_text())["dev"]
+    reported = json.loads((run / "eval_results.json").read_text())["dev"]
     accuracy = float(np.mean((logits.numpy() > 0) == (labels.numpy() >= 0.5)))
     assert reported["bce"] == pytest.approx(bce, rel=1e-5)
     assert reported["accuracy"] == pytest.approx(accuracy)
@@ -204,28 +225,20 @@ def test_evaluate_rerank_refuses_bad_combinations(hf_dirs, beir_dir, tmp_path, c
         assert any(m in err for m in message.split("|")), err
 
 
-def test_packed_batches_give_the_unpacked_losses_and_dev_metrics(hf_dirs, tmp_path):
+def test_packed_batches_give_the_unpacked_losses_and_dev_metrics(runs, tmp_path):
     """data.batch_packing and data.eval_packing (the config's defaults) train and evaluate the
-    same examples in fewer rows: the same losses and dev metrics to float rounding."""
-    source = cross_encoder_dir(tmp_path / "ce", hf_dirs["bert"])
-    runs = []
-    for packed in (False, True):
-        c = _config(
-            **{
-                "init_checkpoint": str(source),
-                "data.train_file": _write_jsonl(tmp_path / "train.jsonl", _pairs(0, 12)),
-                "data.dev_file": _write_jsonl(tmp_path / "dev.jsonl", _pairs(1, 10)),
-                "data.batch_packing": packed,
-                "data.eval_packing": packed,
-                "train.steps": 2,
-                "train.eval_every": 2,
-            }
-        )
-        workdir = tmp_path / f"run_{packed}"
-        train.train_and_evaluate(c, str(workdir))
-        dev = json.loads((workdir / "eval_results.json").read_text())["dev"]
-        runs.append(([r["loss"] for r in read_metrics(workdir)], dev))
-    (plain, plain_dev), (packed, packed_dev) = runs
+    same examples in fewer rows: the same losses and dev metrics to float rounding. The unpacked
+    run is the BERT run the torch comparison above trained (the same config, packing off)."""
+    source, _, plain_run = runs("bert")
+    packing = {"data.batch_packing": True, "data.eval_packing": True}
+    workdir = tmp_path / "run_packed"
+    train.train_and_evaluate(_run_config(tmp_path, source, **packing), str(workdir))
+    results = []
+    for run in (plain_run, workdir):
+        dev = json.loads((run / "eval_results.json").read_text())["dev"]
+        results.append(([r["loss"] for r in read_metrics(run)], dev))
+    (plain, plain_dev), (packed, packed_dev) = results
+    assert len(plain) == STEPS
     np.testing.assert_allclose(packed, plain, rtol=1e-5)
     assert packed_dev["bce"] == pytest.approx(plain_dev["bce"], rel=1e-5)
     assert packed_dev["accuracy"] == plain_dev["accuracy"]

@@ -45,11 +45,20 @@ def _one_step_params(beir_dir, tmp_path, accum, batch=8, **mesh):
     return jax.device_get(new_state.params), float(metrics["loss"])
 
 
+@pytest.fixture(scope="module")
+def one_device_step(beir_dir, tmp_path_factory):
+    """(params, loss) after one whole-batch step of 8 on one device: the reference of the cached
+    step and of the sharded steps below (built and run once)."""
+    return _one_step_params(beir_dir, tmp_path_factory.mktemp("one_device"), 1)
+
+
 @pytest.mark.slow
-def test_the_cached_step_over_micro_batches_is_the_whole_batch_step(beir_dir, tmp_path):
+def test_the_cached_step_over_micro_batches_is_the_whole_batch_step(
+    beir_dir, tmp_path, one_device_step
+):
     """grad_accum_steps=4 (the two-pass cached step) updates the params as one batch of 8 does:
     every query still sees all 8 positives as negatives."""
-    whole, loss1 = _one_step_params(beir_dir, tmp_path / "a", 1)
+    whole, loss1 = one_device_step
     cached, loss4 = _one_step_params(beir_dir, tmp_path / "b", 4)
     assert loss4 == pytest.approx(loss1, rel=1e-5)
     for a, b in zip(jax.tree.leaves(whole), jax.tree.leaves(cached)):
@@ -57,10 +66,10 @@ def test_the_cached_step_over_micro_batches_is_the_whole_batch_step(beir_dir, tm
 
 
 @pytest.mark.slow
-def test_every_devices_documents_are_negatives_for_every_query(beir_dir, tmp_path):
+def test_every_devices_documents_are_negatives_for_every_query(beir_dir, tmp_path, one_device_step):
     """The batch split over 4 data-parallel devices (and 2 x 2 data x fsdp) updates the params as
     on one device: the loss scores each query against the documents of the whole global batch."""
-    one, loss1 = _one_step_params(beir_dir, tmp_path / "a", 1)
+    one, loss1 = one_device_step
     for name, mesh in (("b", {"num_devices": 4}), ("c", {"num_devices": 4, "fsdp": 2})):
         four, loss4 = _one_step_params(beir_dir, tmp_path / name, 1, **mesh)
         assert loss4 == pytest.approx(loss1, rel=1e-5)
@@ -95,12 +104,15 @@ def test_a_repeated_positive_is_not_a_negative_of_its_own_query():
     q, d = rng.normal(size=(4, 8)), rng.normal(size=(4, 1, 8))
     d[2, 0] = d[0, 0]  # rows 0 and 2 share a positive
     key = np.array([7, 1, 7, 3])
-    got, _ = contrastive_losses.multiple_negatives_ranking_loss(q, d, positive_key=key)
-    scores = np.asarray(contrastive_losses.similarity(q, d[:, 0])) * 20.0
+    # jitted: one compile each, not one per op
+    loss = jax.jit(contrastive_losses.multiple_negatives_ranking_loss)
+    got, _ = loss(q, d, positive_key=key)
+    scores = np.asarray(jax.jit(contrastive_losses.similarity)(q, d[:, 0])) * 20.0
     scores[0, 2] = scores[2, 0] = -np.inf
-    want = np.mean(jax.nn.logsumexp(scores, axis=1) - np.diag(scores))
+    logsumexp = jax.jit(jax.nn.logsumexp, static_argnames="axis")
+    want = np.mean(logsumexp(scores, axis=1) - np.diag(scores))
     assert float(got) == pytest.approx(float(want), rel=1e-6)
-    plain, _ = contrastive_losses.multiple_negatives_ranking_loss(q, d)
+    plain, _ = loss(q, d)
     assert float(plain) > float(got)  # the shared positive counted against rows 0 and 2
 
 
