@@ -100,13 +100,14 @@ def test_attend_takes_the_band_on_the_explicit_path_with_dropout():
     q, k, v, mask, _ = _inputs(1)
     bias = attention_bias(jnp.asarray(mask), jnp.float32)
     real = mask > 0
-    want = np.asarray(_masked_full(q, k, v, bias))[real]
+    want = np.asarray(jax.jit(_masked_full)(q, k, v, bias))[real]
     for impl in ("xla", "dot_product"):
-        got = _Attend(impl).apply({}, q, k, v, bias)
+        got = jax.jit(_Attend(impl).apply)({}, q, k, v, bias)
         np.testing.assert_allclose(np.asarray(got)[real], want, atol=2e-6)
     rngs = {"dropout": jax.random.key(0)}
-    dropped = _Attend("xla", 0.5).apply({}, q, k, v, bias, False, rngs=rngs)
-    again = _Attend("xla", 0.5).apply({}, q, k, v, bias, False, rngs=rngs)
+    dropout = jax.jit(lambda rngs: _Attend("xla", 0.5).apply({}, q, k, v, bias, False, rngs=rngs))
+    dropped = dropout(rngs)
+    again = dropout(rngs)
     assert np.isfinite(np.asarray(dropped)).all()
     np.testing.assert_array_equal(np.asarray(dropped), np.asarray(again))
     assert np.abs(np.asarray(dropped)[real] - want).max() > 1e-3  # dropout did act

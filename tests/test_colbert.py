@@ -140,10 +140,9 @@ def test_a_plain_checkpoint_cannot_be_written_as_pylate(tmp_path):
 def test_maxsim_search_scores_equal_pylate_colbert_scores(reference):
     q, d = reference["scores/q"], reference["scores/d"]
     q_mask, d_mask = reference["scores/q_mask"] > 0, reference["scores/d_mask"] > 0
-    np.testing.assert_allclose(
-        contrastive_losses.colbert_scores(q, d), reference["scores/plain"], rtol=1e-6
-    )
-    masked = contrastive_losses.colbert_scores(q, d, q_mask, d_mask)
+    colbert_scores = jax.jit(contrastive_losses.colbert_scores)  # one program per shape
+    np.testing.assert_allclose(colbert_scores(q, d), reference["scores/plain"], rtol=1e-6)
+    masked = colbert_scores(q, d, q_mask, d_mask)
     np.testing.assert_allclose(masked, reference["scores/masked"], rtol=1e-6)
     # exact search: every document alone (PyLate scores a document's own tokens: no padding)
     top, rows = search.maxsim_search(q, np.ones(q.shape[:2], bool), d, np.ones(d.shape[:2]), k=4)
@@ -154,11 +153,9 @@ def test_maxsim_search_scores_equal_pylate_colbert_scores(reference):
     own = np.stack(
         [
             [
-                np.asarray(
-                    contrastive_losses.colbert_scores(
-                        q[i : i + 1][:, q_mask[i]], d[j : j + 1][:, d_mask[j]]
-                    )
-                )[0, 0]
+                np.asarray(colbert_scores(q[i : i + 1][:, q_mask[i]], d[j : j + 1][:, d_mask[j]]))[
+                    0, 0
+                ]
                 for j in range(len(d))
             ]
             for i in range(len(q))
@@ -185,7 +182,7 @@ def test_contrastive_loss_and_gradients_equal_pylate(reference, temperature):
             q, d, document_mask=d_mask, temperature=temperature
         )[0]
 
-    value, (dq, dd) = jax.value_and_grad(loss, argnums=(0, 1))(query["embeddings"], d)
+    value, (dq, dd) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(query["embeddings"], d)
     assert float(value) == pytest.approx(
         float(reference[f"contrastive/loss/{temperature}"]), rel=2e-6
     )
@@ -210,7 +207,7 @@ def test_distillation_loss_and_gradients_equal_pylate(reference, normalize):
             q, d, teacher, document_mask=d_mask, normalize_scores=normalize
         )[0]
 
-    value, (dq, dd) = jax.value_and_grad(loss, argnums=(0, 1))(query["embeddings"], d)
+    value, (dq, dd) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(query["embeddings"], d)
     assert float(value) == pytest.approx(
         float(reference[f"distillation/loss/{normalize}"]), rel=1e-6
     )
@@ -232,6 +229,7 @@ def test_padded_documents_leave_the_losses_as_without_them():
         (contrastive_losses.colbert_distillation, (teacher,)),
     ):
         extra = args if not args else (np.concatenate([teacher, np.zeros((3, 1))], 1),)
-        want, _ = fn(q, d, *args)
-        got, _ = fn(q, padded, *extra, document_valid=valid)
+        jitted = jax.jit(fn)  # one program per shape instead of one per op
+        want, _ = jitted(q, d, *args)
+        got, _ = jitted(q, padded, *extra, document_valid=valid)
         assert float(got) == pytest.approx(float(want), rel=1e-6)

@@ -2,7 +2,6 @@
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
@@ -10,6 +9,9 @@ from jax.sharding import NamedSharding, PartitionSpec
 from bertjax import PreTrainingModel
 from bertjax.layers.dropout import Dropout, keep_threshold, random_halfwords
 from bertjax.models.bert import get_preset
+
+# One compiled program per shape (and key impl) instead of one per primitive, run eagerly.
+_halfwords = jax.jit(random_halfwords, static_argnums=1)
 
 
 class _TwoSites(nn.Module):
@@ -25,10 +27,10 @@ class _TwoSites(nn.Module):
 
 
 def test_flax_impl_draws_exactly_flax_linen_dropout_masks():
-    x = jnp.ones((4, 16, 32))
+    x = np.ones((4, 16, 32), np.float32)
     rngs = {"dropout": jax.random.key(7)}
-    ours = _TwoSites("flax").apply({}, x, rngs=rngs)
-    ref = _TwoSites("flax", flax_module=True).apply({}, x, rngs=rngs)
+    ours = jax.jit(_TwoSites("flax").apply)({}, x, rngs=rngs)
+    ref = jax.jit(_TwoSites("flax", flax_module=True).apply)({}, x, rngs=rngs)
     for a, b in zip(ours, ref):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert not np.array_equal(np.asarray(ours[0]), np.asarray(ours[1]))  # sites differ
@@ -36,8 +38,9 @@ def test_flax_impl_draws_exactly_flax_linen_dropout_masks():
 
 @pytest.mark.parametrize("rate", [0.1, 0.5])
 def test_bits16_keep_rate_and_unbiased_expectation(rate):
-    x = jnp.full((64, 128, 512), 3.0)  # 4.2M elements
-    y = np.asarray(Dropout(rate).apply({}, x, False, rngs={"dropout": jax.random.key(0)}))
+    x = np.full((64, 128, 512), 3.0, np.float32)  # 4.2M elements
+    apply = jax.jit(lambda x, rngs: Dropout(rate).apply({}, x, False, rngs=rngs))
+    y = np.asarray(apply(x, {"dropout": jax.random.key(0)}))
     keep_p = keep_threshold(rate) / 2**16
     sigma = np.sqrt(keep_p * (1 - keep_p) / y.size)
     assert abs((y != 0).mean() - keep_p) < 5 * sigma
@@ -48,7 +51,7 @@ def test_bits16_keep_rate_and_unbiased_expectation(rate):
 
 def test_bits16_masks_are_uncorrelated_within_and_across_blocks():
     # one Threefry block feeds 4 neighbours on the last axis: check lags 1..8 and across rows
-    keep = np.asarray(random_halfwords(jax.random.key(3), (2048, 512)) < 2**15).astype(np.float64)
+    keep = (np.asarray(_halfwords(jax.random.key(3), (2048, 512))) < 2**15).astype(np.float64)
     flat = keep.reshape(-1)
     for lag in range(1, 9):
         corr = np.corrcoef(flat[:-lag], flat[lag:])[0, 1]
@@ -56,7 +59,7 @@ def test_bits16_masks_are_uncorrelated_within_and_across_blocks():
     rows = np.corrcoef(keep[:-1].reshape(-1), keep[1:].reshape(-1))[0, 1]
     assert abs(rows) < 5 / np.sqrt(flat.size)
     # the 16-bit values are uniform: every top-4-bit bucket gets 1/16 of the values
-    values = np.asarray(random_halfwords(jax.random.key(4), (1024, 256)))
+    values = np.asarray(_halfwords(jax.random.key(4), (1024, 256)))
     counts = np.bincount(values.reshape(-1) >> 12, minlength=16) / values.size
     np.testing.assert_allclose(counts, 1 / 16, atol=5 * np.sqrt(1 / 16 / values.size))
 
@@ -72,11 +75,9 @@ def test_bits16_masks_are_uncorrelated_within_and_across_blocks():
     ],
 )
 def test_halfwords_every_path_is_deterministic_and_in_range(key, shape):
-    a, b = random_halfwords(key, shape), random_halfwords(key, shape)
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    assert (
-        a.shape == shape and int(a.max()) < 2**16 and len(np.unique(np.asarray(a))) > 0.9 * a.size
-    )
+    a, b = np.asarray(_halfwords(key, shape)), np.asarray(_halfwords(key, shape))
+    np.testing.assert_array_equal(a, b)
+    assert a.shape == shape and int(a.max()) < 2**16 and len(np.unique(a)) > 0.9 * a.size
 
 
 def test_bits16_mask_does_not_depend_on_sharding():

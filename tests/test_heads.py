@@ -56,7 +56,11 @@ def _leaves_with_names(boxed):
     ],
 )
 def test_head_shapes_and_logical_axes(model, inputs, out_shape, head):
-    boxed = _init(model, inputs)
+    # Shapes, dtypes and names only: traced (jax.eval_shape), nothing compiled or run.
+    init = jax.eval_shape(
+        lambda: model.init({"params": jax.random.key(0)}, **inputs, deterministic=True)
+    )
+    boxed = init["params"]
     assert set(boxed) == {"bert", head}
     for path, leaf in _leaves_with_names(boxed):
         assert isinstance(leaf, nn.LogicallyPartitioned), f"{path} has no logical axis names"
@@ -65,7 +69,9 @@ def test_head_shapes_and_logical_axes(model, inputs, out_shape, head):
     assert kernel.names == ("embed", "classes")
     assert kernel.value.shape[0] == CFG.hidden_size
     params = nn.meta.unbox(boxed)
-    out = model.apply({"params": params}, **inputs, deterministic=True)
+    out = jax.eval_shape(
+        lambda params: model.apply({"params": params}, **inputs, deterministic=True), params
+    )
     if out_shape is None:  # span head: start and end logits per token
         assert [o.shape for o in out] == [(B, S), (B, S)]
         assert all(o.dtype == jnp.float32 for o in out)

@@ -166,7 +166,8 @@ def hf_dir(tmp_path_factory):
         max_position_embeddings=16,
     )
     ids = np.zeros((1, 4), np.int32)
-    params = nn.meta.unbox(BertModel(config).init(jax.random.key(0), ids)["params"])
+    init = jax.jit(lambda ids: nn.meta.unbox(BertModel(config).init(jax.random.key(0), ids)))
+    params = init(ids)["params"]  # one compiled program, not one per primitive
     tensors = {k: np.asarray(v) for k, v in flatten_params({"bert": params}).items()}
     ckpt = Checkpoint(config, tensors, str(root / "vocab.txt"), True, "test")
     save_checkpoint(ckpt, str(root / "hf"), "hf")

@@ -128,12 +128,14 @@ def _step(task_cls, accum, tmp_path, dropout=0.0):
 def test_cached_step_equals_the_whole_batch_gradient_and_plain_accumulation_does_not():
     model = Encoder(rate=0.5)  # dropout on: both passes must draw the same mask
     batch = {k: jnp.asarray(v) for k, v in _batch().items()}
-    params = model.init(jax.random.key(1), batch["query"], True)["params"]
+    params = jax.jit(lambda x: model.init(jax.random.key(1), x, True)["params"])(batch["query"])
     rng = jax.random.key(7)
-    micro = jax.tree.map(lambda x: microbatch.split_rows(x, K), batch)
+    micro = jax.jit(lambda b: jax.tree.map(lambda x: microbatch.split_rows(x, K), b))(batch)
 
     def embed(p, mb, r):
         return embed_rows(model, p, mb, r)
+
+    jit_embed = jax.jit(embed)
 
     def whole_batch(p):  # the whole batch's loss, each micro-batch's rows under its own key
         stacked = jax.vmap(lambda i, mb: embed(p, mb, jax.random.fold_in(rng, i)))(
@@ -151,8 +153,8 @@ def test_cached_step_equals_the_whole_batch_gradient_and_plain_accumulation_does
         np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-7)
     # Dropout is live (another key gives another embedding), so a second pass under another key
     # would not have matched.
-    other = embed(params, batch, jax.random.key(8))["query"]
-    assert not np.allclose(embed(params, batch, rng)["query"], other)
+    other = jit_embed(params, batch, jax.random.key(8))["query"]
+    assert not np.allclose(jit_embed(params, batch, rng)["query"], other)
 
     def micro_loss(p, mb, r):  # plain accumulation: each micro-batch's own negatives
         loss, metrics = info_nce(embed(p, mb, r))
@@ -162,16 +164,18 @@ def test_cached_step_equals_the_whole_batch_gradient_and_plain_accumulation_does
     _, _, summed = jax.jit(lambda p: microbatch.accumulate(grad_fn, p, micro, rng, K))(params)
     gaps = [
         np.abs(a - b).max() / np.abs(b).max()
-        for a, b in zip(jax.tree.leaves(summed), jax.tree.leaves(want))
+        for a, b in zip(
+            jax.tree.leaves(jax.device_get(summed)), jax.tree.leaves(jax.device_get(want))
+        )
     ]
     assert max(gaps) > 0.05, gaps
 
 
 def test_split_and_join_rows_are_strided_and_inverse():
-    x = jnp.arange(8 * 3).reshape(8, 3)
-    split = microbatch.split_rows(x, 4)
-    assert split.shape == (4, 2, 3) and split[1, 1, 0] == x[5, 0]  # micro 1 holds rows 1 and 5
-    np.testing.assert_array_equal(microbatch.join_rows(split), x)
+    x = np.arange(8 * 3).reshape(8, 3)
+    split = jax.jit(microbatch.split_rows, static_argnums=1)(x, 4)
+    assert split.shape == (4, 2, 3) and np.asarray(split)[1, 1, 0] == x[5, 0]  # rows 1 and 5
+    np.testing.assert_array_equal(jax.jit(microbatch.join_rows)(split), x)
 
 
 def test_the_trainer_runs_a_cached_task_as_its_whole_batch_and_sums_an_additive_one(tmp_path):

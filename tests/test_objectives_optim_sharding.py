@@ -10,6 +10,9 @@ from jax.sharding import PartitionSpec
 
 from bertjax import losses, optim, sharding
 
+# The losses as one compiled program per shape, rather than one small program per primitive.
+masked_lm_loss = jax.jit(losses.masked_lm_loss)
+
 
 def _np_xent(logits, labels):
     logits = logits - logits.max(-1, keepdims=True)
@@ -22,9 +25,7 @@ def test_masked_lm_loss_matches_numpy_and_ignores_padding_predictions():
     logits = rng.normal(size=(3, 4, 11)).astype(np.float32)
     labels = rng.integers(0, 11, (3, 4))
     weights = np.array([[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]], np.float32)
-    loss, acc = losses.masked_lm_loss(
-        jnp.asarray(logits), jnp.asarray(labels), jnp.asarray(weights)
-    )
+    loss, acc = masked_lm_loss(logits, labels, weights)
     nll = _np_xent(logits, labels)
     np.testing.assert_allclose(loss, (nll * weights).sum() / weights.sum(), rtol=1e-6)
     correct = (logits.argmax(-1) == labels) * weights
@@ -33,40 +34,37 @@ def test_masked_lm_loss_matches_numpy_and_ignores_padding_predictions():
     labels2, logits2 = labels.copy(), logits.copy()
     labels2[weights == 0] = 0
     logits2[weights == 0] = 100.0
-    loss2, _ = losses.masked_lm_loss(
-        jnp.asarray(logits2), jnp.asarray(labels2), jnp.asarray(weights)
-    )
+    loss2, _ = masked_lm_loss(logits2, labels2, weights)
     np.testing.assert_allclose(loss2, loss, rtol=1e-6)
 
 
 def test_split_batches_add_up_to_the_global_loss():
     rng = np.random.default_rng(1)
-    logits = jnp.asarray(rng.normal(size=(8, 3, 7)), jnp.float32)
-    labels = jnp.asarray(rng.integers(0, 7, (8, 3)))
-    weights = jnp.asarray(rng.integers(0, 2, (8, 3)), jnp.float32)
-    whole, _ = losses.masked_lm_loss(logits, labels, weights)
+    logits = rng.normal(size=(8, 3, 7)).astype(np.float32)
+    labels = rng.integers(0, 7, (8, 3)).astype(np.int32)
+    weights = rng.integers(0, 2, (8, 3)).astype(np.float32)
+    whole, _ = masked_lm_loss(logits, labels, weights)
     norm = weights.sum()
     parts = sum(
-        losses.masked_lm_loss(logits[i::4], labels[i::4], weights[i::4], norm)[0] for i in range(4)
+        np.asarray(masked_lm_loss(logits[i::4], labels[i::4], weights[i::4], norm)[0])
+        for i in range(4)
     )
     np.testing.assert_allclose(parts, whole, rtol=1e-6)
 
 
 def test_nsp_classification_and_regression_losses():
-    logits = jnp.asarray([[2.0, 0.0], [0.0, 3.0], [1.0, 1.5]])
-    labels = jnp.asarray([0, 1, 0])
-    loss, acc = losses.nsp_loss(logits, labels)
-    np.testing.assert_allclose(
-        loss, _np_xent(np.asarray(logits), np.asarray(labels)).mean(), rtol=1e-6
-    )
+    logits = np.asarray([[2.0, 0.0], [0.0, 3.0], [1.0, 1.5]], np.float32)
+    labels = np.asarray([0, 1, 0], np.int32)
+    loss, acc = jax.jit(losses.nsp_loss)(logits, labels)
+    np.testing.assert_allclose(loss, _np_xent(logits, labels).mean(), rtol=1e-6)
     np.testing.assert_allclose(acc, 2 / 3, rtol=1e-6)
-    w = jnp.asarray([1.0, 1.0, 0.0])
-    loss_w, acc_w = losses.classification_loss(logits, labels, w)
+    w = np.asarray([1.0, 1.0, 0.0], np.float32)
+    loss_w, acc_w = jax.jit(losses.classification_loss)(logits, labels, w)
     np.testing.assert_allclose(acc_w, 1.0)
-    np.testing.assert_allclose(
-        loss_w, _np_xent(np.asarray(logits[:2]), np.asarray(labels[:2])).mean(), rtol=1e-6
+    np.testing.assert_allclose(loss_w, _np_xent(logits[:2], labels[:2]).mean(), rtol=1e-6)
+    mse = jax.jit(losses.regression_loss)(
+        np.asarray([[1.0], [2.0]], np.float32), np.asarray([0.0, 4.0], np.float32)
     )
-    mse = losses.regression_loss(jnp.asarray([[1.0], [2.0]]), jnp.asarray([0.0, 4.0]))
     np.testing.assert_allclose(mse, 2.5)
 
 
@@ -81,11 +79,11 @@ def test_schedule_is_linear_warmup_then_linear_decay():
 
 def test_weight_decay_skips_layernorm_and_biases():
     params = {
-        "dense": {"kernel": jnp.ones((2, 2)), "bias": jnp.ones(2)},
-        "LayerNorm": {"scale": jnp.ones(2), "bias": jnp.ones(2)},
-        "attention_norm": {"scale": jnp.ones(2)},
-        "word_embeddings": {"embedding": jnp.ones((3, 2))},
-        "output_bias": jnp.ones(3),
+        "dense": {"kernel": np.ones((2, 2)), "bias": np.ones(2)},
+        "LayerNorm": {"scale": np.ones(2), "bias": np.ones(2)},
+        "attention_norm": {"scale": np.ones(2)},
+        "word_embeddings": {"embedding": np.ones((3, 2))},
+        "output_bias": np.ones(3),
     }
     mask = optim.weight_decay_mask(params)
     assert mask["dense"]["kernel"] and mask["word_embeddings"]["embedding"]
@@ -113,10 +111,10 @@ def _opt_config(**kw):
 
 def test_adamw_first_step_matches_hand_computation():
     tx, _ = optim.create_optimizer(_opt_config(), total_steps=10)
-    params = {"dense": {"kernel": jnp.asarray([[1.0, -2.0]]), "bias": jnp.asarray([0.5])}}
-    grads = {"dense": {"kernel": jnp.asarray([[3.0, 4.0]]), "bias": jnp.asarray([0.0])}}
-    state = tx.init(params)
-    updates, _ = tx.update(grads, state, params)
+    params = {"dense": {"kernel": np.asarray([[1.0, -2.0]], np.float32), "bias": np.float32([0.5])}}
+    grads = {"dense": {"kernel": np.asarray([[3.0, 4.0]], np.float32), "bias": np.float32([0.0])}}
+    state = jax.jit(tx.init)(params)
+    updates, _ = jax.jit(tx.update)(grads, state, params)
     # Clip to global norm 1 (norm 5), Adam's first bias-corrected step is sign(g), decay 0.01*w.
     lr = 0.1
     expected_kernel = -lr * (
@@ -134,9 +132,14 @@ def test_unknown_optimizer_is_a_config_error():
 
 def test_lamb_is_available():
     tx, _ = optim.create_optimizer(_opt_config(name="lamb"), total_steps=10)
-    params = {"w": {"kernel": jnp.ones((2, 2))}}
-    updates, _ = tx.update({"w": {"kernel": jnp.ones((2, 2))}}, tx.init(params), params)
-    assert np.isfinite(np.asarray(optax.global_norm(updates)))
+    params = {"w": {"kernel": np.ones((2, 2), np.float32)}}
+
+    @jax.jit
+    def norm_of_update(params):
+        updates, _ = tx.update({"w": {"kernel": jnp.ones((2, 2))}}, tx.init(params), params)
+        return optax.global_norm(updates)
+
+    assert np.isfinite(np.asarray(norm_of_update(params)))
 
 
 def test_mesh_shape_fills_minus_one_and_rejects_bad_sizes():
@@ -184,6 +187,11 @@ def test_fsdp_shards_parameters_and_optimizer_state():
     assert ratio < 0.2, ratio  # ~1/8, plus a few small replicated vectors
 
 
+def _apply_update(tx, grads, state, params):
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+
 def test_stableadamw_matches_a_numpy_reference_over_steps():
     """Two steps of StableAdamW against the update written out in NumPy: Adam with bias
     correction and decoupled decay on kernels only, each tensor's learning rate (decay included)
@@ -199,14 +207,14 @@ def test_stableadamw_matches_a_numpy_reference_over_steps():
         {"d": {"kernel": jnp.asarray([[3.0, 4.0, -1.0]]), "bias": jnp.asarray([0.2])}},
         {"d": {"kernel": jnp.asarray([[30.0, -0.1, 2.0]]), "bias": jnp.asarray([-5.0])}},
     ]
-    state = tx.init(params)
+    state = jax.jit(tx.init)(params)
+    apply_step = jax.jit(lambda g, state, params: _apply_update(tx, g, state, params))
     ref = {k: np.asarray(v, np.float64) for k, v in params["d"].items()}
     m = {k: np.zeros_like(v) for k, v in ref.items()}
     v = {k: np.zeros_like(x) for k, x in ref.items()}
     clipped = False
     for t, g in enumerate(grads, start=1):
-        updates, state = tx.update(g, state, params)
-        params = optax.apply_updates(params, updates)
+        params, state = apply_step(g, state, params)
         for k in ref:
             gk = np.asarray(g["d"][k], np.float64)
             m[k] = b1 * m[k] + (1 - b1) * gk

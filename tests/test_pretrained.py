@@ -76,7 +76,7 @@ def test_training_checkpoint_with_scanned_layers(tmp_path):
     # The run is saving step 8 now: a reader must leave its unfinished folder alone.
     saving = tmp_path / "checkpoints" / "8.orbax-checkpoint-tmp-1795860000000000"
     (saving / "state").mkdir(parents=True)
-    expected = module.apply({"params": params}, IDS, TYPES, MASK)
+    expected = jax.jit(module.apply)({"params": params}, IDS, TYPES, MASK)
     model = load_pretrained(str(tmp_path))  # the run's WORKDIR is enough
     assert (saving / "state").is_dir()
     assert model.config.num_layers == 2 and not model.config.scan_layers

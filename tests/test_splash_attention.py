@@ -26,8 +26,9 @@ def _qkv(batch=2, seed=0):
     return tuple(jnp.asarray(rng.standard_normal(shape), jnp.float32) for _ in range(3))
 
 
+@jax.jit
 def _reference(q, k, v, allowed):
-    """Explicit fp32 softmax attention; allowed [batch, q, k] bool."""
+    """Explicit fp32 softmax attention; allowed [batch, q, k] bool (one compiled program)."""
     logits = jnp.einsum("bqhd,bkhd->bhqk", q / np.sqrt(q.shape[-1]), k)
     logits = jnp.where(allowed[:, None], logits, jnp.finfo(jnp.float32).min)
     return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(logits, axis=-1), v)
@@ -50,20 +51,21 @@ def test_padding_mask_matches_explicit_attention_at_real_tokens():
     ids = segment_ids_from_mask(jnp.asarray(mask))
     np.testing.assert_array_equal(ids, mask)
     got = jax.jit(_splash)(q, k, v, ids)
-    keys_allowed = jnp.broadcast_to(jnp.asarray(mask, bool)[:, None, :], (2, SEQ, SEQ))
-    ref = _reference(q, k, v, keys_allowed)  # the model's bias: padding keys masked
+    keys_allowed = np.broadcast_to(mask.astype(bool)[:, None, :], (2, SEQ, SEQ))
+    ref = np.asarray(_reference(q, k, v, keys_allowed))  # the model's bias: padding keys masked
     assert got.shape == q.shape and got.dtype == q.dtype
+    got = np.asarray(got)
     np.testing.assert_allclose(got[0], ref[0], atol=1e-5, rtol=1e-5)
     np.testing.assert_allclose(got[1, :100], ref[1, :100], atol=1e-5, rtol=1e-5)
     # Padding queries attend to the padding keys only: finite, and never seen by a real token.
-    assert bool(jnp.isfinite(got).all())
+    assert bool(np.isfinite(got).all())
 
 
 def test_packed_segments_give_block_diagonal_attention():
     q, k, v = _qkv(seed=1)
     ids = _packed_ids()
     got = jax.jit(_splash)(q, k, v, ids)
-    ref = _reference(q, k, v, ids[:, :, None] == ids[:, None, :])
+    ref = _reference(q, k, v, np.asarray(ids)[:, :, None] == np.asarray(ids)[:, None, :])
     np.testing.assert_allclose(got, ref, atol=1e-5, rtol=1e-5)  # every position, padding included
     # Pack ids are the segment ids as they are (input_mask unread, as in attention_bias).
     np.testing.assert_array_equal(segment_ids_from_mask(jnp.ones((2, SEQ)), ids), ids)
@@ -73,15 +75,17 @@ def test_gradients_match_the_reference_and_are_finite():
     q, k, v = _qkv(seed=2)
     ids = _packed_ids()
     cotangent = jnp.asarray(np.random.default_rng(3).standard_normal(q.shape), jnp.float32)
-    allowed = ids[:, :, None] == ids[:, None, :]
+    allowed = np.asarray(ids)[:, :, None] == np.asarray(ids)[:, None, :]
 
     def loss(fn):
         return lambda q, k, v: (fn(q, k, v) * cotangent).sum()
 
     got = jax.jit(jax.grad(loss(lambda q, k, v: _splash(q, k, v, ids)), argnums=(0, 1, 2)))(q, k, v)
-    ref = jax.grad(loss(lambda q, k, v: _reference(q, k, v, allowed)), argnums=(0, 1, 2))(q, k, v)
+    ref = jax.jit(jax.grad(loss(lambda q, k, v: _reference(q, k, v, allowed)), argnums=(0, 1, 2)))(
+        q, k, v
+    )
     for name, g, r in zip("qkv", got, ref):
-        assert bool(jnp.isfinite(g).all()), name
+        assert bool(np.isfinite(np.asarray(g)).all()), name
         np.testing.assert_allclose(g, r, atol=2e-5, rtol=1e-4, err_msg=f"d{name}")
 
 
@@ -133,12 +137,12 @@ def test_model_switch_computes_the_same_losses(monkeypatch):
     )
     batch = {key: jnp.asarray(value) for key, value in batch.items()}
     cfg = get_preset("tiny", vocab_size=VOCAB, hidden_dropout=0.0, attention_dropout=0.0)
-    params = PreTrainingModel(cfg).init(jax.random.key(0), batch["input_ids"])["params"]
+    params = jax.jit(PreTrainingModel(cfg).init)(jax.random.key(0), batch["input_ids"])["params"]
     params = nn.meta.unbox(params)
     splash_cfg = cfg.replace(attention_impl="splash")
     if jax.default_backend() != "tpu":
-        with pytest.raises(RuntimeError, match="needs a TPU"):
-            _pretraining_losses(splash_cfg, params, batch)
+        with pytest.raises(RuntimeError, match="needs a TPU"):  # refused while tracing
+            jax.jit(lambda p: _pretraining_losses(splash_cfg, p, batch))(params)
         monkeypatch.setenv(INTERPRET_ENV, "1")
     ref = jax.jit(lambda p: _pretraining_losses(cfg, p, batch))(params)
     got = jax.jit(lambda p: _pretraining_losses(splash_cfg, p, batch))(params)
