@@ -27,11 +27,16 @@ def test_tied_decoder_value_and_gradients_equal_autodiff(dtype):
     def reference(x, emb, bias):
         return jnp.einsum("...h,vh->...v", x, emb).astype(jnp.float32) + bias
 
-    ours, vjp = jax.vjp(tied_decoder, x, emb, bias)
-    ref, ref_vjp = jax.vjp(reference, x, emb, bias)
+    @functools.partial(jax.jit, static_argnums=0)  # one program each (op by op, ~20 compiles)
+    def value_and_vjp(f, x, emb, bias):
+        out, vjp = jax.vjp(f, x, emb, bias)
+        return out, vjp(cot)
+
+    ours, grads = value_and_vjp(tied_decoder, x, emb, bias)
+    ref, ref_grads = value_and_vjp(reference, x, emb, bias)
     tol = 1e-5 if dtype == jnp.float32 else 2e-2
     np.testing.assert_allclose(ours, ref, rtol=tol, atol=tol)
-    for a, b in zip(vjp(cot), ref_vjp(cot)):
+    for a, b in zip(grads, ref_grads):
         assert a.dtype == b.dtype and a.shape == b.shape
         np.testing.assert_allclose(
             np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=tol, atol=tol * 10
@@ -58,9 +63,9 @@ def test_decoder_nll_equals_the_decoder_then_the_cross_entropy(dtype, chunk):
         nll, margin = fast_ops.decoder_nll(x, emb, bias, labels, chunk)
         return (nll * weights).sum(), (margin >= 0).astype(jnp.float32)
 
-    (want, want_correct), want_grads = jax.value_and_grad(reference, (0, 1, 2), has_aux=True)(
-        x, emb, bias
-    )
+    (want, want_correct), want_grads = jax.jit(
+        jax.value_and_grad(reference, (0, 1, 2), has_aux=True)
+    )(x, emb, bias)
     (got, correct), grads = jax.jit(jax.value_and_grad(fused, (0, 1, 2), has_aux=True))(
         x, emb, bias
     )
@@ -83,7 +88,8 @@ def test_the_pretraining_loss_has_no_vocabulary_sized_buffer():
     model = PreTrainingModel(cfg, nsp=False)
     ids = jnp.ones((2, 8), jnp.int32)
     positions, labels = jnp.zeros((2, 6), jnp.int32), jnp.ones((2, 6), jnp.int32)
-    params = model.init(jax.random.key(0), ids, ids, ids, positions)["params"]
+    # shapes only: lowering needs no values (and an init op by op is some 80 small compiles)
+    params = jax.eval_shape(model.init, jax.random.key(0), ids, ids, ids, positions)["params"]
 
     def loss(params):
         out = model.apply({"params": params}, ids, ids, ids, positions, masked_lm_ids=labels)
@@ -114,11 +120,11 @@ class _FusedQKV(nn.Module):
 def test_fused_qkv_has_the_same_params_and_outputs_as_three_projections():
     cfg = get_preset("tiny", vocab_size=50)
     x = jax.random.normal(jax.random.key(1), (2, 7, cfg.hidden_size))
-    params = _SeparateQKV(cfg).init(jax.random.key(2), x)
-    fused_params = _FusedQKV(cfg).init(jax.random.key(2), x)
+    params = jax.jit(_SeparateQKV(cfg).init)(jax.random.key(2), x)
+    fused_params = jax.eval_shape(_FusedQKV(cfg).init, jax.random.key(2), x)
     assert jax.tree.structure(params) == jax.tree.structure(fused_params)
-    ref = _SeparateQKV(cfg).apply(params, x)
-    ours = _FusedQKV(cfg).apply(params, x)
+    ref = jax.jit(_SeparateQKV(cfg).apply)(params, x)
+    ours = jax.jit(_FusedQKV(cfg).apply)(params, x)
     for a, b in zip(ours, ref):
         assert a.shape == (2, 7, cfg.num_heads, cfg.head_dim)
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
@@ -126,8 +132,9 @@ def test_fused_qkv_has_the_same_params_and_outputs_as_three_projections():
     def loss(p, module):
         return sum(jnp.sum(jnp.sin(t)) for t in module.apply(p, x))
 
-    g_ref = jax.grad(loss)(params, _SeparateQKV(cfg))
-    g_ours = jax.grad(loss)(params, _FusedQKV(cfg))
+    grad = jax.jit(jax.grad(loss), static_argnums=1)
+    g_ref = grad(params, _SeparateQKV(cfg))
+    g_ours = grad(params, _FusedQKV(cfg))
     for a, b in zip(jax.tree.leaves(g_ours), jax.tree.leaves(g_ref)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
 
@@ -136,14 +143,22 @@ def test_loss_and_accuracy_from_one_max_equal_logsumexp_and_argmax():
     logits = jax.random.normal(jax.random.key(3), (4, 6, 101)) * 4
     labels = jax.random.randint(jax.random.key(4), (4, 6), 0, 101)
     labels = labels.at[0, :3].set(jnp.argmax(logits[0, :3], axis=-1))  # some correct ones
-    nll, correct = losses.nll_and_correct(logits, labels)
-    ref_nll = (
-        jax.nn.logsumexp(logits, -1) - jnp.take_along_axis(logits, labels[..., None], -1)[..., 0]
-    )
+
+    @jax.jit  # one program (op by op, some 60 small compiles)
+    def ours_and_reference(logits, labels):
+        nll, correct = losses.nll_and_correct(logits, labels)
+        grad = jax.grad(lambda z: losses.cross_entropy(z, labels).sum())(logits)
+        ref_nll = (
+            jax.nn.logsumexp(logits, -1)
+            - jnp.take_along_axis(logits, labels[..., None], -1)[..., 0]
+        )
+        ref_correct = (jnp.argmax(logits, -1) == labels).astype(jnp.float32)
+        ref_grad = jax.nn.softmax(logits) - jax.nn.one_hot(labels, 101)
+        return (nll, correct, grad), (ref_nll, ref_correct, ref_grad)
+
+    (nll, correct, grad), (ref_nll, ref_correct, ref_grad) = ours_and_reference(logits, labels)
     np.testing.assert_allclose(nll, ref_nll, rtol=1e-6, atol=1e-5)
-    np.testing.assert_array_equal(correct, (jnp.argmax(logits, -1) == labels).astype(jnp.float32))
-    grad = jax.grad(lambda z: losses.cross_entropy(z, labels).sum())(logits)
-    ref_grad = jax.nn.softmax(logits) - jax.nn.one_hot(labels, 101)
+    np.testing.assert_array_equal(correct, ref_correct)
     np.testing.assert_allclose(grad, ref_grad, atol=1e-6)
 
 
@@ -152,11 +167,15 @@ def test_gelu_keeping_phi_equals_exact_gelu_and_its_autodiff(dtype):
     x = (jnp.linspace(-8.0, 8.0, 4001) + 0.0013).astype(dtype)
     ref_fn = functools.partial(jax.nn.gelu, approximate=False)
     tol = 1e-6 if dtype == jnp.float32 else 1e-2
+
+    @functools.partial(jax.jit, static_argnums=0)  # one program each (op by op, ~18 compiles)
+    def value_and_grad(f, x):
+        return f(x), jax.vmap(jax.grad(lambda v: f(v).astype(jnp.float32)))(x)
+
+    (value, grad), (ref, ref_grad) = value_and_grad(gelu, x), value_and_grad(ref_fn, x)
     np.testing.assert_allclose(
-        np.asarray(gelu(x), np.float32), np.asarray(ref_fn(x), np.float32), rtol=tol, atol=tol
+        np.asarray(value, np.float32), np.asarray(ref, np.float32), rtol=tol, atol=tol
     )
-    grad = jax.vmap(jax.grad(lambda v: gelu(v).astype(jnp.float32)))(x)
-    ref_grad = jax.vmap(jax.grad(lambda v: ref_fn(v).astype(jnp.float32)))(x)
     np.testing.assert_allclose(
         np.asarray(grad, np.float32), np.asarray(ref_grad, np.float32), rtol=tol, atol=tol * 5
     )
@@ -177,13 +196,20 @@ def test_mixed_precision_einsum_accumulates_in_fp32_forward_and_backward(spec, a
     k1, k2, k3 = jax.random.split(jax.random.key(4), 3)
     a = jax.random.normal(k1, a_shape).astype(jnp.bfloat16)
     b = jax.random.normal(k2, b_shape).astype(jnp.bfloat16)
-    ours, vjp = jax.vjp(lambda a, b: fast_ops.einsum(spec, a, b), a, b)
-    assert ours.dtype == jnp.bfloat16
     f32 = functools.partial(jnp.asarray, dtype=jnp.float32)
-    ref, ref_vjp = jax.vjp(lambda a, b: jnp.einsum(spec, a, b), f32(a), f32(b))
+
+    @jax.jit  # one program (op by op, some 20 small compiles)
+    def ours_and_reference(a, b, cot):
+        ours, vjp = jax.vjp(lambda a, b: fast_ops.einsum(spec, a, b), a, b)
+        ref, ref_vjp = jax.vjp(lambda a, b: jnp.einsum(spec, a, b), f32(a), f32(b))
+        return ours, vjp(cot), ref, ref_vjp(f32(cot))
+
+    shape = jax.eval_shape(lambda a, b: fast_ops.einsum(spec, a, b), a, b).shape
+    cot = jax.random.normal(k3, shape).astype(jnp.bfloat16)
+    ours, grads, ref, ref_grads = ours_and_reference(a, b, cot)
+    assert ours.dtype == jnp.bfloat16
     np.testing.assert_array_equal(f32(ours), f32(ref.astype(jnp.bfloat16)))
-    cot = jax.random.normal(k3, ours.shape).astype(jnp.bfloat16)
-    for got, want in zip(vjp(cot), ref_vjp(f32(cot))):
+    for got, want in zip(grads, ref_grads):
         assert got.dtype == jnp.bfloat16 and got.shape == want.shape
         np.testing.assert_allclose(f32(got), want, rtol=1e-2, atol=1e-2)
     # Every product, forward and backward, takes bf16 operands and accumulates in fp32 (XLA CPU
@@ -209,16 +235,21 @@ def test_the_chunked_mlm_loss_trains_as_the_logits(tmp_path):
 
     from bertjax import train
 
+    config = tiny_config(tmp_path, steps=2)  # one prepared dataset for the three configs
+    batches = []  # the first run's two batches, given to the second as they are
+
     def run(mode):
-        config = tiny_config(tmp_path, steps=2, **{"train.mlm_loss": mode})
+        config.train.mlm_loss = mode
         task = train.prepared_task(config, str(tmp_path / mode))
         setup = train.build(config, str(tmp_path / mode), task)
         state = setup.init_state(jax.random.key_data(jax.random.key(0)))
         step = train.jit_train_step(setup, 1)
-        data = task.train_data(setup.phases[0], 0, 1)
+        if not batches:
+            data = task.train_data(setup.phases[0], 0, 1)
+            batches.extend({k: jnp.asarray(v) for k, v in next(data).items()} for _ in range(2))
         metrics = []
-        for _ in range(2):
-            state, m = step(state, {k: jnp.asarray(v) for k, v in next(data).items()})
+        for batch in batches:
+            state, m = step(state, batch)
             metrics.append({k: float(v) for k, v in jax.device_get(m).items()})
         return jax.device_get(state.params), metrics
 
@@ -230,7 +261,7 @@ def test_the_chunked_mlm_loss_trains_as_the_logits(tmp_path):
             np.testing.assert_allclose(got[key], want[key], rtol=1e-5, err_msg=key)
     for a, b in zip(jax.tree.leaves(chunked_params), jax.tree.leaves(params)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
-    fused = tiny_config(tmp_path, steps=2, **{"train.mlm_loss": "fused"})
-    task = train.prepared_task(fused, str(tmp_path / "fused"))
+    config.train.mlm_loss = "fused"
+    task = train.prepared_task(config, str(tmp_path / "fused"))
     with pytest.raises(ValueError, match=r"^config key train.mlm_loss='fused' is not one of"):
         task.chunked_mlm_loss((2, 3), 100)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import json
 
+import jax
 import numpy as np
 import pytest
 from helpers import (
@@ -27,7 +28,7 @@ from safetensors.numpy import load_file, save_file
 from train_fixtures import write_vocab
 
 import bertjax
-from bertjax.convert import gte_hf
+from bertjax.convert import gte_hf, unflatten_params
 from bertjax.models import gte
 from bertjax.models.heads import PreTrainingModel, SequenceClassifier, TokenClassifier
 
@@ -141,12 +142,23 @@ def close(name, got, want, tol=TOL, report=None):
     assert_close(name, got, want, tol, report)
 
 
-def _encoder_matches(cfg, flat, ids, types, mask, hidden, report):
+def _encoder_and_mlm(cfg, flat, ids, types, mask, positions=None):
+    """The encoder's outputs (hidden states), the MLM logits and, with ``positions``, the MLM
+    logits there: one jitted program, where the three share the encoder's computation."""
+    encoder, model = gte.GteModel(cfg, add_pooler=False), PreTrainingModel(cfg, nsp=False)
+
+    def run(p):
+        out = encoder.apply({"params": p["gte"]}, ids, types, mask, output_hidden_states=True)
+        full = model.apply({"params": p}, ids, types, mask)["mlm_logits"]
+        at = None if positions is None else model.apply({"params": p}, ids, types, mask, positions)
+        return out, full, None if at is None else at["mlm_logits"]
+
+    return jax.jit(run)(unflatten_params(flat))
+
+
+def _encoder_matches(cfg, out, mask, hidden, report):
     """The encoder's hidden states against transformers' at the real tokens."""
     real = mask.astype(bool)
-    encoder_flat = {k[len("gte/") :]: v for k, v in flat.items() if k.startswith("gte/")}
-    model = gte.GteModel(cfg, add_pooler=False)
-    out = apply_flat(model, encoder_flat, ids, types, mask, output_hidden_states=True)
     assert len(out.hidden_states) == len(hidden) == cfg.num_layers + 1
     for i, (got, want) in enumerate(zip(out.hidden_states, hidden)):
         close(f"hidden_states[{i}]", np.asarray(got)[real], want[real], report=report)
@@ -166,14 +178,11 @@ def test_encoder_and_heads_match_transformers(variant):
     assert heads == ("mlm",) and cfg.num_layers == 3
     assert cfg.tie_word_embeddings == ("predictions/decoder" not in flat)
     assert cfg.type_vocab_size == ref["config"].type_vocab_size
-    _encoder_matches(cfg, flat, ids, types, mask, ref["hidden"], diffs)
-
-    model = PreTrainingModel(cfg, nsp=False)
-    full = apply_flat(model, flat, ids, types, mask)
-    want = ref["logits"]["mlm"][real]
-    close("mlm_logits", np.asarray(full["mlm_logits"])[real], want, report=diffs)
     positions = np.array([[0, 5, 20, 13], [1, 8, 13, 3]], np.int32)
-    at = apply_flat(model, flat, ids, types, mask, positions)["mlm_logits"]
+    out, full, at = _encoder_and_mlm(cfg, flat, ids, types, mask, positions)
+    _encoder_matches(cfg, out, mask, ref["hidden"], diffs)
+    want = ref["logits"]["mlm"][real]
+    close("mlm_logits", np.asarray(full)[real], want, report=diffs)
     want = np.take_along_axis(ref["logits"]["mlm"], positions[:, :, None], axis=1)
     close("mlm_logits_at_positions", at, want, report=diffs)
 
@@ -207,9 +216,9 @@ def test_released_width_matches_transformers():
     state.pop("lm_head.decoder.weight")
     flat, heads = gte_hf.from_hf_tensors(cfg, state, "hf")
     diffs: dict[str, float] = {}
-    _encoder_matches(cfg, flat, ids, types, mask, [h.numpy() for h in out.hidden_states], diffs)
+    encoder_out, got, _ = _encoder_and_mlm(cfg, flat, ids, types, mask)
+    _encoder_matches(cfg, encoder_out, mask, [h.numpy() for h in out.hidden_states], diffs)
     real = mask.astype(bool)
-    got = apply_flat(PreTrainingModel(cfg, nsp=False), flat, ids, types, mask)["mlm_logits"]
     want = out.logits.numpy()[real]
     scale = float(np.abs(want).max())
     close("mlm_logits", np.asarray(got)[real], want, TOL * max(1.0, scale), report=diffs)

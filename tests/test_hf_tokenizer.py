@@ -390,5 +390,7 @@ def test_prepare_and_pretrain_with_a_bpe_tokenizer_json(modernbert_dir, train_te
     c.train.eval_every, c.train.eval_steps, c.train.async_checkpoints = 0, 0, False
     c.mesh.num_devices = 1
     c.tensorboard = False
+    c.data.streams = 2  # each is a tf.data pipeline to build (8, the default, in multihost)
+    c.model.num_layers = 2  # a global and a local layer (the preset's 4: twice the compile)
     result = train.train_and_evaluate(c, str(tmp_path / "run"))
     assert result["step"] == 2 and np.isfinite(result["train"]["loss"])

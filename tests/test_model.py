@@ -24,8 +24,17 @@ def _inputs(batch=2, seq=12, seed=0):
 def _init(cfg, nsp=True):
     model = PreTrainingModel(cfg, nsp=nsp)
     ids, types, mask = _inputs()
-    params = model.init(jax.random.key(0), ids, types, mask)["params"]
+    params = jax.jit(model.init)(jax.random.key(0), ids, types, mask)["params"]
     return model, nn.meta.unbox(params), params
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """The tiny model, its params (unboxed and boxed) and its outputs on ``_inputs()``, built
+    once for the tests that share them (each jitted: op by op, a model is ~50 small compiles)."""
+    cfg = get_preset("tiny", vocab_size=VOCAB)
+    model, params, boxed = _init(cfg)
+    return cfg, model, params, boxed, _outputs(cfg, params)
 
 
 def test_presets_cover_the_miniatures_base_and_large():
@@ -63,9 +72,8 @@ def test_names_of_bertjax_0_2_are_one_line_errors_naming_the_new_ones():
         pretrained.Nothing  # noqa: B018
 
 
-def test_param_count_matches_config_and_every_param_has_logical_axes():
-    cfg = get_preset("tiny", vocab_size=VOCAB)
-    _, params, boxed = _init(cfg)
+def test_param_count_matches_config_and_every_param_has_logical_axes(tiny):
+    cfg, _, params, boxed, _ = tiny
     assert sum(x.size for x in jax.tree.leaves(params)) == cfg.num_params()
     leaves = jax.tree.leaves(boxed, is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned))
     for leaf in leaves:
@@ -75,49 +83,47 @@ def test_param_count_matches_config_and_every_param_has_logical_axes():
     assert kernel.shape == (cfg.hidden_size, cfg.num_heads, cfg.head_dim)
 
 
-def test_padding_does_not_change_unpadded_positions():
-    cfg = get_preset("tiny", vocab_size=VOCAB)
-    model, params, _ = _init(cfg)
+def test_padding_does_not_change_unpadded_positions(tiny):
+    cfg, _, params, _, out = tiny
     ids, types, mask = _inputs()
-    out = model.apply({"params": params}, ids, types, mask)
     # Row 1 with its padded tail replaced by other tokens gives the same unpadded outputs.
     ids2 = ids.at[1, -4:].set(7)
-    out2 = model.apply({"params": params}, ids2, types, mask)
+    out2 = _outputs(cfg, params, ids2)
     np.testing.assert_allclose(
         out["sequence_output"][1, :-4], out2["sequence_output"][1, :-4], atol=1e-6
     )
     np.testing.assert_allclose(out["nsp_logits"][1], out2["nsp_logits"][1], atol=1e-6)
 
 
-def test_mlm_at_positions_equals_gathered_full_logits():
-    cfg = get_preset("tiny", vocab_size=VOCAB)
-    model, params, _ = _init(cfg)
+def test_mlm_at_positions_equals_gathered_full_logits(tiny):
+    _, model, params, _, out = tiny
     ids, types, mask = _inputs()
-    positions = jnp.asarray([[1, 3, 5], [0, 2, 7]], jnp.int32)
-    full = model.apply({"params": params}, ids, types, mask)["mlm_logits"]  # [b, seq, vocab]
-    picked = model.apply({"params": params}, ids, types, mask, positions)["mlm_logits"]
+    positions = np.asarray([[1, 3, 5], [0, 2, 7]], np.int32)
+    full = np.asarray(out["mlm_logits"])  # [b, seq, vocab]
+    picked = jax.jit(model.apply)({"params": params}, ids, types, mask, positions)["mlm_logits"]
     assert full.shape == (2, 12, VOCAB) and picked.shape == (2, 3, VOCAB)
     np.testing.assert_allclose(
-        picked, jnp.take_along_axis(full, positions[..., None], axis=1), atol=1e-5
+        picked, np.take_along_axis(full, positions[..., None], axis=1), atol=1e-5
     )
 
 
-def test_mlm_decoder_is_tied_to_word_embeddings():
-    cfg = get_preset("tiny", vocab_size=VOCAB)
-    model, params, _ = _init(cfg)
+def test_mlm_decoder_is_tied_to_word_embeddings(tiny):
+    _, model, params, _, _ = tiny
     assert "kernel" not in params["predictions"]  # no separate decoder matrix
     ids, types, mask = _inputs()
-    grads = jax.grad(lambda p: model.apply({"params": p}, ids, types, mask)["mlm_logits"][0, 0, 5])(
-        params
-    )
-    emb_grad = grads["bert"]["embeddings"]["word_embeddings"]["embedding"]
-    assert float(jnp.abs(emb_grad[5]).sum()) > 0  # the decoder row of token 5 is the embedding row
+
+    def logit(p):
+        return model.apply({"params": p}, ids, types, mask)["mlm_logits"][0, 0, 5]
+
+    grads = jax.jit(jax.grad(logit))(params)
+    emb_grad = np.asarray(grads["bert"]["embeddings"]["word_embeddings"]["embedding"])
+    assert float(np.abs(emb_grad[5]).sum()) > 0  # the decoder row of token 5 is the embedding row
 
 
-def _outputs(cfg, params):
+def _outputs(cfg, params, ids=None):
     model = PreTrainingModel(cfg)
-    ids, types, mask = _inputs()
-    return model.apply({"params": params}, ids, types, mask)
+    inputs, types, mask = _inputs()
+    return jax.jit(model.apply)({"params": params}, inputs if ids is None else ids, types, mask)
 
 
 def _stack_layers(params, num_layers):
@@ -139,10 +145,8 @@ def _stack_layers(params, num_layers):
         dict(scan_layers=True, remat="dots"),
     ],
 )
-def test_switches_compute_the_same_outputs(change):
-    cfg = get_preset("tiny", vocab_size=VOCAB)
-    _, params, _ = _init(cfg)
-    ref = _outputs(cfg, params)
+def test_switches_compute_the_same_outputs(change, tiny):
+    cfg, _, params, _, ref = tiny
     cfg2 = cfg.replace(**change)
     params2 = _stack_layers(params, cfg.num_layers) if cfg2.scan_layers else params
     got = _outputs(cfg2, params2)
@@ -150,17 +154,16 @@ def test_switches_compute_the_same_outputs(change):
         np.testing.assert_allclose(got[key], ref[key], atol=2e-5, rtol=1e-5, err_msg=key)
 
 
-def test_scanned_gradients_match_unrolled():
-    cfg = get_preset("tiny", vocab_size=VOCAB)
-    _, params, _ = _init(cfg)
+def test_scanned_gradients_match_unrolled(tiny):
+    cfg, _, params, _, _ = tiny
     ids, types, mask = _inputs()
 
     def loss(c, p):
         return PreTrainingModel(c).apply({"params": p}, ids, types, mask)["mlm_logits"].sum()
 
-    g = jax.grad(lambda p: loss(cfg, p))(params)
+    g = jax.jit(jax.grad(lambda p: loss(cfg, p)))(params)
     cfg2 = cfg.replace(scan_layers=True, remat="full")
-    g2 = jax.grad(lambda p: loss(cfg2, p))(_stack_layers(params, cfg.num_layers))
+    g2 = jax.jit(jax.grad(lambda p: loss(cfg2, p)))(_stack_layers(params, cfg.num_layers))
     np.testing.assert_allclose(
         g2["bert"]["encoder"]["layers"]["intermediate"]["kernel"][1],
         g["bert"]["encoder"]["layer_1"]["intermediate"]["kernel"],
@@ -169,10 +172,8 @@ def test_scanned_gradients_match_unrolled():
     )
 
 
-def test_bfloat16_compute_keeps_fp32_params_and_stays_close():
-    cfg = get_preset("tiny", vocab_size=VOCAB)
-    _, params, _ = _init(cfg)
-    ref = _outputs(cfg, params)
+def test_bfloat16_compute_keeps_fp32_params_and_stays_close(tiny):
+    cfg, _, params, _, ref = tiny
     got = _outputs(cfg.replace(dtype="bfloat16"), params)
     assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(params))
     assert got["mlm_logits"].dtype == jnp.float32  # logits and losses in fp32
@@ -180,13 +181,14 @@ def test_bfloat16_compute_keeps_fp32_params_and_stays_close():
     np.testing.assert_allclose(got["pooled_output"], ref["pooled_output"], atol=0.1)
 
 
-def test_dropout_is_active_only_when_not_deterministic():
+def test_dropout_is_active_only_when_not_deterministic(tiny):
     cfg = get_preset("tiny", vocab_size=VOCAB, hidden_dropout=0.5)
-    model, params, _ = _init(cfg)
+    model, params = PreTrainingModel(cfg), tiny[2]  # dropout adds no params
     ids, types, mask = _inputs()
-    det = model.apply({"params": params}, ids, types, mask)
-    det2 = model.apply({"params": params}, ids, types, mask)
-    drop = model.apply(
+    apply = jax.jit(model.apply, static_argnames="deterministic")
+    det = apply({"params": params}, ids, types, mask)
+    det2 = apply({"params": params}, ids, types, mask)
+    drop = apply(
         {"params": params},
         ids,
         types,
@@ -205,11 +207,13 @@ def test_sequence_longer_than_position_table_is_a_clear_error():
         BertModel(cfg).init(jax.random.key(0), ids)
 
 
-def test_hidden_states_are_embeddings_then_each_layer():
-    cfg = get_preset("tiny", vocab_size=VOCAB)
+def test_hidden_states_are_embeddings_then_each_layer(tiny):
+    cfg, _, params, _, _ = tiny
     ids, types, mask = _inputs()
     model = BertModel(cfg)
-    variables = model.init(jax.random.key(0), ids, types, mask)
-    out = model.apply(variables, ids, types, mask, output_hidden_states=True)
+    variables = {"params": params["bert"]}  # the pretraining model's encoder
+    out = jax.jit(model.apply, static_argnames="output_hidden_states")(
+        variables, ids, types, mask, output_hidden_states=True
+    )
     assert len(out.hidden_states) == cfg.num_layers + 1
     np.testing.assert_array_equal(out.hidden_states[-1], out.sequence_output)

@@ -6,6 +6,7 @@ within 1e-4 in fp32 on a padded batch longer than the window) and exported back 
 
 from __future__ import annotations
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,8 +14,9 @@ import pytest
 from hf_random import randomize
 
 from bertjax.convert import load_checkpoint, save_checkpoint, unflatten_params
+from bertjax.convert.checkpoint import flatten_params
 from bertjax.models.heads import MultipleChoice, SpanClassifier, TokenClassifier
-from bertjax.pretrained import pretrained_from_checkpoint
+from bertjax.pretrained import head_of, pretrained_from_checkpoint
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -174,3 +176,9 @@ def test_a_masked_lm_checkpoint_names_only_heads_modernbert_has(tmp_path, caplog
     assert full.heads == ("pooler", "mlm") and "seq_relationship" not in full.params
     ids, mask = _batch(2)
     assert np.isfinite(np.asarray(full(ids, input_mask=mask).pooled_output)).all()
+    # The fresh pooler is the one a whole init of the model gives (seed 0, the default), though
+    # only the heads are computed.
+    own = jax.jit(full.module.init)(jax.random.key(0), ids, ids, mask)["params"]
+    own = flatten_params(nn.meta.unbox(own))
+    got = {k: v for k, v in flatten_params(full.params).items() if head_of(k) == "pooler"}
+    assert got and all(np.array_equal(v, own[k]) for k, v in got.items())

@@ -21,7 +21,7 @@ def _hf_dir(path, vocab_size=40, **extra):
     config = transformers.ModernBertConfig(
         vocab_size=vocab_size,
         hidden_size=48,
-        num_hidden_layers=3,
+        num_hidden_layers=2,  # a global and a local layer
         num_attention_heads=3,
         intermediate_size=56,
         max_position_embeddings=64,
@@ -90,7 +90,7 @@ def test_continued_pretraining_starts_from_the_checkpoint(tmp_path, tied):
     task = train.prepared_task(c, str(tmp_path / "run"))
     setup = train.build(c, str(tmp_path / "run"), task)
     assert setup.model.config.architecture == "modernbert"
-    assert setup.model.config.num_layers == 3
+    assert setup.model.config.num_layers == 2
     assert np.isfinite(first["mlm_loss"]) and first["step"] == 0
     state = setup.init_state(jax.random.key_data(jax.random.key(0)))
     want = task.source.pretrained.params
@@ -109,6 +109,7 @@ def test_context_extension_phase_changes_the_rope_base_not_the_params(tmp_path):
     write_prepared(tmp_path / "prepared" / "seq32", seq=32, pred=6)
     c.model.architecture = "modernbert"
     c.model.preset = "modernbert-tiny"
+    c.model.num_layers = 2  # a global and a local layer (the preset's 4: twice the compiles)
     c.model.max_position_embeddings = None
     c.model.global_rope_theta = 10_000.0
     c.data.phases = (

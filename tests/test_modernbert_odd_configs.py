@@ -7,6 +7,7 @@ included, and the export loaded by transformers with no missing or unexpected te
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -262,7 +263,7 @@ def test_multiple_choice_pools_the_first_token_of_left_padded_choices(tmp_path):
     want = _hf_outputs(model, ids, mask)
     ckpt = load_checkpoint(str(tmp_path / "hf"))
     params = unflatten_params({k: jnp.asarray(v) for k, v in ckpt.tensors.items()})
-    got = MultipleChoice(ckpt.config).apply({"params": params}, ids, None, mask)
+    got = jax.jit(MultipleChoice(ckpt.config).apply)({"params": params}, ids, None, mask)
     assert _max_diff(np.asarray(got), want) <= TOL
     # load_pretrained runs the checkpoint as a one-label scorer per choice, pooled the same way
     out = bertjax.load_pretrained(str(tmp_path / "hf"))(

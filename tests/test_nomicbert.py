@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import json
 
+import jax
 import numpy as np
 import pytest
 from helpers import (
@@ -24,6 +25,7 @@ from train_fixtures import write_vocab
 
 import bertjax
 from bertjax.convert import nomicbert_hf as nhf
+from bertjax.convert import unflatten_params
 from bertjax.models import nomicbert
 from bertjax.models.heads import PreTrainingModel, SequenceClassifier, TokenClassifier
 
@@ -140,27 +142,26 @@ def test_encoder_and_heads_match_transformers(variant):
     cfg, flat, heads = _converted(variant, "mlm")
     assert heads == ("mlm",) and cfg.num_layers == 3
     assert cfg.tie_word_embeddings == ("predictions/decoder" not in flat)
-    prefix = "nomic_bert/"
-    encoder_flat = {k[len(prefix) :]: v for k, v in flat.items() if k.startswith(prefix)}
-    out = apply_flat(
-        nomicbert.NomicBertModel(cfg, add_pooler=False),
-        encoder_flat,
-        ids,
-        types,
-        mask,
-        output_hidden_states=True,
-    )
+    positions = np.array([[0, 5, 20, 13], [1, 8, 13, 3]], np.int32)
+    encoder = nomicbert.NomicBertModel(cfg, add_pooler=False)
+    model = PreTrainingModel(cfg, nsp=False)
+
+    @jax.jit  # one program: the three share the encoder's computation
+    def encoder_and_mlm(p):
+        out = encoder.apply(
+            {"params": p["nomic_bert"]}, ids, types, mask, output_hidden_states=True
+        )
+        full = model.apply({"params": p}, ids, types, mask)
+        return out, full, model.apply({"params": p}, ids, types, mask, positions)["mlm_logits"]
+
+    out, full, at = encoder_and_mlm(unflatten_params(flat))
     assert len(out.hidden_states) == len(ref["hidden"]) == cfg.num_layers + 1
     for i, (got, want) in enumerate(zip(out.hidden_states, ref["hidden"])):
         close(f"hidden_states[{i}]", np.asarray(got)[real], want[real], report=diffs)
     close("last", np.asarray(out.sequence_output)[real], ref["hidden"][-1][real], report=diffs)
 
-    model = PreTrainingModel(cfg, nsp=False)
-    full = apply_flat(model, flat, ids, types, mask)
     want = ref["logits"]["mlm"][real]
     close("mlm_logits", np.asarray(full["mlm_logits"])[real], want, report=diffs)
-    positions = np.array([[0, 5, 20, 13], [1, 8, 13, 3]], np.int32)
-    at = apply_flat(model, flat, ids, types, mask, positions)["mlm_logits"]
     want = np.take_along_axis(ref["logits"]["mlm"], positions[:, :, None], axis=1)
     close("mlm_logits_at_positions", at, want, report=diffs)
 
