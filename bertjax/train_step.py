@@ -188,17 +188,36 @@ def build(
     state_shardings = sharding.logical_shardings(abstract_boxed, mesh, rules)
 
     def init_state(rng):
+        # The init checkpoint's tensors (numpy) where the task has one, abstract leaves elsewhere:
+        # only those are initialised at random. The program computes just them (XLA drops the
+        # rest), so a fine-tuning run neither compiles nor holds a random encoder it would replace.
+        started = task.start_params(model, abstract.params)
         with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
-            state = jax.jit(lambda r: nn.meta.unbox(init_boxed(r)), out_shardings=state_shardings)(
-                rng
+            if started is abstract.params:  # no init checkpoint
+                return jax.jit(
+                    lambda r: nn.meta.unbox(init_boxed(r)), out_shardings=state_shardings
+                )(rng)
+            given = traverse_util.flatten_dict(started)
+            fresh = [k for k, v in given.items() if isinstance(v, jax.ShapeDtypeStruct)]
+            shardings = traverse_util.flatten_dict(state_shardings.params)
+
+            def fresh_part(r):
+                state = nn.meta.unbox(init_boxed(r))
+                params = traverse_util.flatten_dict(state.params)
+                return [params[k] for k in fresh], state.step, state.rng
+
+            out_shardings = (
+                [shardings[k] for k in fresh],
+                state_shardings.step,
+                state_shardings.rng,
             )
-        params = task.start_params(model, state.params)
-        if params is not state.params:
+            values, step, train_rng = jax.jit(fresh_part, out_shardings=out_shardings)(rng)
+            params = traverse_util.unflatten_dict({**given, **dict(zip(fresh, values))})
             params = jax.device_put(params, state_shardings.params)
-            opt_state = jax.jit(tx.init)(trained_params(partition, params))
-            state = state.replace(params=params, opt_state=opt_state)
-            state = jax.device_put(state, state_shardings)
-        return state
+            opt_state = jax.jit(tx.init, out_shardings=state_shardings.opt_state)(
+                trained_params(partition, params)
+            )
+        return TrainState(step=step, params=params, opt_state=opt_state, rng=train_rng)
 
     eval_fn = _jit_eval(task, model, state_shardings, mesh, rules)
     return Setup(
