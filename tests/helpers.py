@@ -110,6 +110,30 @@ def make_hf_model(directory, uncased_vocab, cls_name="BertForPreTraining", seed=
 HF_INPUT_NAMES = {"segment_ids": "token_type_ids", "input_mask": "attention_mask"}
 
 
+def encoder_and_mlm(cfg, params, ids, types, mask, positions=None):
+    """The encoder's outputs (hidden states too), the pretraining model's outputs (MLM logits
+    everywhere) and, with ``positions``, its MLM logits there, of a model of ``cfg`` on ``params``
+    (the pretraining model's, unflattened): one jitted program, where the three share the
+    encoder's computation."""
+    import jax
+
+    from bertjax import models
+    from bertjax.models.heads import PreTrainingModel
+
+    arch = models.architecture(cfg)
+    encoder, model = arch.encoder(cfg, add_pooler=False), PreTrainingModel(cfg, nsp=False)
+
+    def run(p):
+        out = encoder.apply(
+            {"params": p[arch.encoder_name]}, ids, types, mask, output_hidden_states=True
+        )
+        full = model.apply({"params": p}, ids, types, mask)
+        at = None if positions is None else model.apply({"params": p}, ids, types, mask, positions)
+        return out, full, None if at is None else at["mlm_logits"]
+
+    return jax.jit(run)(params)
+
+
 def hf_inputs(batch) -> dict:
     """bertjax's input keys (input_ids, segment_ids, input_mask) as transformers names them, as
     int64 torch tensors."""

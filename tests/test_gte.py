@@ -11,12 +11,12 @@ from __future__ import annotations
 import functools
 import json
 
-import jax
 import numpy as np
 import pytest
 from helpers import (
     apply_flat,
     assert_close,
+    encoder_and_mlm,
     exports_load_in_transformers,
     heads_on_one_encoder,
     pretrains_from_hf_dir,
@@ -30,7 +30,7 @@ from train_fixtures import write_vocab
 import bertjax
 from bertjax.convert import gte_hf, unflatten_params
 from bertjax.models import gte
-from bertjax.models.heads import PreTrainingModel, SequenceClassifier, TokenClassifier
+from bertjax.models.heads import SequenceClassifier, TokenClassifier
 
 transformers = pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
@@ -142,20 +142,6 @@ def close(name, got, want, tol=TOL, report=None):
     assert_close(name, got, want, tol, report)
 
 
-def _encoder_and_mlm(cfg, flat, ids, types, mask, positions=None):
-    """The encoder's outputs (hidden states), the MLM logits and, with ``positions``, the MLM
-    logits there: one jitted program, where the three share the encoder's computation."""
-    encoder, model = gte.GteModel(cfg, add_pooler=False), PreTrainingModel(cfg, nsp=False)
-
-    def run(p):
-        out = encoder.apply({"params": p["gte"]}, ids, types, mask, output_hidden_states=True)
-        full = model.apply({"params": p}, ids, types, mask)["mlm_logits"]
-        at = None if positions is None else model.apply({"params": p}, ids, types, mask, positions)
-        return out, full, None if at is None else at["mlm_logits"]
-
-    return jax.jit(run)(unflatten_params(flat))
-
-
 def _encoder_matches(cfg, out, mask, hidden, report):
     """The encoder's hidden states against transformers' at the real tokens."""
     real = mask.astype(bool)
@@ -179,10 +165,10 @@ def test_encoder_and_heads_match_transformers(variant):
     assert cfg.tie_word_embeddings == ("predictions/decoder" not in flat)
     assert cfg.type_vocab_size == ref["config"].type_vocab_size
     positions = np.array([[0, 5, 20, 13], [1, 8, 13, 3]], np.int32)
-    out, full, at = _encoder_and_mlm(cfg, flat, ids, types, mask, positions)
+    out, full, at = encoder_and_mlm(cfg, unflatten_params(flat), ids, types, mask, positions)
     _encoder_matches(cfg, out, mask, ref["hidden"], diffs)
     want = ref["logits"]["mlm"][real]
-    close("mlm_logits", np.asarray(full)[real], want, report=diffs)
+    close("mlm_logits", np.asarray(full["mlm_logits"])[real], want, report=diffs)
     want = np.take_along_axis(ref["logits"]["mlm"], positions[:, :, None], axis=1)
     close("mlm_logits_at_positions", at, want, report=diffs)
 
@@ -216,12 +202,14 @@ def test_released_width_matches_transformers():
     state.pop("lm_head.decoder.weight")
     flat, heads = gte_hf.from_hf_tensors(cfg, state, "hf")
     diffs: dict[str, float] = {}
-    encoder_out, got, _ = _encoder_and_mlm(cfg, flat, ids, types, mask)
+    encoder_out, got, _ = encoder_and_mlm(cfg, unflatten_params(flat), ids, types, mask)
     _encoder_matches(cfg, encoder_out, mask, [h.numpy() for h in out.hidden_states], diffs)
     real = mask.astype(bool)
     want = out.logits.numpy()[real]
     scale = float(np.abs(want).max())
-    close("mlm_logits", np.asarray(got)[real], want, TOL * max(1.0, scale), report=diffs)
+    close(
+        "mlm_logits", np.asarray(got["mlm_logits"])[real], want, TOL * max(1.0, scale), report=diffs
+    )
     print({k: f"{v:.1e}" for k, v in diffs.items()}, f"largest logit {scale:.1f}")
 
 

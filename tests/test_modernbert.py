@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import encoder_and_mlm
 from hf_random import randomize
 
 import bertjax.models
@@ -177,18 +178,9 @@ def test_encoder_and_mlm_match_transformers(variant):
     real = mask.astype(bool)
     params = _unflatten(flat)
 
-    encoder = modernbert.ModernBertModel(cfg, add_pooler=False)
     # The pretraining model: MLM logits everywhere and at chosen (masked) positions.
-    model = PreTrainingModel(cfg, nsp=False)
     positions = np.array([[0, 5, 20, 23], [1, 8, 16, 3]], np.int32)
-
-    @jax.jit  # one program for the three (they share the encoder's computation)
-    def apply(p, i, m, pos):
-        out = encoder.apply({"params": p["model"]}, i, None, m, output_hidden_states=True)
-        full = model.apply({"params": p}, i, None, m, None)
-        return out, full, model.apply({"params": p}, i, None, m, pos)["mlm_logits"]
-
-    out, full, at = apply(params, ids, mask, positions)  # at: [batch, k, vocab]
+    out, full, at = encoder_and_mlm(cfg, params, ids, None, mask, positions)  # at: [b, k, vocab]
     assert out.pooled_output is None
     _close(
         f"{variant}/last_hidden_state",

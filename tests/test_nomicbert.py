@@ -9,12 +9,12 @@ from __future__ import annotations
 import functools
 import json
 
-import jax
 import numpy as np
 import pytest
 from helpers import (
     apply_flat,
     assert_close,
+    encoder_and_mlm,
     exports_load_in_transformers,
     heads_on_one_encoder,
     pretrains_from_hf_dir,
@@ -27,7 +27,7 @@ import bertjax
 from bertjax.convert import nomicbert_hf as nhf
 from bertjax.convert import unflatten_params
 from bertjax.models import nomicbert
-from bertjax.models.heads import PreTrainingModel, SequenceClassifier, TokenClassifier
+from bertjax.models.heads import SequenceClassifier, TokenClassifier
 
 transformers = pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
@@ -143,18 +143,7 @@ def test_encoder_and_heads_match_transformers(variant):
     assert heads == ("mlm",) and cfg.num_layers == 3
     assert cfg.tie_word_embeddings == ("predictions/decoder" not in flat)
     positions = np.array([[0, 5, 20, 13], [1, 8, 13, 3]], np.int32)
-    encoder = nomicbert.NomicBertModel(cfg, add_pooler=False)
-    model = PreTrainingModel(cfg, nsp=False)
-
-    @jax.jit  # one program: the three share the encoder's computation
-    def encoder_and_mlm(p):
-        out = encoder.apply(
-            {"params": p["nomic_bert"]}, ids, types, mask, output_hidden_states=True
-        )
-        full = model.apply({"params": p}, ids, types, mask)
-        return out, full, model.apply({"params": p}, ids, types, mask, positions)["mlm_logits"]
-
-    out, full, at = encoder_and_mlm(unflatten_params(flat))
+    out, full, at = encoder_and_mlm(cfg, unflatten_params(flat), ids, types, mask, positions)
     assert len(out.hidden_states) == len(ref["hidden"]) == cfg.num_layers + 1
     for i, (got, want) in enumerate(zip(out.hidden_states, ref["hidden"])):
         close(f"hidden_states[{i}]", np.asarray(got)[real], want[real], report=diffs)
