@@ -3,7 +3,9 @@ optimized HLO text (``compiled.as_text()``), counted (fusions, copies, transpose
 dtype, custom calls by target, collectives) and priced one by one against a chip's roofline.
 
 The roofline of a kernel is ``max(dot FLOPs / tensor-core peak + other FLOPs / vector peak,
-bytes / HBM bandwidth)``, where its bytes are its operands read once and its outputs written once;
+bytes / HBM bandwidth)``, where its bytes are its operands read once and its outputs written once
+(an operand that a fusion only slices counts as the slices it reads: RoPE or a band block reads
+its q, k or v out of the fused QKV product, not the whole product);
 a collective's time is its bytes over the link it crosses (NVLink inside a node, the network
 between nodes). The step's estimate is the sum over the kernels as they run (a loop's body times
 its trip count). For the kernels it is a lower bound of the step time: it counts no launch
@@ -76,6 +78,7 @@ class Instruction:
     opcode: str
     operands: list[str]
     attrs: str
+    index: int | None = None  # a parameter's number
 
     def attr(self, key: str) -> str | None:
         m = re.search(rf'\b{key}=(?:"([^"]*)"|%?([\w.\-$]+))', self.attrs)
@@ -144,7 +147,11 @@ def _parse_instruction(line: str) -> Instruction | None:
     opcode = rest[:paren]
     end = _balanced(rest, paren)
     operands = _NAME.findall(rest[paren:end])
-    return Instruction(name, shape, opcode, operands, rest[end:])
+    index = None
+    if opcode == "parameter":
+        number = rest[paren + 1 : end - 1].strip()
+        index = int(number) if number.isdigit() else None
+    return Instruction(name, shape, opcode, operands, rest[end:], index)
 
 
 def parse(text: str) -> dict[str, Computation]:
@@ -232,6 +239,7 @@ class Program:
             replicas.group(1) if replicas else 1
         )
         self._shapes = {name: comp.shapes() for name, comp in self.comps.items()}
+        self._sliced: dict[str, dict[int, float]] = {}
 
     # -- walking the program -------------------------------------------------------------------
     def kernels(self) -> list[tuple[Computation, Instruction, float]]:
@@ -393,7 +401,11 @@ class Program:
             return cost
         operands = self._operand_shapes(comp, inst)
         workspace = ("u8", "s8") if inst.opcode == "custom-call" else ()  # a custom call's scratch
-        cost.bytes = sum(nbytes(s) for s in operands) + nbytes(inst.shape, skip=workspace)
+        read = [nbytes(s) for s in operands]
+        if inst.opcode == "fusion":
+            sliced = self._sliced_parameters(inst.attr("calls") or "")
+            read = [min(b, sliced.get(i, b)) for i, b in enumerate(read)]
+        cost.bytes = sum(read) + nbytes(inst.shape, skip=workspace)
         update = self._in_place_update(inst) if inst.opcode == "fusion" else None
         if update is not None:  # the buffer is updated in place: only the slice is written
             cost.bytes -= 2 * nbytes(inst.shape) - nbytes(update)
@@ -509,6 +521,44 @@ class Program:
         if nbytes(buffer.shape) != nbytes(inst.shape):
             return None
         return update.shape
+
+    def _sliced_parameters(self, name: str) -> dict[int, float]:
+        """Fused computation ``name``'s parameters that it only slices (every use, through
+        bitcasts, a ``slice`` or ``dynamic-slice``): their index -> the bytes of those slices.
+        A kernel reads only those bytes of such an operand."""
+        if name in self._sliced:
+            return self._sliced[name]
+        comp = self.comps.get(name)
+        out: dict[int, float] = {}
+        if comp is not None:
+            users: dict[str, list[Instruction]] = collections.defaultdict(list)
+            for inst in comp.instructions:
+                for operand in inst.operands:
+                    users[operand].append(inst)
+
+            def slices(node: str, depth: int = 0) -> float | None:
+                total = 0.0
+                for user in users.get(node, []):
+                    if user.opcode == "bitcast" and depth < 4:
+                        part = slices(user.name, depth + 1)
+                        if part is None:
+                            return None
+                        total += part
+                    elif user.opcode == "slice" or (
+                        user.opcode == "dynamic-slice" and user.operands[0] == node
+                    ):
+                        total += nbytes(user.shape)
+                    else:
+                        return None
+                return total if users.get(node) else None
+
+            for inst in comp.instructions:
+                if inst.opcode == "parameter" and inst.index is not None:
+                    part = slices(inst.name)
+                    if part is not None:
+                        out[inst.index] = part
+        self._sliced[name] = out
+        return out
 
     def _fused_root(self, name: str) -> str:
         comp = self.comps.get(name)

@@ -74,6 +74,46 @@ def test_roofline_of_a_known_program_matches_its_arithmetic():
     assert inventory["kernels"] >= 2
 
 
+def test_a_fusion_that_slices_an_operand_reads_only_the_slices():
+    """RoPE and the band blocks read q, k or v out of the fused QKV product: a kernel that only
+    slices an operand is priced for the slices it reads, not the whole operand. A hand-written
+    program (the parser needs no compiler): a fusion reading two [256, 64] slices of a
+    [256, 1024] f32 operand and writing their [256, 64] sum."""
+    text = """HloModule m, num_partitions=1
+
+%fused_add (p0: f32[256,1024], p1: f32[64]) -> f32[256,64] {
+  %p0 = f32[256,1024]{1,0} parameter(0)
+  %p1 = f32[64]{0} parameter(1)
+  %b = f32[256,16,64]{2,1,0} bitcast(%p0)
+  %s0 = f32[256,1,64]{2,1,0} slice(%b), slice={[0:256], [0:1], [0:64]}
+  %s1 = f32[256,1,64]{2,1,0} slice(%b), slice={[0:256], [5:6], [0:64]}
+  %r0 = f32[256,64]{1,0} bitcast(%s0)
+  %r1 = f32[256,64]{1,0} bitcast(%s1)
+  %a = f32[256,64]{1,0} add(%r0, %r1)
+  %bc = f32[256,64]{1,0} broadcast(%p1), dimensions={1}
+  ROOT %out = f32[256,64]{1,0} add(%a, %bc)
+}
+
+%fused_neg (q0: f32[256,1024]) -> f32[256,1024] {
+  %q0 = f32[256,1024]{1,0} parameter(0)
+  ROOT %n = f32[256,1024]{1,0} negate(%q0)
+}
+
+ENTRY %main (x: f32[256,1024], y: f32[64]) -> (f32[256,64], f32[256,1024]) {
+  %x = f32[256,1024]{1,0} parameter(0)
+  %y = f32[64]{0} parameter(1)
+  %sliced = f32[256,64]{1,0} fusion(%x, %y), kind=kLoop, calls=%fused_add
+  %whole = f32[256,1024]{1,0} fusion(%x), kind=kLoop, calls=%fused_neg
+  ROOT %t = (f32[256,64]{1,0}, f32[256,1024]{1,0}) tuple(%sliced, %whole)
+}
+"""
+    program = hlo_roofline.Program(text)
+    costs = {i.name: program.kernel_cost(c, i, H100).bytes for c, i, _ in program.kernels()}
+    slice_bytes, whole = 256 * 64 * 4, 256 * 1024 * 4
+    assert costs["sliced"] == 2 * slice_bytes + 64 * 4 + slice_bytes  # two slices, y, the output
+    assert costs["whole"] == 2 * whole  # an operand read elementwise is read whole
+
+
 # The shipped recipes with fewer layers: every property below is per layer or of the layers' shared
 # ends (embeddings, heads, loss), and a 3-layer program compiles in a fifth of the 12-layer one's time.
 LAYERS = 3
