@@ -265,3 +265,45 @@ def test_the_chunked_mlm_loss_trains_as_the_logits(tmp_path):
     task = train.prepared_task(config, str(tmp_path / "fused"))
     with pytest.raises(ValueError, match=r"^config key train.mlm_loss='fused' is not one of"):
         task.chunked_mlm_loss((2, 3), 100)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_layer_norm_equals_flax_values_and_gradients(dtype):
+    """bertjax's exact-variance LayerNorm: Flax's values bit for bit (both variance forms, with
+    and without bias), and autodiff's gradients to rounding; its module has Flax's parameters."""
+    from bertjax.layers.core import LayerNorm
+
+    k1, k2, k3, k4 = jax.random.split(jax.random.key(0), 4)
+    x = (jax.random.normal(k1, (3, 5, 48)) * 3 + 1.5).astype(dtype)  # a common offset
+    dy = jax.random.normal(k2, x.shape).astype(dtype)
+    scale = 1 + 0.1 * jax.random.normal(k3, (48,))
+    bias = 0.1 * jax.random.normal(k4, (48,))
+    for exact in (True, False):
+        for with_bias in (True, False):
+            ref = nn.LayerNorm(
+                epsilon=1e-5, use_fast_variance=not exact, use_bias=with_bias, dtype=dtype
+            )
+            params = {"params": {"scale": scale, **({"bias": bias} if with_bias else {})}}
+            mine = LayerNorm(epsilon=1e-5, exact_variance=exact, use_bias=with_bias, dtype=dtype)
+            init = nn.unbox(mine.init(jax.random.key(0), x))
+            assert jax.tree.map(jnp.shape, init) == jax.tree.map(jnp.shape, params)
+
+            @functools.partial(jax.jit, static_argnums=0)
+            def both(modules, params, x, dy):
+                out = []
+                for module in modules:
+                    y, vjp = jax.vjp(module.apply, params, x)
+                    out.append((y, vjp(dy)))
+                return out
+
+            (y_ref, g_ref), (y, g) = both((ref, mine), params, x, dy)
+            np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(y_ref, np.float32))
+            tol = (
+                {"rtol": 2e-6, "atol": 5e-6}
+                if dtype == jnp.float32
+                else {"rtol": 1e-2, "atol": 2e-2}
+            )
+            for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g_ref)):
+                np.testing.assert_allclose(
+                    np.asarray(a, np.float32), np.asarray(b, np.float32), **tol
+                )

@@ -117,22 +117,59 @@ def activation(name: str):
 
 def layer_norm(
     config, name: str, *, epsilon: float, use_bias: bool = True, exact_variance: bool = False
-) -> nn.LayerNorm:
-    """LayerNorm with fp32 statistics (Flax promotes them), outputs in the compute dtype.
+) -> nn.Module:
+    """LayerNorm with fp32 statistics, outputs in the compute dtype.
 
     The variance is Flax's fast ``E[x^2] - E[x]^2`` unless ``exact_variance``: then
     ``E[(x - E[x])^2]`` as PyTorch computes it (one more pass; the fast form loses every digit
-    when the mean dwarfs the spread, e.g. a few features with a large common offset)."""
-    return nn.LayerNorm(
+    when the mean dwarfs the spread, e.g. a few features with a large common offset). The exact
+    form is :class:`LayerNorm`, whose gradient keeps the statistics: autodiff made XLA's GPU
+    compiler recompute both passes in the backward (modernbert-base on an H100, roofline: 55.3 ->
+    53.9 ms a step at 32 x 1024). The fast form stays Flax's: XLA fuses its autodiff better
+    (BERT-base: 34.1 ms, 34.9 with :class:`LayerNorm`)."""
+    kwargs = dict(
         epsilon=epsilon,
         use_bias=use_bias,
-        use_fast_variance=not exact_variance,
         dtype=dtype_of(config.dtype),
         param_dtype=dtype_of(config.param_dtype),
-        scale_init=ones_init(("norm",)),
-        bias_init=zeros_init(("norm",)),
         name=name,
     )
+    if exact_variance:
+        return LayerNorm(exact_variance=True, **kwargs)
+    return nn.LayerNorm(
+        use_fast_variance=True,
+        scale_init=ones_init(("norm",)),
+        bias_init=zeros_init(("norm",)),
+        **kwargs,
+    )
+
+
+class LayerNorm(nn.Module):
+    """``flax.linen.LayerNorm`` over the last axis (the same parameters ``scale`` and ``bias``
+    [features], named ``("norm",)``, and the same forward values), with the hand-written gradient
+    of :func:`bertjax.layers.fast_ops.layer_norm`."""
+
+    epsilon: float
+    use_bias: bool = True
+    exact_variance: bool = False
+    dtype: Any = None
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: Array) -> Array:
+        features = (x.shape[-1],)
+        scale = self.param("scale", ones_init(("norm",)), features, self.param_dtype)
+        bias = None
+        if self.use_bias:
+            bias = self.param("bias", zeros_init(("norm",)), features, self.param_dtype)
+        return fast_ops.layer_norm(
+            x,
+            scale,
+            bias,
+            epsilon=self.epsilon,
+            exact_variance=self.exact_variance,
+            dtype=self.dtype,
+        )
 
 
 def dense(config, features: int, names: tuple[str, str], name: str, use_bias: bool = True):
