@@ -307,3 +307,41 @@ def test_layer_norm_equals_flax_values_and_gradients(dtype):
                 np.testing.assert_allclose(
                     np.asarray(a, np.float32), np.asarray(b, np.float32), **tol
                 )
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_add_layer_norm_equals_the_sum_then_the_norm(dtype):
+    """A pre-LN block's residual sum and its norm with one backward: the values of ``x + delta``
+    and Flax's norm of it bit for bit, and autodiff's gradients of that composition (the
+    residual's cotangent and the norm's summed) to rounding."""
+    from bertjax.layers.core import LayerNorm
+
+    k1, k2, k3, k4 = jax.random.split(jax.random.key(1), 4)
+    x = (jax.random.normal(k1, (3, 5, 48)) * 2 + 1.0).astype(dtype)
+    delta = jax.random.normal(k2, x.shape).astype(dtype)
+    dh, dy = (jax.random.normal(k, x.shape).astype(dtype) for k in jax.random.split(k3))
+    params = {"params": {"scale": 1 + 0.1 * jax.random.normal(k4, (48,))}}
+    ref = nn.LayerNorm(epsilon=1e-5, use_fast_variance=False, use_bias=False, dtype=dtype)
+    mine = LayerNorm(epsilon=1e-5, exact_variance=True, use_bias=False, dtype=dtype)
+
+    @jax.jit
+    def both(params, x, delta):
+        def composed(params, x, delta):  # the sum materialised (no excess precision into the norm)
+            h = jax.lax.optimization_barrier(x + delta)
+            return h, ref.apply(params, h)
+
+        def fused(params, x, delta):
+            return mine.apply(params, x, add=delta)
+
+        out = []
+        for f in (composed, fused):
+            (h, y), vjp = jax.vjp(f, params, x, delta)
+            out.append((h, y, vjp((dh, dy))))
+        return out
+
+    (h_ref, y_ref, g_ref), (h, y, g) = both(params, x, delta)
+    np.testing.assert_array_equal(np.asarray(h, np.float32), np.asarray(h_ref, np.float32))
+    np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(y_ref, np.float32))
+    tol = {"rtol": 2e-6, "atol": 5e-6} if dtype == jnp.float32 else {"rtol": 1e-2, "atol": 2e-2}
+    for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g_ref)):
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), **tol)

@@ -156,20 +156,18 @@ class LayerNorm(nn.Module):
     param_dtype: Any = jnp.float32
 
     @nn.compact
-    def __call__(self, x: Array) -> Array:
+    def __call__(self, x: Array, add: Array | None = None) -> Array | tuple[Array, Array]:
+        """The norm of ``x``; given ``add``, ``(x + add, the norm of x + add)`` with one backward
+        for the sum and its norm (:func:`bertjax.layers.fast_ops.add_layer_norm`)."""
         features = (x.shape[-1],)
         scale = self.param("scale", ones_init(("norm",)), features, self.param_dtype)
         bias = None
         if self.use_bias:
             bias = self.param("bias", zeros_init(("norm",)), features, self.param_dtype)
-        return fast_ops.layer_norm(
-            x,
-            scale,
-            bias,
-            epsilon=self.epsilon,
-            exact_variance=self.exact_variance,
-            dtype=self.dtype,
-        )
+        kwargs = dict(epsilon=self.epsilon, exact_variance=self.exact_variance, dtype=self.dtype)
+        if add is not None:
+            return fast_ops.add_layer_norm(x, add, scale, bias, **kwargs)
+        return fast_ops.layer_norm(x, scale, bias, **kwargs)
 
 
 def dense(config, features: int, names: tuple[str, str], name: str, use_bias: bool = True):

@@ -288,6 +288,12 @@ def _layer_norm_fwd(x, scale, bias, epsilon, exact_variance, dtype):
 
 def _layer_norm_bwd(epsilon, exact_variance, dtype, residuals, dy):
     del epsilon, exact_variance, dtype
+    dx, d_scale, d_bias = _layer_norm_grads(residuals, dy)
+    return dx.astype(residuals[0].dtype), d_scale, d_bias
+
+
+def _layer_norm_grads(residuals, dy) -> tuple[Array, Array, Array | None]:
+    """(dx fp32, d_scale, d_bias) from the forward's (x, mean, rstd, scale, bias)."""
     x, mean, rstd, scale, bias = residuals
     g = dy.astype(jnp.float32)
     xhat = (x - mean) * rstd  # fp32
@@ -296,10 +302,56 @@ def _layer_norm_bwd(epsilon, exact_variance, dtype, residuals, dy):
     d_bias = None if bias is None else jnp.sum(g, axis=rows).astype(bias.dtype)
     gh = g * scale
     dx = rstd * (gh - gh.mean(-1, keepdims=True) - xhat * (gh * xhat).mean(-1, keepdims=True))
-    return dx.astype(x.dtype), d_scale, d_bias
+    return dx, d_scale, d_bias
 
 
 _layer_norm.defvjp(_layer_norm_fwd, _layer_norm_bwd)
+
+
+def add_layer_norm(
+    x: Array,
+    delta: Array,
+    scale: Array,
+    bias: Array | None,
+    *,
+    epsilon: float,
+    exact_variance: bool = False,
+    dtype: Any = None,
+) -> tuple[Array, Array]:
+    """``(h, layer_norm(h))`` for the residual stream ``h = x + delta`` of a pre-LN block, with
+    one backward for both: the gradient reaching ``h`` from later layers and the norm's own are
+    summed in the pass that computes the norm's (autodiff summed them in one more pass over
+    [tokens, hidden]). ``h`` is materialised before the norm reads it (an optimization barrier:
+    XLA CPU otherwise recomputes the sum inside each pass of the statistics)."""
+    if dtype is None:
+        dtype = jnp.result_type(x, scale, *([] if bias is None else [bias]))
+    args = (scale, bias, float(epsilon), bool(exact_variance), jnp.dtype(dtype))
+    if x.dtype != delta.dtype:  # the sum's gradient would need two dtypes: the plain form
+        h = lax.optimization_barrier(x + delta)
+        return h, _layer_norm(h, *args)
+    return _add_layer_norm(x, delta, *args)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _add_layer_norm(x, delta, scale, bias, epsilon, exact_variance, dtype):
+    h = lax.optimization_barrier(x + delta)
+    return h, _layer_norm(h, scale, bias, epsilon, exact_variance, dtype)
+
+
+def _add_layer_norm_fwd(x, delta, scale, bias, epsilon, exact_variance, dtype):
+    h = lax.optimization_barrier(x + delta)
+    y, residuals = _layer_norm_fwd(h, scale, bias, epsilon, exact_variance, dtype)
+    return (h, y), residuals
+
+
+def _add_layer_norm_bwd(epsilon, exact_variance, dtype, residuals, cotangents):
+    dh, dy = cotangents
+    dx, d_scale, d_bias = _layer_norm_grads(residuals, dy)
+    d = (dx + dh.astype(jnp.float32)).astype(residuals[0].dtype)  # one rounding for the sum
+    return d, d, d_scale, d_bias
+
+
+_add_layer_norm.defvjp(_add_layer_norm_fwd, _add_layer_norm_bwd)
 
 
 def einsum(spec: str, a: Array, b: Array, out_dtype: Any = None) -> Array:

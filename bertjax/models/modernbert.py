@@ -242,6 +242,13 @@ def _norm(cfg: ModernBertConfig, name: str):
     return lambda x: norm(jax.lax.optimization_barrier(x))
 
 
+def _add_norm(cfg: ModernBertConfig, name: str):
+    """``(x + delta, norm(x + delta))``: the residual sum and its norm with one backward
+    (:class:`bertjax.layers.core.LayerNorm` with ``add``; the sum materialised as in _norm)."""
+    norm = layer_norm(cfg, name, epsilon=cfg.norm_eps, use_bias=cfg.norm_bias, exact_variance=True)
+    return lambda x, delta: norm(x, add=delta)
+
+
 class ModernBertAttention(nn.Module):
     """Fused-QKV self-attention with RoPE, global or sliding-window (``local``)."""
 
@@ -320,10 +327,11 @@ class ModernBertLayer(nn.Module):
         cfg = self.config
         h = x if self.layer_id == 0 else _norm(cfg, "attn_norm")(x)
         local = not cfg.is_global(self.layer_id)
-        x = x + ModernBertAttention(cfg, local, name="attn")(
+        attended = ModernBertAttention(cfg, local, name="attn")(
             h, bias, rope, deterministic, attention_segment_ids, seen
         )
-        x = x + ModernBertMLP(cfg, name="mlp")(_norm(cfg, "mlp_norm")(x), deterministic)
+        x, h = _add_norm(cfg, "mlp_norm")(x, attended)
+        x = x + ModernBertMLP(cfg, name="mlp")(h, deterministic)
         return nn.with_logical_constraint(x, BATCH_LENGTH_EMBED)
 
 
