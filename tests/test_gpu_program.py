@@ -153,15 +153,32 @@ def test_bert_base_h100_program():
 
 @needs_cuda_plugin
 @pytest.mark.slow
-def test_modernbert_base_h100_program():
+def test_modernbert_base_h100_program(monkeypatch):
     """ModernBERT-base at 1024 tokens, packed, bf16, on one H100: cuDNN attention in every layer
     (the global ones over the whole row, the sliding-window ones as a batch of band blocks), no
-    bf16 scatter, no transposes."""
+    bf16 scatter, no transposes, no fp32 [tokens, hidden] buffer (autodiff's LayerNorm backward
+    wrote one per norm for the scale's gradient)."""
+    from bertjax import compile as compile_module
     from configs import modernbert_base
 
+    programs = []
+    gpu_report = compile_module.gpu_report
+
+    def keep_program(compiled, *args):
+        programs.append(hlo_roofline.Program(compiled.as_text()))
+        return gpu_report(compiled, *args)
+
+    monkeypatch.setattr(compile_module, "gpu_report", keep_program)
     layers, overrides = 4, {"model.attention_impl": "auto", "train.global_batch_size": 32}
     config = with_overrides(modernbert_base.get_config(), {**overrides, "model.num_layers": layers})
     report = compile_train_step(config, None, devices=gpu_topology.devices(topology.parse("h100")))
+    fp32_activations = [
+        inst.op_name
+        for _, inst, _ in programs[0].kernels()
+        for dtype, dims in hlo_roofline.arrays(inst.shape)
+        if dtype == "f32" and dims in ((32, 1024, 768), (32 * 1024, 768))
+    ]
+    assert not fp32_activations, fp32_activations[:3]
     kernels = report["kernels"]
     assert report["fits"], report["hbm_bytes_per_device"]
     assert "bf16" not in kernels["scatters"], kernels["scatter_shapes"]

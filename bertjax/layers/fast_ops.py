@@ -19,7 +19,8 @@ order XLA (notably XLA CPU) runs fastest. Each has an equality test in tests/tes
   ``dx = rstd (g - mean(g) - xhat mean(g xhat))`` with ``g = dy * scale``. With PyTorch's
   two-pass variance, autodiff made XLA's GPU compiler recompute both passes inside the backward
   and write an fp32 [tokens, hidden] product for the scale's gradient: per norm 9 passes over
-  [tokens, hidden] in the backward, 5 here.
+  [tokens, hidden] in the backward, 5 here. :func:`add_layer_norm` is a pre-LN block's
+  ``x + delta`` and its norm, whose backward adds the residual's gradient in the same pass.
 * :func:`einsum` - a two-operand einsum that, on CPU, accumulates in fp32 when its operands are
   bf16, forward and backward. XLA CPU's matmul library runs bf16 x bf16 -> fp32 at twice its fp32
   rate, but a product with a bf16 result, and autodiff's backward products (which upcast the
