@@ -110,6 +110,7 @@ def test_the_real_path_on_cpu_with_tiny_models_without_tensorflow(tmp_path):
             "--tests_k=checkpoint or pretrain",
             "--budget_s=3600",
             "--tests_s=3000",
+            f"--compile_cache={tmp_path / 'xla-cache'}",
             "--out",
             str(tmp_path),
         ],
@@ -132,6 +133,10 @@ def test_the_real_path_on_cpu_with_tiny_models_without_tensorflow(tmp_path):
         assert b["step_time_s"] > 0 and b["tokens_per_sec"] > 0 and b["final_loss"] > 0
         assert b["resolved"]["attention_impl"] == "xla"  # auto on CPU
     assert "| modernbert-tiny-128 |" in (tmp_path / "device_report.md").read_text()
+    # Every test and benchmark process kept its programs in the one persistent cache.
+    cache = report["compile_cache"]
+    assert cache["dir"] == str(tmp_path / "xla-cache") and cache["entries_before"] == 0
+    assert cache["entries_after"] == len(os.listdir(cache["dir"])) > 0
 
 
 def test_parse_junit_and_schema(tmp_path):

@@ -10,6 +10,14 @@ On a GPU or TPU it runs, within a time budget (install included, counted by the 
    attention (``auto``): step time, tokens/s, peak memory, MFU against the chip's peak, beside
    published anchors.
 
+Every test and benchmark process shares JAX's persistent compilation cache (``--compile_cache``,
+default ``$BERTJAX_COMPILE_CACHE``, JAX's ``$JAX_COMPILATION_CACHE_DIR`` or
+``bertjax-compile-cache`` in the temporary folder): a second
+call on the same machine (a rerun after a budget ran out, or ``--only`` one benchmark again) loads
+the programs the first compiled instead of compiling them again, which on a GPU is most of a
+benchmark's wall time; the report's ``compile_cache`` says where and how many entries it held
+before and after, and each benchmark's ``compile_s`` shows what was loaded.
+
 It writes ``device_report.json`` (keys ``platform``, ``device_kind``, ``tests``, ``benchmarks``,
 ``skipped`` and more) and ``device_report.md`` to ``--out``, rewriting both after every part so
 that a kill leaves the parts done. Whatever does not fit in the time left is listed in
@@ -224,9 +232,28 @@ def test_command(junit: str, collect_only: bool = False, keyword: str = "") -> l
     return cmd + [os.path.join(REPO, f) for f in TEST_FILES]
 
 
-def test_env(platform: str) -> dict[str, str]:
-    """The tests' environment: the platform's devices (conftest defaults to 8 simulated CPUs)."""
+def default_compile_cache() -> str:
+    """``$BERTJAX_COMPILE_CACHE``, else JAX's own ``$JAX_COMPILATION_CACHE_DIR``, else a folder in
+    the temporary folder (kept while the machine is)."""
+    env = os.environ
+    return (
+        env.get("BERTJAX_COMPILE_CACHE")
+        or env.get("JAX_COMPILATION_CACHE_DIR")
+        or os.path.join(tempfile.gettempdir(), "bertjax-compile-cache")
+    )
+
+
+def cache_entries(path: str) -> int:
+    return len(os.listdir(path)) if path and os.path.isdir(path) else 0
+
+
+def test_env(platform: str, compile_cache: str = "") -> dict[str, str]:
+    """The tests' environment: the platform's devices (conftest defaults to 8 simulated CPUs) and,
+    with ``compile_cache``, JAX's persistent compilation cache there (every program kept)."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if compile_cache:
+        env["JAX_COMPILATION_CACHE_DIR"] = compile_cache
+        env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
     env["JAX_PLATFORMS"] = {"gpu": "cuda", "tpu": "tpu"}.get(platform, "cpu")
     env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")
     if platform != "cpu":  # the accelerator's own compiler settings, not the CPU suite's defaults
@@ -256,7 +283,9 @@ def parse_junit(path: str) -> dict[str, Any]:
     return result
 
 
-def run_tests(report: Report, platform: str, reserve_s: float, keyword: str = "") -> None:
+def run_tests(
+    report: Report, platform: str, reserve_s: float, keyword: str = "", compile_cache: str = ""
+) -> None:
     """The accelerator tests in one pytest process, killed if it would eat the benchmarks' time."""
     junit = os.path.join(report.out, "tests.xml")
     limit = report.left() - reserve_s
@@ -268,7 +297,7 @@ def run_tests(report: Report, platform: str, reserve_s: float, keyword: str = ""
         proc = subprocess.run(
             test_command(junit, keyword=keyword),
             cwd=REPO,
-            env=test_env(platform),
+            env=test_env(platform, compile_cache),
             capture_output=True,
             text=True,
             timeout=limit,
@@ -368,6 +397,7 @@ def run_benchmarks(
     warmup: int,
     only: list[str],
     profiled: tuple[str, ...] = (),
+    compile_cache: str = "",
 ) -> None:
     for name, args, needs_s in plan:
         if only and name not in only:
@@ -385,7 +415,7 @@ def run_benchmarks(
             proc = subprocess.run(
                 cmd,
                 cwd=REPO,
-                env=test_env(platform),
+                env=test_env(platform, compile_cache),
                 capture_output=True,
                 text=True,
                 timeout=left - 5,
@@ -462,6 +492,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--plan", default="full", choices=("full", "tiny"), help="tiny: self-test")
     p.add_argument("--allow_cpu", action="store_true", help="run (not dry) on CPU: self-test")
     p.add_argument("--profile", default="", help="benchmarks to trace (top device ops reported)")
+    p.add_argument(
+        "--compile_cache",
+        default=default_compile_cache(),
+        help="JAX's persistent compilation cache for every test and benchmark ('' = none)",
+    )
     args = p.parse_args(argv)
     if args.dry:
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -480,15 +515,22 @@ def main(argv: list[str] | None = None) -> int:
         report.skip("everything", "no GPU or TPU here: run with --dry, or on an accelerator")
         print("device-check: no accelerator (JAX backend is cpu); use --dry", file=sys.stderr)
         return 2
+    cache = args.compile_cache
+    if cache:
+        os.makedirs(cache, exist_ok=True)
+        report.data["compile_cache"] = {"dir": cache, "entries_before": cache_entries(cache)}
     if args.skip_tests:
         report.skip("accelerator tests", "--skip_tests")
     else:
         # the tests get what is left beyond the first two benchmarks, and at most --tests_s
         reserve = max(report.left() - args.tests_s, sum(n for _, _, n in plan[:2]))
-        run_tests(report, platform, reserve, args.tests_k)
+        run_tests(report, platform, reserve, args.tests_k, cache)
     only = [s for s in args.only.split(",") if s]
     profiled = tuple(s for s in args.profile.split(",") if s)
-    run_benchmarks(report, platform, plan, args.steps, args.warmup, only, profiled)
+    run_benchmarks(report, platform, plan, args.steps, args.warmup, only, profiled, cache)
+    if cache:
+        report.data["compile_cache"]["entries_after"] = cache_entries(cache)
+        report.write()
     failed = report.data["tests"].get("failed", 0) + report.data["tests"].get("errors", 0)
     errors = [b["name"] for b in report.data["benchmarks"] if "error" in b]
     print(to_markdown(report.data))

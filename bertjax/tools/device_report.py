@@ -81,6 +81,15 @@ def to_markdown(d: dict) -> str:
         f"- jax {env.get('jax', '?')}, jaxlib {env.get('jaxlib', '?')}, flax {env.get('flax', '?')},"
         f" TensorFlow {env.get('tensorflow', '?')}; {env.get('nvidia_smi', '')}",
         f"- budget {d['budget_s']:.0f} s, used {d.get('elapsed_s', 0):.0f} s",
+    ]
+    cache = d.get("compile_cache")
+    if cache:
+        lines.append(
+            f"- JAX compilation cache `{cache['dir']}`: {cache.get('entries_before', 0)} programs"
+            f" before, {cache.get('entries_after', '?')} after (a program found there is loaded,"
+            " not compiled: see compile s)"
+        )
+    lines += [
         "",
         "## Tests (`-m accelerator`)",
         "",
