@@ -268,23 +268,23 @@ def _layer_norm_stats(x: Array, epsilon: float, exact_variance: bool) -> tuple[A
     return mean[..., None], lax.rsqrt(var + epsilon)[..., None]
 
 
+def _normalized(x, mean, rstd, scale, bias, dtype) -> Array:
+    """Flax's ``_normalize``: ``(x - mean) * (rstd * scale) + bias`` in fp32, then ``dtype``."""
+    y = (x - mean) * (rstd * scale)
+    return (y if bias is None else y + bias).astype(dtype)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
 def _layer_norm(x, scale, bias, epsilon, exact_variance, dtype):
-    mean, rstd = _layer_norm_stats(x, epsilon, exact_variance)
-    y = (x - mean) * (rstd * scale)
-    if bias is not None:
-        y = y + bias
-    return y.astype(dtype)
+    return _normalized(x, *_layer_norm_stats(x, epsilon, exact_variance), scale, bias, dtype)
 
 
 def _layer_norm_fwd(x, scale, bias, epsilon, exact_variance, dtype):
     mean, rstd = _layer_norm_stats(x, epsilon, exact_variance)
-    y = (x - mean) * (rstd * scale)
-    if bias is not None:
-        y = y + bias
+    y = _normalized(x, mean, rstd, scale, bias, dtype)
     # Kept as computed: without the barrier XLA recomputes them in the backward from x.
     mean, rstd = lax.optimization_barrier((mean, rstd))
-    return y.astype(dtype), (x, mean, rstd, scale, bias)
+    return y, (x, mean, rstd, scale, bias)
 
 
 def _layer_norm_bwd(epsilon, exact_variance, dtype, residuals, dy):
