@@ -14,6 +14,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import uuid
 import zipfile
 
@@ -572,6 +573,32 @@ def compile_report(
     )
     assert out.returncode == 0, out.stderr[-2000:]
     return json.loads(out.stdout)
+
+
+# ---------------------------------------------------------------------------------------------
+# Runs in subprocesses: waiting for what a run writes.
+# ---------------------------------------------------------------------------------------------
+
+
+def wait_for(predicate, proc, timeout: float = 600, poll: float = 0.05) -> None:
+    """Polls ``predicate`` until it holds; AssertionError if ``proc`` ends first (with its output)
+    or after ``timeout`` seconds (``proc`` killed). A FileNotFoundError from the predicate reads as
+    not yet: a checkpoint's temporary folder can be renamed while the predicate lists it."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if predicate():
+                return
+        except FileNotFoundError:
+            pass
+        if proc.poll() is not None:
+            out = proc.stdout.read()[-3000:] if proc.stdout else ""
+            err = proc.stderr.read()[-3000:] if proc.stderr else ""
+            raise AssertionError(f"process ended early:\n{out}{err}")
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(f"timed out after {timeout} s")
+        time.sleep(poll)
 
 
 # ---------------------------------------------------------------------------------------------

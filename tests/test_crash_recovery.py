@@ -18,6 +18,7 @@ import types
 import numpy as np
 import pytest
 from etils import epath
+from helpers import wait_for
 from train_fixtures import read_metrics, tiny_config, write_vocab
 
 from bertjax import checkpointing, train
@@ -42,15 +43,6 @@ def _bertjax(root, workdir, *args, env=None, command="pretrain", config="tiny_pr
     )
 
 
-def _wait_for(predicate, proc, timeout=300):
-    deadline = time.time() + timeout
-    while not predicate():
-        if proc.poll() is not None:
-            raise AssertionError(f"ended early: {proc.stdout.read()[-2000:]}{proc.stderr.read()}")
-        assert time.time() < deadline, "timed out"
-        time.sleep(0.05)
-
-
 def _losses(workdir):
     return [r["loss"] for r in read_metrics(workdir)]
 
@@ -72,7 +64,7 @@ def test_kill_mid_checkpoint_corrupt_newest_then_disk_full_then_resume_exactly(t
     killed_at = int(rng.choice([4, 6]))
     env = {"BERTJAX_FAULT_SLOW_SAVE_STEP": str(killed_at)}
     proc = _bertjax(tmp_path, workdir, *ONE_LAYER_FLAGS, env=env)
-    _wait_for(lambda: (checkpoints / f"{killed_at}.orbax-checkpoint-tmp").exists(), proc)
+    wait_for(lambda: (checkpoints / f"{killed_at}.orbax-checkpoint-tmp").exists(), proc)
     time.sleep(float(rng.uniform(0.0, 0.5)))
     proc.send_signal(signal.SIGKILL)
     proc.communicate()
@@ -176,7 +168,7 @@ def test_kill9_of_prepare_at_a_random_point_then_rerun_equals_an_uninterrupted_r
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
-    _wait_for(lambda: bool(list(out.glob(".prepare-tmp-*"))), proc)
+    wait_for(lambda: bool(list(out.glob(".prepare-tmp-*"))), proc)
     time.sleep(float(np.random.default_rng(SEED).uniform(0.5, 3.0)))
     proc.send_signal(signal.SIGKILL)
     proc.wait()
@@ -250,7 +242,7 @@ def test_kill9_of_finetuning_mid_write_and_mid_training_then_resume_exactly(
     fault = fault or {"BERTJAX_FAULT_SLOW_WRITE": write}
     proc = _finetune(root, workdir, fault)
     pattern = "best/3.orbax-checkpoint-tmp" if write == "best/3" else f".{write}.tmp-*"
-    _wait_for(lambda: bool(list(workdir.rglob(pattern))), proc)
+    wait_for(lambda: bool(list(workdir.rglob(pattern))), proc)
     time.sleep(0.2)
     proc.send_signal(signal.SIGKILL)
     proc.communicate()
@@ -262,7 +254,7 @@ def test_kill9_of_finetuning_mid_write_and_mid_training_then_resume_exactly(
     proc = _finetune(
         root, workdir, {"PYTHONPATH": f"{REPO / 'tests' / 'no_tensorflow'}{os.pathsep}{REPO}"}
     )
-    _wait_for(lambda: killed_at in [s for s, _ in _rows(workdir / "seed_1", "train")], proc)
+    wait_for(lambda: killed_at in [s for s, _ in _rows(workdir / "seed_1", "train")], proc)
     time.sleep(float(rng.uniform(0.0, 0.3)))
     proc.send_signal(signal.SIGKILL)
     proc.communicate()

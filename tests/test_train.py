@@ -8,11 +8,11 @@ import pathlib
 import signal
 import subprocess
 import sys
-import time
 
 import jax
 import numpy as np
 import pytest
+from helpers import wait_for
 from train_fixtures import read_metrics, tiny_config
 
 from bertjax import train
@@ -163,18 +163,6 @@ def _cli(tmp_path, workdir, *extra, stderr=subprocess.STDOUT, hold_step=None):
     )
 
 
-def _wait_for(predicate, proc, timeout=600):
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout:
-        if predicate():
-            return
-        if proc.poll() is not None:
-            raise AssertionError(f"process ended early:\n{proc.stdout.read()[-3000:]}")
-        time.sleep(0.2)
-    proc.kill()
-    raise AssertionError("timed out")
-
-
 def _logged_steps(workdir):
     path = pathlib.Path(workdir, "metrics.jsonl")
     if not path.exists():
@@ -214,7 +202,7 @@ def test_sigterm_ctrl_c_and_sigkill_each_resume_to_the_uninterrupted_run(
     log_every = "--config.train.log_every=1"
 
     term = _cli(tmp_path, workdir, log_every, hold_step=2)
-    _wait_for(lambda: max(_logged_steps(workdir), default=0) >= 2, term)
+    wait_for(lambda: max(_logged_steps(workdir), default=0) >= 2, term)
     term.send_signal(signal.SIGTERM)
     out, _ = term.communicate(timeout=600)
     assert term.returncode == 0, out[-3000:]
@@ -222,7 +210,7 @@ def test_sigterm_ctrl_c_and_sigkill_each_resume_to_the_uninterrupted_run(
     assert _checkpoints(workdir) == [2] and max(_logged_steps(workdir)) == 2  # where it stopped
 
     ctrl_c = _cli(tmp_path, workdir, log_every, stderr=subprocess.PIPE, hold_step=5)
-    _wait_for(lambda: max(_logged_steps(workdir), default=0) >= 5, ctrl_c)
+    wait_for(lambda: max(_logged_steps(workdir), default=0) >= 5, ctrl_c)
     ctrl_c.send_signal(signal.SIGINT)
     out, err = ctrl_c.communicate(timeout=600)
     assert ctrl_c.returncode == 130, out[-3000:] + err[-3000:]
@@ -235,7 +223,7 @@ def test_sigterm_ctrl_c_and_sigkill_each_resume_to_the_uninterrupted_run(
     assert _checkpoints(workdir)[-1] == 5
 
     kill = _cli(tmp_path, workdir, log_every, hold_step=8)
-    _wait_for(lambda: 6 in _checkpoints(workdir) and max(_logged_steps(workdir)) >= 8, kill)
+    wait_for(lambda: 6 in _checkpoints(workdir) and max(_logged_steps(workdir)) >= 8, kill)
     kill.send_signal(signal.SIGKILL)
     kill.wait()
     assert max(_logged_steps(workdir)) == 8
