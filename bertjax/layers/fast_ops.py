@@ -251,9 +251,15 @@ def layer_norm(
     use_fast_variance=not exact_variance, dtype=dtype)`` computes with parameters ``scale`` and
     ``bias`` (None: no bias), op for op. ``exact_variance``: ``E[(x - E[x])^2]`` as PyTorch,
     else ``E[x^2] - E[x]^2`` clipped at 0 (one pass)."""
+    return _layer_norm(x, *_norm_args(x, scale, bias, epsilon, exact_variance, dtype))
+
+
+def _norm_args(x, scale, bias, epsilon, exact_variance, dtype) -> tuple:
+    """``(scale, bias, epsilon, exact_variance, dtype)`` as the custom VJPs take them (the
+    non-differentiable ones hashable; dtype defaulting to the inputs' result type)."""
     if dtype is None:
         dtype = jnp.result_type(x, scale, *([] if bias is None else [bias]))
-    return _layer_norm(x, scale, bias, float(epsilon), bool(exact_variance), jnp.dtype(dtype))
+    return scale, bias, float(epsilon), bool(exact_variance), jnp.dtype(dtype)
 
 
 def _layer_norm_stats(x: Array, epsilon: float, exact_variance: bool) -> tuple[Array, Array]:
@@ -324,9 +330,7 @@ def add_layer_norm(
     summed in the pass that computes the norm's (autodiff summed them in one more pass over
     [tokens, hidden]). ``h`` is materialised before the norm reads it (an optimization barrier:
     XLA CPU otherwise recomputes the sum inside each pass of the statistics)."""
-    if dtype is None:
-        dtype = jnp.result_type(x, scale, *([] if bias is None else [bias]))
-    args = (scale, bias, float(epsilon), bool(exact_variance), jnp.dtype(dtype))
+    args = _norm_args(x, scale, bias, epsilon, exact_variance, dtype)
     if x.dtype != delta.dtype:  # the sum's gradient would need two dtypes: the plain form
         h = lax.optimization_barrier(x + delta)
         return h, _layer_norm(h, *args)

@@ -237,16 +237,15 @@ def _out_std(config: ModernBertConfig) -> float:
 def _norm(cfg: ModernBertConfig, name: str):
     """PyTorch's two-pass variance, as transformers' nn.LayerNorm (see layer_norm). Its input is
     materialised first: otherwise XLA fuses the producers (residual, dropout mask hashing) into each
-    of the two passes and the backward, which made the CPU step of modernbert-base 2.5x slower."""
+    of the two passes and the backward, which made the CPU step of modernbert-base 2.5x slower.
+    Called with ``add``: ``(x + add, norm(x + add))``, the residual sum (materialised the same
+    way) and its norm with one backward (:class:`bertjax.layers.core.LayerNorm` with ``add``)."""
     norm = layer_norm(cfg, name, epsilon=cfg.norm_eps, use_bias=cfg.norm_bias, exact_variance=True)
-    return lambda x: norm(jax.lax.optimization_barrier(x))
 
+    def apply(x, add=None):
+        return norm(jax.lax.optimization_barrier(x)) if add is None else norm(x, add=add)
 
-def _add_norm(cfg: ModernBertConfig, name: str):
-    """``(x + delta, norm(x + delta))``: the residual sum and its norm with one backward
-    (:class:`bertjax.layers.core.LayerNorm` with ``add``; the sum materialised as in _norm)."""
-    norm = layer_norm(cfg, name, epsilon=cfg.norm_eps, use_bias=cfg.norm_bias, exact_variance=True)
-    return lambda x, delta: norm(x, add=delta)
+    return apply
 
 
 class ModernBertAttention(nn.Module):
@@ -330,7 +329,7 @@ class ModernBertLayer(nn.Module):
         attended = ModernBertAttention(cfg, local, name="attn")(
             h, bias, rope, deterministic, attention_segment_ids, seen
         )
-        x, h = _add_norm(cfg, "mlp_norm")(x, attended)
+        x, h = _norm(cfg, "mlp_norm")(x, attended)
         x = x + ModernBertMLP(cfg, name="mlp")(h, deterministic)
         return nn.with_logical_constraint(x, BATCH_LENGTH_EMBED)
 
